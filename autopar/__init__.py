@@ -1,0 +1,37 @@
+"""autopar: plan and apply tensor / pipeline / data parallelism for PyTorch training.
+
+    graph = autopar.capture(model, example_inputs)
+    plan = autopar.plan(model, cluster, example_inputs=x, global_batch_size=1536)
+    pm = autopar.parallelize(model, plan, example_inputs=x, optimizer=..., loss_fn=...)
+"""
+
+from autopar import zoo
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.config import ParallelConfig, PlannerOptions
+from autopar.errors import (
+    AutoparError,
+    CaptureError,
+    ClusterSpecError,
+    InfeasiblePlanError,
+    PlanMismatchError,
+    ProfileMismatchError,
+)
+from autopar.plan import Estimate, Plan, StagePlan
+
+__all__ = [
+    "zoo",
+    "LayerSpec",
+    "ModelGraph",
+    "TPPattern",
+    "ParallelConfig",
+    "PlannerOptions",
+    "Plan",
+    "Estimate",
+    "StagePlan",
+    "AutoparError",
+    "CaptureError",
+    "ClusterSpecError",
+    "InfeasiblePlanError",
+    "PlanMismatchError",
+    "ProfileMismatchError",
+]

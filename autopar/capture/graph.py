@@ -1,0 +1,202 @@
+"""`ModelGraph`: what a model computes, layer by layer, as the planner and codegen see it.
+
+Vocabulary (used across autopar):
+- *layer*: a contiguous group of modules in execution order (embedding, one transformer block,
+  final norm, LM head, ...). Pipeline stage cuts are only placed between layers.
+- *per sample*: one element of the batch dimension (dim 0) of the example inputs, at the
+  example's sequence length. Batch-level numbers are per-sample numbers times the micro-batch size.
+- *signature*: a hash of a layer's structure (module classes, parameter shapes, input shapes).
+  Layers with equal signatures are identical and analysed once.
+
+All byte counts are in the dtype the model was captured in (`ModelGraph.dtype`).
+Every class here is frozen, validates itself and round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TPPattern", "LayerSpec", "ModelGraph"]
+
+TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
+LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPPattern:
+    """A tensor-parallel opportunity found in a layer.
+
+    kind:
+      - "mlp": `column` linears (up/gate projections) feed `row` linears (down projection).
+      - "attention": `column` are the q/k/v (or fused qkv) projections, `row` the output projection;
+        `num_heads` and `num_kv_heads` bound the TP degree (both must be divisible by it).
+      - "embedding": `column` holds the embedding module (vocab-parallel); `vocab_size` set.
+      - "lm_head": `column` holds the output projection (vocab-parallel); `vocab_size` set.
+    Module names are fully qualified (as in `model.named_modules()`).
+
+    allreduce_bytes_per_sample: the payload of the one all-reduce this pattern needs in forward
+      (the row-parallel output, or the embedding output); backward needs one more of equal size.
+    """
+
+    kind: str
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    allreduce_bytes_per_sample: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in TP_KINDS:
+            raise ValueError(f"TPPattern.kind={self.kind!r}; expected one of {TP_KINDS}")
+        if self.kind == "attention" and not self.num_heads:
+            raise ValueError("an attention TPPattern needs num_heads")
+
+    def max_degree_ok(self, tp: int) -> bool:
+        """Whether tensor-parallel degree `tp` can split this pattern evenly."""
+        if self.kind == "attention":
+            kv = self.num_kv_heads or self.num_heads
+            return self.num_heads % tp == 0 and kv % tp == 0
+        if self.kind in ("embedding", "lm_head"):
+            return self.vocab_size is None or self.vocab_size % tp == 0
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """One layer, measured on meta/fake tensors; all FLOPs and activation bytes are per sample."""
+
+    name: str  # module path prefix, e.g. "blocks.3" or "transformer.h.3"
+    kind: str  # one of LAYER_KINDS
+    signature: str  # equal signature ⇒ identical layer
+    modules: tuple[str, ...]  # fully qualified top-level modules in this layer, execution order
+    num_params: int
+    param_bytes: int
+    forward_flops: float
+    backward_flops: float
+    # The part of forward_flops inside TP patterns (divided by tp under tensor parallelism).
+    forward_flops_tp_sharded: float
+    bytes_read: int  # forward memory traffic: parameters + activations read
+    bytes_written: int  # forward memory traffic: activations written
+    input_bytes: int  # tensors entering the layer (what full recompute keeps)
+    saved_activation_bytes: int  # saved for backward, no parallelism, no recompute
+    # Of saved_activation_bytes, the part that tensor parallelism divides by tp (inside TP patterns);
+    # the rest is replicated across the TP group unless sequence parallelism shards it.
+    saved_activation_bytes_tp_sharded: int
+    # Of saved_activation_bytes, the attention core (scores, softmax, its dropout mask):
+    # what selective recompute drops (Korthikanti et al. 2022, §4.2).
+    saved_activation_bytes_attention_core: int
+    boundary_bytes: int  # live tensors crossing a cut placed right after this layer
+    tp_patterns: tuple[TPPattern, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"LayerSpec.kind={self.kind!r}; expected one of {LAYER_KINDS}")
+        for f in ("num_params", "param_bytes", "saved_activation_bytes", "boundary_bytes"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"LayerSpec {self.name}: {f} is negative")
+        if self.saved_activation_bytes_tp_sharded > self.saved_activation_bytes:
+            raise ValueError(f"LayerSpec {self.name}: tp-sharded activations exceed the total")
+
+    @property
+    def flops_per_sample(self) -> float:
+        return self.forward_flops + self.backward_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGraph:
+    """Ordered layers of a model plus totals; the input of the planner and of codegen."""
+
+    model_name: str  # class name, or the zoo name
+    layers: tuple[LayerSpec, ...]
+    dtype: str  # e.g. "bfloat16"
+    seq_len: int | None  # tokens per sample, when the input is a token sequence
+    example_batch_size: int  # batch size of the example inputs that were traced
+    num_params: int  # unique parameters (tied weights counted once)
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    vocab_size: int | None = None
+    capture_method: str = "symbolic_trace"  # or "export"
+    capture_time_s: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("ModelGraph has no layers")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ModelGraph has duplicate layer names: {names}")
+
+    # ---- totals (per sample of the example batch) ----
+    @property
+    def forward_flops(self) -> float:
+        return sum(layer.forward_flops for layer in self.layers)
+
+    @property
+    def backward_flops(self) -> float:
+        return sum(layer.backward_flops for layer in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def saved_activation_bytes(self) -> int:
+        return sum(layer.saved_activation_bytes for layer in self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, name: str) -> LayerSpec:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer named {name!r}; layers are {[la.name for la in self.layers]}")
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything a plan depends on (not timings); plans carry it to detect mismatch."""
+        payload = self.to_dict()
+        payload.pop("capture_time_s", None)
+        payload.pop("capture_method", None)
+        payload.pop("metadata", None)
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    # ---- serialization ----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelGraph:
+        d = dict(d)
+        layers = []
+        for ld in d.pop("layers"):
+            ld = dict(ld)
+            pats = tuple(
+                TPPattern(**{**p, "column": tuple(p["column"]), "row": tuple(p["row"])})
+                for p in ld.pop("tp_patterns", ())
+            )
+            ld["modules"] = tuple(ld["modules"])
+            layers.append(LayerSpec(**ld, tp_patterns=pats))
+        return cls(**d, layers=tuple(layers))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelGraph:
+        return cls.from_dict(json.loads(text))
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelGraph({self.model_name}, {len(self.layers)} layers, {self.num_params / 1e6:.1f}M params, "
+            f"{self.forward_flops / 1e9:.2f} GFLOP fwd/sample, dtype={self.dtype})"
+        )

@@ -1,0 +1,144 @@
+"""`ParallelConfig` (one layout) and `PlannerOptions` (which layouts the planner may consider).
+
+Vocabulary: tp / pp / dp are the *degrees* of tensor, pipeline and data parallelism (mesh axis
+sizes, mesh order ("pp", "dp", "tp"), tp innermost); `virtual_stages` is the number of model
+chunks per pipeline rank (v in Narayanan et al. 2021, §2.2); a *micro-batch* is what one pipeline
+slot processes on one data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """One training layout. `recompute` applies to every stage unless a plan's stages refine it."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ParallelConfig.{f}={v!r}; it must be a positive integer")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"ParallelConfig.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"ParallelConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"ParallelConfig.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1; set sequence_parallel=False")
+        if self.schedule == "interleaved_1f1b":
+            if self.pp == 1:
+                raise ValueError("schedule 'interleaved_1f1b' needs pp > 1; use '1f1b' or set pp")
+            if self.num_microbatches % self.pp:
+                raise ValueError(
+                    f"interleaved_1f1b needs num_microbatches ({self.num_microbatches}) divisible by pp ({self.pp})"
+                )
+        elif self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.micro_batch_size * self.num_microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ParallelConfig:
+        return cls(**d)
+
+    def __str__(self) -> str:
+        s = f"tp={self.tp},pp={self.pp},dp={self.dp},zero={self.zero_stage},mbs={self.micro_batch_size}," \
+            f"m={self.num_microbatches},schedule={self.schedule}"
+        if self.virtual_stages > 1:
+            s += f",v={self.virtual_stages}"
+        s += f",recompute={self.recompute}"
+        if self.sequence_parallel:
+            s += ",sp=1"
+        return s
+
+    _ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches",
+                "v": "virtual_stages", "sp": "sequence_parallel"}
+
+    @classmethod
+    def parse(cls, text: str, **defaults: Any) -> ParallelConfig:
+        """Parse `str(config)` or a partial spec such as "tp=4,pp=8" (missing fields from `defaults`)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = dict(defaults)
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            if "=" not in part:
+                raise ValueError(f"config part {part!r} is not key=value; example: 'tp=4,pp=8,zero=1'")
+            key, raw = (s.strip() for s in part.split("=", 1))
+            key = cls._ALIASES.get(key, key)
+            if key not in fields:
+                raise ValueError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
+            if key in ("schedule", "recompute"):
+                values[key] = raw
+            elif key == "sequence_parallel":
+                values[key] = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                try:
+                    values[key] = int(raw)
+                except ValueError:
+                    raise ValueError(f"config value {key}={raw!r} is not an integer") from None
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerOptions:
+    """Restricts the planner's search. A field set to a value pins it; None searches it."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero_stage: int | None = None
+    micro_batch_size: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    exclude_schedules: tuple[str, ...] = ()
+    exclude_zero_stages: tuple[int, ...] = ()
+    max_virtual_stages: int = 4
+    memory_reserve_fraction: float = 0.1  # kept free for the allocator and NCCL buffers
+    time_limit_s: float = 60.0
+    top_k: int = 5  # runner-up configurations kept in the plan
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"PlannerOptions.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"PlannerOptions.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"PlannerOptions.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
+        bad = [s for s in self.exclude_schedules if s not in SCHEDULES]
+        if bad:
+            raise ValueError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")
+        if not 0.0 <= self.memory_reserve_fraction < 1.0:
+            raise ValueError("PlannerOptions.memory_reserve_fraction must be in [0, 1)")

@@ -1,0 +1,64 @@
+"""Device and link specifications: the numbers every cost model starts from.
+
+Bandwidths are unidirectional bytes per second per device; FLOP/s are dense (no sparsity);
+every spec carries the `source` its numbers come from (datasheet, paper, or a measurement
+command in this repo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DeviceSpec", "LinkSpec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    kind: str  # "gpu" | "cpu"
+    memory_bytes: int
+    memory_bandwidth_Bps: float
+    peak_flops: dict[str, float]  # dtype name ("bfloat16", "float16", "float32", "tf32", "fp8") → FLOP/s
+    source: str
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0 or self.memory_bandwidth_Bps <= 0:
+            raise ValueError(f"DeviceSpec {self.name}: memory_bytes and memory_bandwidth_Bps must be positive")
+        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+            raise ValueError(f"DeviceSpec {self.name}: peak_flops needs positive FLOP/s for at least one dtype")
+        if not self.source:
+            raise ValueError(f"DeviceSpec {self.name}: every spec needs a source")
+
+    def peak_flops_for(self, dtype: str) -> float:
+        """Peak dense FLOP/s for `dtype`; float32 math on GPUs with tensor cores uses tf32 when listed."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+        if aliases.get(dtype) in self.peak_flops:
+            return self.peak_flops[aliases[dtype]]
+        raise KeyError(f"device {self.name} has no peak FLOP/s for dtype {dtype!r}; it lists {sorted(self.peak_flops)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    name: str
+    bandwidth_Bps: float  # unidirectional, per device
+    latency_s: float
+    source: str
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_Bps <= 0 or self.latency_s < 0:
+            raise ValueError(f"LinkSpec {self.name}: bandwidth_Bps must be positive and latency_s non-negative")
+        if not self.source:
+            raise ValueError(f"LinkSpec {self.name}: every spec needs a source")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
