@@ -1,0 +1,1 @@
+"""The `autopar` command line: a thin mirror of the Python API."""
