@@ -122,4 +122,6 @@ class Plan:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise PlanMismatchError(f"cannot read plan {path}: {e}; write one with `autopar plan ... --out {path}`") from e
+            raise PlanMismatchError(
+                f"cannot read plan {path}: {e}; write one with `autopar plan ... --out {path}`"
+            ) from e

@@ -1,0 +1,53 @@
+"""ParallelConfig / PlannerOptions validate themselves and round-trip through text and JSON."""
+
+import pytest
+
+from autopar import ParallelConfig, PlannerOptions
+
+
+def test_parse_round_trips_str():
+    cfg = ParallelConfig(tp=8, pp=16, dp=8, zero_stage=1, micro_batch_size=1, num_microbatches=192,
+                         schedule="interleaved_1f1b", virtual_stages=3, recompute="selective",
+                         sequence_parallel=True)
+    assert ParallelConfig.parse(str(cfg)) == cfg
+    assert ParallelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.world_size == 1024
+    assert cfg.global_batch_size == 8 * 1 * 192
+
+
+def test_parse_partial_uses_defaults():
+    cfg = ParallelConfig.parse("tp=4, pp=2", dp=2, num_microbatches=4)
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.num_microbatches) == (4, 2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"tp": 0}, "positive integer"),
+        ({"zero_stage": 4}, "zero_stage"),
+        ({"schedule": "zigzag"}, "schedule"),
+        ({"recompute": "some"}, "recompute"),
+        ({"sequence_parallel": True}, "tp > 1"),
+        ({"schedule": "interleaved_1f1b", "pp": 1}, "pp > 1"),
+        ({"schedule": "interleaved_1f1b", "pp": 2, "num_microbatches": 3}, "divisible"),
+        ({"virtual_stages": 2}, "interleaved"),
+    ],
+)
+def test_invalid_config_says_what_to_fix(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ParallelConfig(**kwargs)
+
+
+def test_parse_rejects_unknown_keys_and_bad_values():
+    with pytest.raises(ValueError, match="unknown config key"):
+        ParallelConfig.parse("tq=4")
+    with pytest.raises(ValueError, match="not an integer"):
+        ParallelConfig.parse("tp=four")
+    with pytest.raises(ValueError, match="key=value"):
+        ParallelConfig.parse("tp4")
+
+
+def test_planner_options_validate():
+    with pytest.raises(ValueError, match="exclude_schedules"):
+        PlannerOptions(exclude_schedules=("zigzag",))
+    assert PlannerOptions(tp=2).tp == 2
