@@ -1,0 +1,131 @@
+"""The stage-cut ILP against brute force over every cut vector and recompute assignment."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopar.planner.ilp import MODES, InnerProblem, Run, evaluate, solve
+
+
+def random_problem(seed: int) -> InnerProblem:
+    rng = random.Random(seed)
+    p = rng.choice([1, 2, 2, 3])
+    v = rng.choice([1, 1, 2]) if p > 1 else 1
+    S = p * v
+    nruns = rng.randint(1, 4)
+    counts = [rng.randint(1, 3) for _ in range(nruns)]
+    while sum(counts) < S:
+        counts[rng.randrange(nruns)] += 1
+    runs = []
+    for i, n in enumerate(counts):
+        comp = rng.uniform(1.0, 5.0)
+        rec = (0.0, rng.uniform(0.05, 0.4) * comp, rng.uniform(0.5, 1.0) * comp)
+        tp = rng.uniform(0.0, 0.5)
+        act_none = rng.uniform(1.0, 10.0)
+        act = (act_none, act_none * rng.uniform(0.3, 0.9), act_none * rng.uniform(0.05, 0.2))
+        runs.append(Run(name=f"r{i}", count=n, layer_names=tuple(f"r{i}.{j}" for j in range(n)),
+                        time_s=tuple(comp + tp + x for x in rec), compute_s=(comp,) * 3, recompute_s=rec,
+                        tp_comm_s=(tp,) * 3, act_bytes=act, state_bytes=rng.uniform(1.0, 20.0),
+                        backward_s=comp * 0.6, grad_sync_s=rng.uniform(0.0, 3.0), optimizer_s=rng.uniform(0, 0.3),
+                        send_s=(rng.uniform(0, 0.2), rng.uniform(0.2, 1.0))))
+    m = rng.choice([1, 2, 4, 8]) * (p if v > 1 else 1)
+    inflight = tuple(float(min(m, p - q) + rng.choice([0, 0.5])) for q in range(p))
+    # Capacity from a random layout's memory, so that memory binds in some cases and not in others.
+    total = sum(r.count * (r.state_bytes + r.act_bytes[0] * max(inflight)) for r in runs)
+    cap = tuple(total / p * rng.uniform(0.5, 1.6) for _ in range(p))
+    modes = rng.choice([MODES, MODES, ("none", "full"), ("selective",)])
+    return InnerProblem(runs=tuple(runs), num_ranks=p, virtual_stages=v, num_microbatches=m, inflight=inflight,
+                        capacity_bytes=cap, inter_node=tuple(rng.random() < 0.5 for _ in range(S - 1)),
+                        modes=modes, grad_sync_latency_s=rng.uniform(0, 0.5))
+
+
+def compositions(n: int, k: int):
+    for bars in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *bars, n)
+        yield tuple(edges[i + 1] - edges[i] for i in range(k))
+
+
+def brute_objective(pr: InnerProblem, cuts: tuple[int, ...], modes: tuple[str, ...]) -> float | None:
+    """Independent re-statement of the objective: step = (m − 1/v)·max rank time + Σ t / v + tail."""
+    layers = [r for r in pr.runs for _ in range(r.count)]
+    p, v, S = pr.num_ranks, pr.virtual_stages, pr.num_stages
+    rank_t, rank_mem, opt, dp = [0.0] * p, [0.0] * p, [0.0] * p, [pr.grad_sync_latency_s] * p
+    rank_modes = [set() for _ in range(p)]
+    pos, stage_ts = 0, []
+    for s, (n, mode) in enumerate(zip(cuts, modes)):
+        k, q = MODES.index(mode), s % p
+        mine = layers[pos:pos + n]
+        t = sum(r.time_s[k] for r in mine)
+        if s + 1 < S:  # activations forward
+            t += mine[-1].send_s[int(pr.inter_node[s])]
+        if s > 0:  # gradients backward, same size as the tensor that came in
+            t += layers[pos - 1].send_s[int(pr.inter_node[s - 1])]
+        stage_ts.append(t)
+        rank_t[q] += t
+        rank_mem[q] += sum(r.state_bytes + pr.inflight[q] * r.act_bytes[k] for r in mine)
+        rank_modes[q].add(k)
+        opt[q] += sum(r.optimizer_s for r in mine)
+        dp[q] += sum(r.grad_sync_s - r.backward_s for r in mine)
+        pos += n
+    for q in range(p):
+        rank_mem[q] += sum(max(r.act_bytes[0] - r.act_bytes[k] for r in pr.runs) for k in rank_modes[q])
+        if rank_mem[q] > pr.capacity_bytes[q] * (1 + 1e-9):
+            return None
+    tail = max(max(opt[q], opt[q] + dp[q]) for q in range(p))
+    m = pr.num_microbatches
+    return (m - 1 / v) * max(rank_t) + sum(stage_ts) / v + tail
+
+
+def brute_force(pr: InnerProblem) -> float | None:
+    best = None
+    for cuts in compositions(pr.num_layers, pr.num_stages):
+        for modes in itertools.product(pr.modes, repeat=pr.num_stages):
+            val = brute_objective(pr, cuts, modes)
+            if val is not None and (best is None or val < best):
+                best = val
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_ilp_matches_brute_force(seed: int) -> None:
+    pr = random_problem(seed)
+    best = brute_force(pr)
+    sol = solve(pr, time_limit_s=30)
+    if best is None:
+        assert sol is None
+        return
+    assert sol is not None and sol.status == "optimal" and sol.gap == 0.0
+    assert sol.objective_s == pytest.approx(best, rel=1e-7)
+    assert brute_objective(pr, sol.layers_per_stage, sol.modes) == pytest.approx(sol.objective_s, rel=1e-9)
+
+
+def test_optimum_can_have_uneven_cuts_and_mixed_recompute() -> None:
+    """A heavy last layer (an LM head) pushes the cut off centre, and tight memory on the first rank
+    (most micro-batches in flight under 1F1B) makes only that stage recompute."""
+    def run(name: str, n: int, t: float, act: float, state: float) -> Run:
+        return Run(name=name, count=n, layer_names=tuple(f"{name}.{i}" for i in range(n)),
+                   time_s=(t, 1.1 * t, 1.4 * t), compute_s=(t,) * 3, recompute_s=(0, 0.1 * t, 0.4 * t),
+                   tp_comm_s=(0,) * 3, act_bytes=(act, 0.5 * act, 0.1 * act), state_bytes=state, backward_s=0,
+                   grad_sync_s=0, optimizer_s=0, send_s=(0.0, 0.0))
+
+    pr = InnerProblem(runs=(run("block", 6, 1.0, 1.0, 1.0), run("head", 1, 4.0, 1.0, 1.0)), num_ranks=2,
+                      virtual_stages=1, num_microbatches=4, inflight=(2.0, 1.0), capacity_bytes=(12.0, 100.0),
+                      inter_node=(False,))
+    sol = solve(pr)
+    assert sol is not None
+    assert sol.objective_s == pytest.approx(brute_force(pr), rel=1e-9)
+    assert sol.layers_per_stage == (5, 2)
+    assert sol.modes == ("selective", "none")  # 5 blocks fit rank 0 only with selective recompute
+
+
+def test_evaluate_names_the_violated_memory_row() -> None:
+    pr = random_problem(3)
+    S = pr.num_stages
+    cuts = next(compositions(pr.num_layers, S))
+    tight = InnerProblem(**{**pr.__dict__, "capacity_bytes": (1e-3,) * pr.num_ranks})
+    ev = evaluate(tight, cuts, ("none",) * S)
+    assert not ev.feasible and ev.violated.startswith("memory_rank")
+    assert solve(tight) is None
