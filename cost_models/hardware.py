@@ -44,6 +44,10 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
+        return cls(**{**d, "peak_flops": {str(k): float(v) for k, v in d["peak_flops"].items()}})
+
 
 @dataclass(frozen=True, kw_only=True)
 class LinkSpec:
@@ -59,6 +63,18 @@ class LinkSpec:
             raise ValueError(f"LinkSpec {self.name}: bandwidth_Bps must be positive and latency_s non-negative")
         if not self.source:
             raise ValueError(f"LinkSpec {self.name}: every spec needs a source")
+        eff = self.extra.get("efficiency", 1.0)
+        if not 0.0 < eff <= 1.0:
+            raise ValueError(f"LinkSpec {self.name}: extra['efficiency']={eff} must be in (0, 1]")
+
+    @property
+    def effective_bandwidth_Bps(self) -> float:
+        """What collectives achieve at large messages: bandwidth × extra['efficiency'] (1.0 when absent)."""
+        return self.bandwidth_Bps * float(self.extra.get("efficiency", 1.0))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LinkSpec:
+        return cls(**{**d, "extra": dict(d.get("extra", {}))})

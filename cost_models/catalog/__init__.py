@@ -1,0 +1,89 @@
+"""The hardware catalog: device and link specs read from the TOML files beside this module.
+
+    from cost_models.catalog import device, link, devices, links
+    device("h100-sxm-80gb").peak_flops_for("bfloat16")   # 989e12
+
+The TOML files hold datasheet units (GiB, GB/s, TFLOP/s, µs) and a `source` per entry; this module
+converts them to the SI fields of DeviceSpec / LinkSpec (bytes, B/s, FLOP/s, s).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from cost_models.hardware import DeviceSpec, LinkSpec
+
+try:  # Python ≥ 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["device", "link", "devices", "links", "device_from_table", "link_from_table", "CATALOG_DIR"]
+
+CATALOG_DIR = Path(__file__).parent
+GiB = 1024**3
+
+
+def device_from_table(name: str, t: dict[str, Any]) -> DeviceSpec:
+    """A DeviceSpec from a catalog-style table (memory_GiB, memory_bandwidth_GBps, peak_TFLOPs, source)."""
+    required = ("memory_GiB", "memory_bandwidth_GBps", "peak_TFLOPs", "source")
+    missing = [k for k in required if k not in t]
+    if missing:
+        raise ValueError(f"device {name!r} lacks {missing}; a device table needs {list(required)}")
+    return DeviceSpec(
+        name=name,
+        kind=str(t.get("kind", "gpu")),
+        memory_bytes=int(float(t["memory_GiB"]) * GiB),
+        memory_bandwidth_Bps=float(t["memory_bandwidth_GBps"]) * 1e9,
+        peak_flops={str(k): float(v) * 1e12 for k, v in t["peak_TFLOPs"].items()},
+        source=str(t["source"]),
+        notes=str(t.get("notes", "")),
+    )
+
+
+def link_from_table(name: str, t: dict[str, Any]) -> LinkSpec:
+    """A LinkSpec from a catalog-style table (bandwidth_GBps, latency_us, source, optional efficiency)."""
+    missing = [k for k in ("bandwidth_GBps", "latency_us") if k not in t]
+    if missing:
+        raise ValueError(f"link {name!r} lacks {missing}; a link table needs bandwidth_GBps and latency_us")
+    extra = {k: t[k] for k in ("efficiency", "efficiency_source") if k in t}
+    return LinkSpec(
+        name=name,
+        bandwidth_Bps=float(t["bandwidth_GBps"]) * 1e9,
+        latency_s=float(t["latency_us"]) * 1e-6,
+        source=str(t.get("source", "user cluster file")),
+        notes=str(t.get("notes", "")),
+        extra=extra,
+    )
+
+
+@functools.cache
+def _load(kind: str) -> dict[str, Any]:
+    with open(CATALOG_DIR / f"{kind}.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def devices() -> list[str]:
+    """Names of the catalogued devices."""
+    return list(_load("devices"))
+
+
+def links() -> list[str]:
+    """Names of the catalogued links."""
+    return list(_load("links"))
+
+
+def device(name: str) -> DeviceSpec:
+    table = _load("devices")
+    if name not in table:
+        raise KeyError(f"unknown device {name!r}; the catalog has {', '.join(table)}")
+    return device_from_table(name, table[name])
+
+
+def link(name: str) -> LinkSpec:
+    table = _load("links")
+    if name not in table:
+        raise KeyError(f"unknown link {name!r}; the catalog has {', '.join(table)}")
+    return link_from_table(name, table[name])

@@ -1,0 +1,253 @@
+"""Collective communication time over a process group laid out on a cluster (α-β model).
+
+Each algorithm is a sum of phases; a phase over K ranks on one link class (latency α, achieved
+bandwidth β = bandwidth × efficiency) costs, for an n-byte buffer (Thakur, Rabenseifner & Gropp 2005,
+"Optimization of Collective Communication Operations in MPICH"; design.md §4):
+
+    ring all-reduce           2(K−1)·α + 2(K−1)/K · n/β
+    ring all-gather / reduce-scatter  (K−1)·α + (K−1)/K · n/β      (n = the full, gathered buffer)
+    tree all-reduce (pipelined double binary tree, as NCCL's)   2⌈log2 K⌉·α + 2·n/β
+    broadcast (pipelined ring / tree)  min(K−1, ⌈log2 K⌉)·α + n/β
+    all-to-all (pairwise exchange)     (K−1)·α + (K−1)/K · n/β
+    two-level ("hierarchical", L ranks per node × N nodes): all-reduce = reduce-scatter inside the node,
+        all-reduce of n/L across nodes on each rank's own NIC (rails), all-gather inside the node.
+
+A flat ring or tree that crosses nodes runs at its slowest link. Reaching another node's device goes
+through the local fabric as well, so the inter-node link used is (max α, min β) of the two — which
+also makes a group inside one node never slower than the same group spread over nodes. "auto" takes
+the fastest algorithm; each is monotone in n and β, so is their minimum.
+
+When a `Profile` measured the same collective over the same number of local processes, its table
+(interpolated in log-size, made monotone) takes precedence over the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_models.hardware import LinkSpec
+from cost_models.profile import CollectiveSample, Profile
+
+__all__ = ["Topology", "CommModel", "ALGORITHMS", "fit_link", "interpolate_time_s"]
+
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """devices_per_node devices share the `intra` fabric; nodes talk over `inter` (one port per device)."""
+
+    devices_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1:
+            raise ValueError(f"Topology.devices_per_node={self.devices_per_node}; it must be ≥ 1")
+
+
+@dataclass(frozen=True)
+class _Link:
+    alpha_s: float
+    beta_Bps: float
+
+    @classmethod
+    def of(cls, spec: LinkSpec) -> _Link:
+        return cls(spec.latency_s, spec.effective_bandwidth_Bps)
+
+    def worst(self, other: _Link) -> _Link:
+        return _Link(max(self.alpha_s, other.alpha_s), min(self.beta_Bps, other.beta_Bps))
+
+
+def _log2ceil(k: int) -> int:
+    return max(1, math.ceil(math.log2(k))) if k > 1 else 0
+
+
+# ---- one phase of each collective on one link class (k ranks, n-byte buffer) ----
+def _ring_ar(n: float, k: int, li: _Link) -> float:
+    return 0.0 if k <= 1 else 2 * (k - 1) * li.alpha_s + 2 * (k - 1) / k * n / li.beta_Bps
+
+
+def _tree_ar(n: float, k: int, li: _Link) -> float:
+    return 0.0 if k <= 1 else 2 * _log2ceil(k) * li.alpha_s + 2 * n / li.beta_Bps
+
+
+def _ring_ag(n: float, k: int, li: _Link) -> float:  # also reduce-scatter and all-to-all
+    return 0.0 if k <= 1 else (k - 1) * li.alpha_s + (k - 1) / k * n / li.beta_Bps
+
+
+def _bcast(n: float, k: int, li: _Link) -> float:
+    return 0.0 if k <= 1 else min(k - 1, _log2ceil(k)) * li.alpha_s + n / li.beta_Bps
+
+
+def _divisors(k: int) -> list[int]:
+    return [d for d in range(1, k + 1) if k % d == 0]
+
+
+def interpolate_time_s(table: list[tuple[int, float]], n_bytes: float) -> float:
+    """Time for n_bytes from measured (size, time) rows: log-log interpolation inside the range, the
+    smallest time below it, and the last measured slope (bytes/s) beyond it. Times are first made
+    non-decreasing in size (a running max), so a larger message is never predicted faster."""
+    sizes = np.array([float(s) for s, _ in table])
+    times = np.maximum.accumulate(np.array([t for _, t in table]))
+    if n_bytes <= sizes[0]:
+        return float(times[0])
+    if n_bytes >= sizes[-1]:
+        if len(sizes) == 1:
+            return float(times[-1] * n_bytes / sizes[-1])
+        slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+        return float(times[-1] + slope * (n_bytes - sizes[-1]))
+    return float(np.exp(np.interp(np.log(n_bytes), np.log(sizes), np.log(times))))
+
+
+def fit_link(samples: list[CollectiveSample], *, name: str, source: str) -> LinkSpec:
+    """The α and β that best explain measured all-reduces with the ring formula, in relative least
+    squares over every size and group size (each row divided by its measured time)."""
+    rows = [s for s in samples if s.op == "all_reduce"]
+    if len(rows) < 2:
+        raise ValueError(f"fitting link {name!r} needs ≥ 2 all_reduce samples; the profile has {len(rows)}")
+    a = np.array([[2.0 * (s.group_size - 1), 2.0 * (s.group_size - 1) / s.group_size * s.n_bytes] for s in rows])
+    t = np.array([s.time_s for s in rows])
+    coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+    alpha_s = max(float(coef[0]), 0.0)
+    inv_beta = float(coef[1])
+    if inv_beta <= 0:  # latency-only data: take the best measured bus bandwidth
+        inv_beta = 1.0 / max(s.busbw_Bps for s in rows)
+    return LinkSpec(name=name, bandwidth_Bps=1.0 / inv_beta, latency_s=alpha_s, source=source,
+                    extra={"efficiency": 1.0})
+
+
+class CommModel:
+    """Time of collectives on a `Topology`; `profile` tables take precedence for local groups.
+
+    ranks_per_node: how many members of the group sit on each node (default: as many as fit on one
+    node); a group with group_size > ranks_per_node spans group_size / ranks_per_node nodes.
+    """
+
+    def __init__(self, topo: Topology, profile: Profile | None = None, algorithm: str = "auto") -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}; expected one of {ALGORITHMS}")
+        self.topo = topo
+        self.profile = profile
+        self.algorithm = algorithm
+        self._intra = _Link.of(topo.intra)
+        self._inter = _Link.of(topo.inter).worst(self._intra)
+
+    def __repr__(self) -> str:
+        return f"CommModel({self.topo.devices_per_node}/node, {self.topo.intra.name} | {self.topo.inter.name}, " \
+               f"{self.algorithm}, profile={'yes' if self.profile else 'no'})"
+
+    # ---- layout ----
+    def _layout(self, group_size: int, ranks_per_node: int | None) -> tuple[int, int]:
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size={group_size!r}; it must be a positive integer")
+        rpn = min(group_size, self.topo.devices_per_node) if ranks_per_node is None else ranks_per_node
+        if rpn < 1 or rpn > self.topo.devices_per_node or group_size % rpn:
+            raise ValueError(
+                f"ranks_per_node={rpn} must divide group_size={group_size} and be at most "
+                f"devices_per_node={self.topo.devices_per_node}"
+            )
+        return rpn, group_size // rpn
+
+    def _measured(self, op: str, n_bytes: float, group_size: int, nodes: int) -> float | None:
+        if self.profile is None or nodes != 1:
+            return None
+        table = self.profile.collective_table(op, group_size)
+        return interpolate_time_s(table, n_bytes) if table else None
+
+    def _pick(self, candidates: dict[str, float]) -> float:
+        if self.algorithm == "auto":
+            return min(candidates.values())
+        return candidates.get(self.algorithm, min(candidates.values()))
+
+    def _two_level(self, k: int, nodes: int) -> list[tuple[int, int, _Link]]:
+        """(local ranks L, outer groups N, outer link) splits to consider. A group inside one node may
+        split itself L × N over its own fabric, so it always has every split a spanning group has."""
+        if nodes > 1:
+            return [(k // nodes, nodes, self._inter)]
+        return [(d, k // d, self._intra) for d in _divisors(k) if 1 < d < k]
+
+    # ---- collectives ----
+    def all_reduce_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        rpn, nodes = self._layout(group_size, ranks_per_node)
+        if group_size == 1 or n_bytes <= 0:
+            return 0.0
+        measured = self._measured("all_reduce", n_bytes, group_size, nodes)
+        if measured is not None:
+            return measured
+        flat = self._inter if nodes > 1 else self._intra
+        cands = {"ring": _ring_ar(n_bytes, group_size, flat), "tree": _tree_ar(n_bytes, group_size, flat)}
+        hier = [
+            _ring_ag(n_bytes, loc, self._intra) * 2
+            + min(_ring_ar(n_bytes / loc, outer, link), _tree_ar(n_bytes / loc, outer, link))
+            for loc, outer, link in self._two_level(group_size, nodes)
+        ]
+        if hier:
+            cands["hierarchical"] = min(hier)
+        return self._pick(cands)
+
+    def _gather_like(self, op: str, n_bytes: float, group_size: int, ranks_per_node: int | None) -> float:
+        rpn, nodes = self._layout(group_size, ranks_per_node)
+        if group_size == 1 or n_bytes <= 0:
+            return 0.0
+        measured = self._measured(op, n_bytes, group_size, nodes)
+        if measured is not None:
+            return measured
+        flat = self._inter if nodes > 1 else self._intra
+        cands = {"ring": _ring_ag(n_bytes, group_size, flat)}
+        hier = [_ring_ag(n_bytes / loc, outer, link) + _ring_ag(n_bytes, loc, self._intra)
+                for loc, outer, link in self._two_level(group_size, nodes)]
+        if hier:
+            cands["hierarchical"] = min(hier)
+        return self._pick(cands)
+
+    def all_gather_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        """n_bytes is the gathered (output) buffer; each rank contributes n_bytes / group_size."""
+        return self._gather_like("all_gather", n_bytes, group_size, ranks_per_node)
+
+    def reduce_scatter_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        """n_bytes is the input buffer; each rank keeps n_bytes / group_size of the sum."""
+        return self._gather_like("reduce_scatter", n_bytes, group_size, ranks_per_node)
+
+    def broadcast_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        rpn, nodes = self._layout(group_size, ranks_per_node)
+        if group_size == 1 or n_bytes <= 0:
+            return 0.0
+        measured = self._measured("broadcast", n_bytes, group_size, nodes)
+        if measured is not None:
+            return measured
+        flat = self._inter if nodes > 1 else self._intra
+        cands = {"ring": _bcast(n_bytes, group_size, flat)}
+        hier = [_bcast(n_bytes, outer, link) + _bcast(n_bytes, loc, self._intra)
+                for loc, outer, link in self._two_level(group_size, nodes)]
+        if hier:
+            cands["hierarchical"] = min(hier)
+        return self._pick(cands)
+
+    def all_to_all_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        """n_bytes is one rank's send buffer; (K−1)/K of it leaves the rank. Traffic to other nodes and
+        inside the node are counted one after the other (conservative: NICs and NVLink may overlap)."""
+        rpn, nodes = self._layout(group_size, ranks_per_node)
+        if group_size == 1 or n_bytes <= 0:
+            return 0.0
+        measured = self._measured("all_to_all", n_bytes, group_size, nodes)
+        if measured is not None:
+            return measured
+        k = group_size
+        local = (rpn - 1) * self._intra.alpha_s + (rpn - 1) / k * n_bytes / self._intra.beta_Bps
+        remote = (k - rpn) * self._inter.alpha_s + (k - rpn) / k * n_bytes / self._inter.beta_Bps
+        return local + remote
+
+    def p2p_time_s(self, n_bytes: float, inter_node: bool) -> float:
+        """One send/recv of n_bytes between two ranks (pipeline stage boundaries)."""
+        if n_bytes <= 0:
+            return 0.0
+        if not inter_node:
+            measured = self._measured("p2p", n_bytes, 2, 1)
+            if measured is not None:
+                return measured
+        link = self._inter if inter_node else self._intra
+        return link.alpha_s + n_bytes / link.beta_Bps

@@ -1,0 +1,180 @@
+"""Memory per device: model states, activations, in-flight micro-batches, transient buffers.
+
+Sources:
+- Model states under ZeRO: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+  Trillion Parameter Models", §3 and Fig. 1 (mixed-precision Adam: 2 + 2 + 12 bytes per parameter).
+- Activations per transformer layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", §4 and Table 2 (16-bit activations, dropout masks at 1 byte).
+- In-flight micro-batches: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", §2.2 (1F1B keeps at most p − i micro-batches on stage i; GPipe keeps m),
+  and Megatron-LM's interleaved schedule warm-up count (schedules.py: (p − i − 1)·2 + (v − 1)·p).
+All byte counts are per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ModelStateBytes",
+    "model_state_bytes",
+    "korthikanti_activation_bytes",
+    "layer_activation_bytes",
+    "inflight_microbatches",
+    "zero3_gathered_param_bytes",
+    "logits_bytes",
+    "ALLOCATOR_RESERVE_FRACTION",
+    "RECOMPUTE_MODES",
+    "SCHEDULES",
+]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# Fraction of device memory kept free for the caching allocator's fragmentation, the CUDA context and
+# NCCL buffers. ZeRO (Rajbhandari et al. 2020, §3.2 "Residual memory consumption") reports fragmentation
+# leaving >30% of memory unusable in extreme cases; PyTorch's expandable segments and Megatron-style
+# contiguous buffers keep it far lower, and 10% is what autopar.PlannerOptions.memory_reserve_fraction
+# defaults to. Calibrate with torch.cuda.max_memory_reserved() / max_memory_allocated() on a real run.
+ALLOCATOR_RESERVE_FRACTION = 0.10
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    """Per-device bytes of weights, gradients and optimizer states."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def _check_positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}; it must be a positive integer")
+
+
+def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, weight_bytes: float = 2,
+                      grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+    """Model states per device for `num_params` parameters held by this device (after TP/PP division).
+
+    ZeRO-1 shards the optimizer states over the dp ranks, ZeRO-2 also the gradients, ZeRO-3 also the
+    weights. The defaults are mixed-precision Adam: bf16 weights and grads, fp32 master weights,
+    momentum and variance (12 bytes). ZeRO Fig. 1: Ψ = 7.5B, N_d = 64 → 120 / 31.4 / 16.6 / 1.9 GB.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1, 2 or 3")
+    _check_positive_int("dp", dp)
+    if num_params < 0:
+        raise ValueError(f"num_params={num_params} is negative")
+    w = num_params * weight_bytes
+    g = num_params * grad_bytes
+    o = num_params * optimizer_bytes
+    return ModelStateBytes(
+        weights_bytes=w / dp if zero_stage >= 3 else w,
+        grads_bytes=g / dp if zero_stage >= 2 else g,
+        optimizer_bytes=o / dp if zero_stage >= 1 else o,
+    )
+
+
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}; expected one of {RECOMPUTE_MODES}")
+
+
+def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                                 sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes per transformer layer per device, Korthikanti et al. 2022, Table 2.
+
+    sbh·(34 + 5as/h) splits into 10·sbh replicated outside the TP regions (layer norms, their inputs,
+    dropout masks), 24·sbh inside them and 5as²b for the attention core (scores, softmax, its mask).
+    TP divides the 24 and the core by t; SP also divides the 10; selective recompute drops the core;
+    full recompute keeps only the 2·sbh layer input (divided by t under SP, as Megatron stores it).
+    """
+    _check_recompute(recompute)
+    for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden), ("heads", heads),
+                    ("tp", tp)):
+        _check_positive_int(name, v)
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True needs tp > 1")
+    sbh = seq_len * micro_batch * hidden
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return 2.0 * sbh / sp_div
+    core = 5.0 * heads * seq_len / hidden if recompute == "none" else 0.0
+    return sbh * (10.0 / sp_div + 24.0 / tp + core / tp)
+
+
+def layer_activation_bytes(*, saved_bytes: float, tp_sharded_bytes: float, attention_core_bytes: float,
+                           input_bytes: float, micro_batch: int, tp: int, sequence_parallel: bool,
+                           recompute: str) -> float:
+    """Korthikanti's rules applied to a captured layer's measured per-sample bytes.
+
+    saved_bytes: everything saved for backward (no parallelism); tp_sharded_bytes: the part inside
+    tensor-parallel regions (÷ tp); attention_core_bytes: the part selective recompute drops (it lies
+    inside the TP regions); input_bytes: what full recompute keeps. Returns bytes per device.
+    """
+    _check_recompute(recompute)
+    _check_positive_int("micro_batch", micro_batch)
+    _check_positive_int("tp", tp)
+    if not 0 <= attention_core_bytes <= tp_sharded_bytes <= saved_bytes:
+        raise ValueError(
+            f"need 0 ≤ attention_core_bytes ({attention_core_bytes}) ≤ tp_sharded_bytes ({tp_sharded_bytes}) "
+            f"≤ saved_bytes ({saved_bytes})"
+        )
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return micro_batch * input_bytes / sp_div
+    dropped = attention_core_bytes if recompute == "selective" else 0.0
+    replicated = saved_bytes - tp_sharded_bytes
+    return micro_batch * (replicated / sp_div + (tp_sharded_bytes - dropped) / tp)
+
+
+def inflight_microbatches(schedule: str, pp: int, num_microbatches: int, stage: int,
+                          virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank `stage` (0-based) holds at its peak.
+
+    In units of one micro-batch through the whole rank's layers: with interleaving a rank holds v
+    chunks of 1/v of its layers, so chunk-micro-batches count 1/v each.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
+    _check_positive_int("pp", pp)
+    _check_positive_int("num_microbatches", num_microbatches)
+    _check_positive_int("virtual_stages", virtual_stages)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} is outside 0..{pp - 1} for pp={pp}")
+    m = num_microbatches
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, pp - stage))
+    v = virtual_stages
+    warmup = (pp - stage - 1) * 2 + (v - 1) * pp
+    chunks = min(warmup + 1, m * v)
+    return chunks / v
+
+
+def zero3_gathered_param_bytes(*, largest_layer_param_bytes: float, prefetch_layers: int = 1,
+                               grad_bytes_ratio: float = 1.0) -> float:
+    """Transient bytes of ZeRO-3 / FSDP: unsharded parameters of the running layer and of the
+    `prefetch_layers` layers gathered ahead (FSDP forward/backward prefetch), plus the running layer's
+    unsharded gradient before its reduce-scatter (grad dtype / param dtype = grad_bytes_ratio).
+    """
+    if largest_layer_param_bytes < 0 or prefetch_layers < 0:
+        raise ValueError("largest_layer_param_bytes and prefetch_layers must be non-negative")
+    return largest_layer_param_bytes * (1 + prefetch_layers + grad_bytes_ratio)
+
+
+def logits_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dtype_bytes: int = 2,
+                 fp32_copies: int = 2) -> float:
+    """Bytes of the last stage's logits for one micro-batch: the [b, s, V/t] output in the model dtype
+    plus the fp32 upcast and the fp32 log-softmax that cross-entropy keeps for backward (`fp32_copies`),
+    the largest transient of a language model (Megatron-LM vocab-parallel cross entropy upcasts likewise).
+    """
+    for name, v in (("micro_batch", micro_batch), ("seq_len", seq_len), ("vocab", vocab), ("tp", tp)):
+        _check_positive_int(name, v)
+    return micro_batch * seq_len * (vocab / tp) * (dtype_bytes + 4 * fp32_copies)

@@ -1,0 +1,229 @@
+"""`Profile`: what the profiler measured on one machine, as a versioned JSON file.
+
+The compute and communication models read it in preference to datasheet numbers. A profile
+describes one machine, one device type and one torch version; `check_matches` refuses to let
+it price another (`ProfileMismatch`), rather than silently using foreign timings.
+
+Units: bytes, seconds, FLOP/s. Collective sizes follow nccl-tests: all_reduce / broadcast the
+buffer, all_gather the gathered output, reduce_scatter the input, all_to_all one rank's send buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "ProfileMismatch",
+    "MachineInfo",
+    "GemmSample",
+    "ElementwiseSample",
+    "CollectiveSample",
+    "Profile",
+    "layer_key",
+    "bus_bandwidth_factor",
+]
+
+PROFILE_SCHEMA_VERSION = 1
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
+
+
+class ProfileMismatch(ValueError):
+    """A profile describes another machine, device or torch version than the one being priced."""
+
+
+def layer_key(signature: str, phase: str, micro_batch: int, tp: int = 1) -> str:
+    """Key of a measured layer time: "<signature>:<fwd|bwd>:b<micro_batch>:t<tp>"."""
+    if phase not in ("fwd", "bwd"):
+        raise ValueError(f"phase={phase!r}; expected 'fwd' or 'bwd'")
+    return f"{signature}:{phase}:b{micro_batch}:t{tp}"
+
+
+def bus_bandwidth_factor(op: str, group_size: int) -> float:
+    """busbw / algbw as nccl-tests defines it (doc/PERFORMANCE.md): the fraction of the buffer each rank
+    sends on its busiest link, so that busbw is comparable to the link bandwidth for any group size."""
+    k = group_size
+    if op == "all_reduce":
+        return 2.0 * (k - 1) / k
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (k - 1) / k
+    if op in ("broadcast", "p2p"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; expected one of {COLLECTIVE_OPS}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineInfo:
+    hostname: str
+    platform: str
+    processor: str
+    cpu_count: int
+    ram_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmSample:
+    """One timed (m×k)·(k×n) matmul."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    time_s: float
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / self.time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElementwiseSample:
+    """One timed elementwise op; n_bytes counts every byte read and written."""
+
+    op: str
+    dtype: str
+    n_bytes: int
+    time_s: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.n_bytes / self.time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSample:
+    op: str
+    group_size: int
+    n_bytes: int
+    time_s: float  # median over trials of the slowest rank's mean time per op
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise ValueError(f"CollectiveSample.op={self.op!r}; expected one of {COLLECTIVE_OPS}")
+        if self.time_s <= 0 or self.n_bytes <= 0 or self.group_size < 2:
+            raise ValueError(f"CollectiveSample {self.op}: needs time_s > 0, n_bytes > 0, group_size ≥ 2")
+
+    @property
+    def algbw_Bps(self) -> float:
+        return self.n_bytes / self.time_s
+
+    @property
+    def busbw_Bps(self) -> float:
+        return self.algbw_Bps * bus_bandwidth_factor(self.op, self.group_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    machine: MachineInfo
+    device_name: str  # "cpu" or torch.cuda.get_device_name(), e.g. "NVIDIA H100 80GB HBM3"
+    device_kind: str  # "cpu" | "cuda"
+    device_count: int  # GPUs on the machine, or CPU processes used for collectives
+    torch_version: str
+    created: str  # ISO 8601 date and time
+    backend: str  # "gloo" | "nccl"
+    threads_per_process: int
+    launch_overhead_s: float  # per-op floor: an empty kernel launch (CUDA) or eager dispatch (CPU)
+    gemm: tuple[GemmSample, ...] = ()
+    elementwise: tuple[ElementwiseSample, ...] = ()
+    collectives: tuple[CollectiveSample, ...] = ()
+    layer_times: dict[str, float] = field(default_factory=dict)  # layer_key(...) → seconds
+    model_name: str | None = None
+    notes: str = ""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.device_kind not in ("cpu", "cuda"):
+            raise ValueError(f"Profile.device_kind={self.device_kind!r}; expected 'cpu' or 'cuda'")
+        if self.launch_overhead_s < 0:
+            raise ValueError("Profile.launch_overhead_s is negative")
+        bad = {k: v for k, v in self.layer_times.items() if not (v > 0 and math.isfinite(v))}
+        if bad:
+            raise ValueError(f"Profile.layer_times has non-positive times: {bad}")
+
+    # ---- queries used by the cost models ----
+    def gemm_samples(self, dtype: str) -> list[GemmSample]:
+        return [g for g in self.gemm if g.dtype == dtype]
+
+    def peak_gemm_flops(self, dtype: str) -> float | None:
+        """The best GEMM throughput measured in `dtype`, or None when that dtype was not measured."""
+        rates = [g.flops_per_s for g in self.gemm_samples(dtype)]
+        return max(rates) if rates else None
+
+    def memory_bandwidth_Bps(self) -> float | None:
+        """The best elementwise traffic rate measured (bytes read + written per second)."""
+        rates = [e.bytes_per_s for e in self.elementwise]
+        return max(rates) if rates else None
+
+    def collective_table(self, op: str, group_size: int) -> list[tuple[int, float]]:
+        """(n_bytes, time_s) for `op` over `group_size` local processes, sorted by size."""
+        rows = [(c.n_bytes, c.time_s) for c in self.collectives if c.op == op and c.group_size == group_size]
+        return sorted(rows)
+
+    @property
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def check_matches(self, *, device_name: str | None = None, torch_version: str | None = None,
+                      hostname: str | None = None) -> None:
+        """Raise ProfileMismatch when this profile was measured elsewhere (any given field differs)."""
+        wrong = []
+        if device_name is not None and device_name != self.device_name:
+            wrong.append(f"device {self.device_name!r} (here: {device_name!r})")
+        if torch_version is not None and torch_version != self.torch_version:
+            wrong.append(f"torch {self.torch_version} (here: {torch_version})")
+        if hostname is not None and hostname != self.machine.hostname:
+            wrong.append(f"machine {self.machine.hostname!r} (here: {hostname!r})")
+        if wrong:
+            raise ProfileMismatch(
+                f"profile from {self.created} was measured on {', '.join(wrong)}; its timings do not describe "
+                "this machine. Re-measure here with `autopar profile --out profile.json` or drop the profile."
+            )
+
+    # ---- serialization ----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        version = d.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ProfileMismatch(
+                f"profile schema version {version!r}; this cost_models reads version {PROFILE_SCHEMA_VERSION}. "
+                "Re-measure with `autopar profile --out profile.json`."
+            )
+        d = dict(d)
+        d["machine"] = MachineInfo(**d["machine"])
+        d["gemm"] = tuple(GemmSample(**g) for g in d.get("gemm", ()))
+        d["elementwise"] = tuple(ElementwiseSample(**e) for e in d.get("elementwise", ()))
+        d["collectives"] = tuple(CollectiveSample(**c) for c in d.get("collectives", ()))
+        d["layer_times"] = {str(k): float(v) for k, v in d.get("layer_times", {}).items()}
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProfileMismatch(f"cannot read profile {path}: {e}; write one with `autopar profile --out {path}`") \
+                from e
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError) as e:
+            raise ProfileMismatch(f"profile {path} is malformed ({e!r}); re-measure with `autopar profile`") from e

@@ -1,0 +1,70 @@
+"""GEMM, elementwise and launch-floor sweeps on the local device.
+
+GEMM shapes cover squares from latency-bound to compute-bound plus the skinny shapes of transformer
+layers (tokens × hidden × 4·hidden), so the compute model can interpolate throughput in work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cost_models.profile import ElementwiseSample, GemmSample
+from cost_models.profiler.timing import time_callable
+
+__all__ = ["gemm_shapes", "elementwise_sizes", "measure_gemm", "measure_elementwise", "measure_launch_s"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
+    squares = [64, 128, 256, 512, 1024, 2048] if quick else [64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+    skinny = [(1024, 768, 768), (1024, 3072, 768), (1024, 768, 3072), (4096, 1024, 256), (256, 4096, 1024)]
+    if not quick:
+        skinny += [(2048, 2048, 512), (512, 2048, 2048), (8192, 1024, 1024), (2048, 8192, 2048)]
+    return [(s, s, s) for s in squares] + skinny
+
+
+def elementwise_sizes(quick: bool) -> list[int]:
+    """Bytes of one operand: 16 KiB (cache-resident) to 64 MiB (DRAM-bound)."""
+    step = 4 if quick else 2
+    return [2**e for e in range(14, 27, step)]
+
+
+def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
+                 progress: Callable[[str], None]) -> list[GemmSample]:
+    out = []
+    trials = 3 if quick else 5
+    for dtype in dtypes:
+        for m, n, k in gemm_shapes(quick):
+            a = torch.randn(m, k, device=device, dtype=_DTYPES[dtype])
+            b = torch.randn(k, n, device=device, dtype=_DTYPES[dtype])
+            t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials)
+            sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t)
+            progress(f"gemm {m}x{n}x{k} {dtype}: {t * 1e3:.3f} ms, {sample.flops_per_s / 1e9:.1f} GFLOP/s")
+            out.append(sample)
+    return out
+
+
+def measure_elementwise(device: torch.device, dtype: str, quick: bool,
+                        progress: Callable[[str], None]) -> list[ElementwiseSample]:
+    """c = a + b: reads 2 operands, writes 1, so traffic = 3 × operand bytes."""
+    out = []
+    elem = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    for n_bytes in elementwise_sizes(quick):
+        a = torch.randn(n_bytes // elem, device=device, dtype=_DTYPES[dtype])
+        b = torch.randn_like(a)
+        c = torch.empty_like(a)
+        t = time_callable(lambda a=a, b=b, c=c: torch.add(a, b, out=c), device, trials=3 if quick else 5)
+        sample = ElementwiseSample(op="add", dtype=dtype, n_bytes=3 * n_bytes, time_s=t)
+        progress(f"elementwise add {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
+        out.append(sample)
+    return out
+
+
+def measure_launch_s(device: torch.device) -> float:
+    """The floor of one eager op: an add of two 1-element tensors."""
+    a = torch.ones(1, device=device)
+    b = torch.ones(1, device=device)
+    return time_callable(lambda: torch.add(a, b), device, trial_s=0.02, trials=5)

@@ -1,0 +1,60 @@
+"""Forward and backward time of model layers, each given as a callable that runs it once.
+
+The caller (autopar.profiling) builds one `LayerCase` per distinct layer signature, with real weights
+and inputs on the device; this module only times them, so it needs no knowledge of models.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cost_models.profile import layer_key
+from cost_models.profiler.timing import synchronize, time_callable
+
+__all__ = ["LayerCase", "measure_layer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCase:
+    signature: str  # the layer's signature in the captured graph
+    micro_batch: int  # samples in the inputs the callable uses
+    forward: Callable[[], Any]  # runs the layer with autograd on; returns its output tensor(s)
+    label: str = ""  # for progress messages, e.g. "blocks.0"
+
+
+def _grad_outputs(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    flat = out if isinstance(out, (tuple, list)) else (out,)
+    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    return tensors, [torch.ones_like(t) for t in tensors]
+
+
+def _backward_s(case: LayerCase, device: torch.device, reps: int) -> float:
+    total = 0.0
+    for _ in range(reps):
+        tensors, grads = _grad_outputs(case.forward())
+        synchronize(device)
+        t0 = time.perf_counter()
+        torch.autograd.backward(tensors, grads)
+        synchronize(device)
+        total += time.perf_counter() - t0
+    return total / reps
+
+
+def measure_layer(case: LayerCase, device: torch.device, *, quick: bool) -> dict[str, float]:
+    """{layer_key(sig, "fwd", b): s, layer_key(sig, "bwd", b): s}; backward alone, forward re-run untimed."""
+    trials = 3 if quick else 5
+    fwd = time_callable(case.forward, device, trial_s=0.05, trials=trials, max_reps=50)
+    tensors, _ = _grad_outputs(case.forward())
+    out = {layer_key(case.signature, "fwd", case.micro_batch): fwd}
+    if tensors:
+        reps = max(1, min(20, int(0.1 / max(fwd, 1e-6))))
+        _backward_s(case, device, 1)  # warm-up
+        out[layer_key(case.signature, "bwd", case.micro_batch)] = statistics.median(
+            _backward_s(case, device, reps) for _ in range(trials))
+    return out

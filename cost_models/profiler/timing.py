@@ -1,0 +1,45 @@
+"""Timing one callable on CPU (perf_counter) or CUDA (torch.cuda.Event), as a median of trials.
+
+A trial runs the callable `reps` times back to back and divides; the repetition count is chosen so a
+trial lasts about `trial_s`, which keeps timer resolution and launch jitter out of short ops.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["time_callable", "synchronize"]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_trial(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def time_callable(fn: Callable[[], object], device: torch.device, *, trial_s: float = 0.02, trials: int = 5,
+                  max_reps: int = 1000) -> float:
+    """Median seconds per call of `fn` over `trials` trials, after a warm-up call."""
+    fn()
+    synchronize(device)
+    first = _one_trial(fn, 1, device)
+    reps = max(1, min(max_reps, int(trial_s / max(first, 1e-9))))
+    return statistics.median(_one_trial(fn, reps, device) for _ in range(trials))
