@@ -7,6 +7,7 @@
 
 from autopar import zoo
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import (
     AutoparError,
@@ -23,6 +24,7 @@ __all__ = [
     "LayerSpec",
     "ModelGraph",
     "TPPattern",
+    "Cluster",
     "ParallelConfig",
     "PlannerOptions",
     "Plan",

@@ -14,6 +14,8 @@ from autopar.errors import AutoparError
 # Sub-command modules, in the order `autopar --help` lists them.
 COMMAND_MODULES = (
     "autopar.cli.cmd_capture",
+    "autopar.cli.cmd_clusters",
+    "autopar.cli.cmd_profile",
 )
 
 

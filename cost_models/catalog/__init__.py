@@ -20,7 +20,7 @@ try:  # Python ≥ 3.11
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["device", "link", "devices", "links", "device_from_table", "link_from_table", "CATALOG_DIR"]
+__all__ = ["device", "link", "devices", "links", "device_from_table", "link_from_table", "match_device", "CATALOG_DIR"]
 
 CATALOG_DIR = Path(__file__).parent
 GiB = 1024**3
@@ -87,3 +87,25 @@ def link(name: str) -> LinkSpec:
     if name not in table:
         raise KeyError(f"unknown link {name!r}; the catalog has {', '.join(table)}")
     return link_from_table(name, table[name])
+
+
+def match_device(gpu_name: str, memory_bytes: int | None = None) -> str | None:
+    """The catalog name for a CUDA device name such as "NVIDIA A100-SXM4-80GB" (torch.cuda.get_device_name),
+    or None when the catalog has no such part."""
+    n = gpu_name.lower().replace(" ", "-")
+    big = memory_bytes is not None and memory_bytes > 50 * GiB
+    pcie = "pcie" in n or "nvl" in n
+    if "h200" in n:
+        return "h200-sxm-141gb"
+    if "b200" in n:
+        return "b200-sxm-180gb"
+    if "h100" in n:
+        return "h100-pcie-80gb" if pcie else "h100-sxm-80gb"
+    if "a100" in n:
+        size = "80gb" if ("80gb" in n or big) else "40gb"
+        return f"a100-{'pcie' if pcie else 'sxm'}-{size}"
+    if "v100" in n:
+        return "v100-sxm2-32gb"
+    if "l40s" in n:
+        return "l40s-48gb"
+    return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from cost_models.profile import layer_key
 from cost_models.profiler.timing import synchronize, time_callable
@@ -29,7 +30,7 @@ class LayerCase:
 
 
 def _grad_outputs(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    flat = out if isinstance(out, (tuple, list)) else (out,)
+    flat = tree_leaves(out)
     tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     return tensors, [torch.ones_like(t) for t in tensors]
 

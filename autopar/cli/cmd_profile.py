@@ -1,0 +1,74 @@
+"""`autopar profile [MODEL] [--nproc N] [--quick] --out profile.json`: measure this machine.
+
+Progress goes to stderr while measuring; the summary (GEMM peak per dtype, memory traffic rate,
+collective bus bandwidth per size as nccl-tests reports it, layer times) to stdout, or JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from autopar.profiling import profile_model
+from cost_models.profile import Profile
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure this machine (kernels, collectives, a model's layers)",
+        description="Measure GEMM/elementwise throughput, collectives over N local processes (gloo on CPU, "
+                    "NCCL on GPU) and, given MODEL, each distinct layer's forward and backward time.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="zoo name, path/file.py:factory or package.module:factory (optional)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes for collectives (default: GPU count, else CPU count, at least 2)")
+    p.add_argument("--quick", action="store_true", help="a short sweep (under a minute on a laptop CPU)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length of MODEL's example input")
+    p.add_argument("--no-collectives", action="store_true", help="skip the multi-process collective sweep")
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default: profile.json)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def summary(prof: Profile) -> dict:
+    """The figures a reader wants from a profile: peaks, and bus bandwidth per collective and size."""
+    colls: dict[str, list[dict]] = {}
+    for c in sorted(prof.collectives, key=lambda c: (c.op, c.group_size, c.n_bytes)):
+        colls.setdefault(f"{c.op} x{c.group_size}", []).append(
+            {"bytes": c.n_bytes, "time_us": c.time_s * 1e6, "algbw_GBps": c.algbw_Bps / 1e9,
+             "busbw_GBps": c.busbw_Bps / 1e9})
+    return {
+        "device": prof.device_name, "backend": prof.backend, "torch": prof.torch_version, "created": prof.created,
+        "gemm_peak_GFLOPs": {d: (prof.peak_gemm_flops(d) or 0) / 1e9 for d in sorted({g.dtype for g in prof.gemm})},
+        "elementwise_peak_GBps": (prof.memory_bandwidth_Bps() or 0) / 1e9,
+        "launch_overhead_us": prof.launch_overhead_s * 1e6,
+        "collectives": colls,
+        "layer_times_ms": {k: v * 1e3 for k, v in prof.layer_times.items()},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    prof = profile_model(args.model, nproc=args.nproc, quick=args.quick, seq_len=args.seq_len,
+                         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+                         collectives=not args.no_collectives)
+    prof.save(args.out)
+    s = summary(prof)
+    s["elapsed_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    print(f"profile of {s['device']} ({s['backend']}, torch {s['torch']}) written to {args.out} "
+          f"in {s['elapsed_s']:.1f} s")
+    for dtype, g in s["gemm_peak_GFLOPs"].items():
+        print(f"  GEMM peak {dtype:<9} {g:10.1f} GFLOP/s")
+    print(f"  elementwise peak   {s['elementwise_peak_GBps']:10.2f} GB/s (read + written)")
+    print(f"  eager op floor     {s['launch_overhead_us']:10.1f} us")
+    for name, rows in s["collectives"].items():
+        print(f"  {name}: " + ", ".join(f"{r['bytes'] / 2**10:.0f} KiB {r['busbw_GBps']:.2f}" for r in rows)
+              + "  (busbw GB/s)")
+    for key, ms in s["layer_times_ms"].items():
+        print(f"  layer {key}: {ms:.3f} ms")
+    return 0

@@ -1,0 +1,115 @@
+"""The autopar side of `autopar profile MODEL`: turn a model's captured layers into timed callables.
+
+cost_models measures; this module knows models. For each distinct layer signature of the captured
+graph it materialises one copy of that layer's modules on the local device with random weights, gives
+them inputs of the shapes they receive in the real forward pass (recorded on the meta device), and
+hands `LayerCase`s to `cost_models.profiler.profile_machine`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autopar.capture.graph import ModelGraph
+from autopar.errors import AutoparError, ProfileMismatchError
+from cost_models.profile import Profile, ProfileMismatch
+from cost_models.profiler import LayerCase, local_device_name, profile_machine
+
+__all__ = ["layer_cases", "profile_model", "load_local_profile"]
+
+
+def _record_inputs(model: nn.Module, example_inputs: tuple, names: Sequence[str]) -> dict[str, tuple]:
+    """(args, kwargs) each named module receives in one forward pass of `model` (meta is fine)."""
+    seen: dict[str, tuple] = {}
+    handles = []
+    for name in names:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            seen.setdefault(name, (args, kwargs))
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise AutoparError(f"modules {missing} did not run in the forward pass; cannot time their layers")
+    return seen
+
+
+def _materialize(value: Any, device: torch.device) -> Any:
+    """A real tensor like `value`: random floats that require grad, zeros for integer ids (valid indices)."""
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, dtype=t.dtype, device=device).requires_grad_(True)
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return tree_map(one, value)
+
+
+def _real_module(module: nn.Module, device: torch.device) -> nn.Module:
+    mod = copy.deepcopy(module).to_empty(device=device)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0.0, 0.02)
+    return mod.train()
+
+
+def layer_cases(model: nn.Module, example_inputs: tuple, graph: ModelGraph, device: torch.device) -> list[LayerCase]:
+    """One LayerCase per distinct signature (the first layer carrying it)."""
+    firsts = {}
+    for layer in graph.layers:
+        firsts.setdefault(layer.signature, layer)
+    names = [m for layer in firsts.values() for m in layer.modules]
+    inputs = _record_inputs(model, example_inputs, names)
+    cases = []
+    for sig, layer in firsts.items():
+        runs: list[Callable[[], Any]] = []
+        for name in layer.modules:
+            mod = _real_module(model.get_submodule(name), device)
+            args, kwargs = _materialize(inputs[name], device)
+            runs.append(lambda mod=mod, args=args, kwargs=kwargs: mod(*args, **kwargs))
+        cases.append(LayerCase(signature=sig, micro_batch=graph.example_batch_size, label=layer.name,
+                               forward=lambda runs=runs: [run() for run in runs]))
+    return cases
+
+
+def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bool = False,
+                  seq_len: int | None = None, progress: Callable[[str], None] | None = None,
+                  collectives: bool = True) -> Profile:
+    """Measure this machine and, when `model_spec` is given, each distinct layer of that model."""
+    cases: list[LayerCase] = []
+    name = None
+    if model_spec:
+        from autopar.capture import capture
+        from autopar.models import resolve_model
+
+        model, example_inputs = resolve_model(model_spec, seq_len=seq_len)
+        graph = capture(model, example_inputs)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        cases = layer_cases(model, example_inputs, graph, device)
+        name = graph.model_name
+    return profile_machine(nproc=nproc, quick=quick, layers=cases, progress=progress, model_name=name,
+                           collectives=collectives)
+
+
+def load_local_profile(path: str | Path) -> Profile:
+    """Load a profile and check that it describes this machine, this device and this torch."""
+    import socket
+
+    try:
+        prof = Profile.load(path)
+        prof.check_matches(device_name=local_device_name(), torch_version=torch.__version__,
+                           hostname=socket.gethostname())
+    except ProfileMismatch as e:
+        raise ProfileMismatchError(str(e)) from e
+    return prof
