@@ -1,0 +1,141 @@
+"""Collective model against design.md §4's α-β formulas, plus monotonicity and locality properties."""
+
+import dataclasses
+import random
+
+import pytest
+
+from cost_models import catalog
+from cost_models.comm import CommModel, Topology, fit_link, interpolate_time_s
+from cost_models.hardware import LinkSpec
+from cost_models.profile import CollectiveSample
+
+ALPHA, BW = 5e-6, 100e9
+LINK = LinkSpec(name="test", bandwidth_Bps=BW, latency_s=ALPHA, source="test")
+SLOW = LinkSpec(name="slow", bandwidth_Bps=BW / 8, latency_s=4 * ALPHA, source="test")
+
+
+def ring_model(devices_per_node=8, intra=LINK, inter=SLOW):
+    return CommModel(Topology(devices_per_node=devices_per_node, intra=intra, inter=inter), algorithm="ring")
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("n", [1e3, 1e6, 1e9])
+def test_ring_formulas_of_design_section_4(k, n):
+    cm = ring_model()
+    assert cm.all_reduce_time_s(n, k) == pytest.approx(2 * (k - 1) * ALPHA + 2 * (k - 1) / k * n / BW)
+    assert cm.all_gather_time_s(n, k) == pytest.approx((k - 1) * ALPHA + (k - 1) / k * n / BW)
+    assert cm.reduce_scatter_time_s(n, k) == pytest.approx((k - 1) * ALPHA + (k - 1) / k * n / BW)
+
+
+def test_flat_ring_across_nodes_runs_at_the_slowest_link():
+    cm = ring_model()
+    k, n = 16, 1e8  # 2 nodes × 8
+    expected = 2 * (k - 1) * SLOW.latency_s + 2 * (k - 1) / k * n / SLOW.bandwidth_Bps
+    assert cm.all_reduce_time_s(n, k, ranks_per_node=8) == pytest.approx(expected)
+
+
+def test_hierarchical_all_reduce_is_rs_inside_ar_across_ag_inside():
+    cm = CommModel(Topology(devices_per_node=8, intra=LINK, inter=SLOW), algorithm="hierarchical")
+    n, loc, nodes = 1e9, 8, 4
+    inside = (loc - 1) * ALPHA + (loc - 1) / loc * n / BW
+    across = min(2 * (nodes - 1) * SLOW.latency_s + 2 * (nodes - 1) / nodes * (n / loc) / SLOW.bandwidth_Bps,
+                 2 * 2 * SLOW.latency_s + 2 * (n / loc) / SLOW.bandwidth_Bps)
+    assert cm.all_reduce_time_s(n, 32, ranks_per_node=8) == pytest.approx(2 * inside + across)
+    # and it beats the flat ring for large messages, as NCCL's hierarchical/tree algorithms do
+    assert cm.all_reduce_time_s(n, 32, 8) < ring_model().all_reduce_time_s(n, 32, 8)
+
+
+def test_tree_wins_small_messages_ring_wins_large():
+    auto = CommModel(Topology(devices_per_node=64, intra=LINK, inter=LINK))
+    ring = CommModel(Topology(devices_per_node=64, intra=LINK, inter=LINK), algorithm="ring")
+    tree = CommModel(Topology(devices_per_node=64, intra=LINK, inter=LINK), algorithm="tree")
+    assert tree.all_reduce_time_s(1e3, 64) < ring.all_reduce_time_s(1e3, 64)
+    assert ring.all_reduce_time_s(1e10, 64) < tree.all_reduce_time_s(1e10, 64)
+    for n in (1e3, 1e6, 1e10):
+        assert auto.all_reduce_time_s(n, 64) <= min(ring.all_reduce_time_s(n, 64), tree.all_reduce_time_s(n, 64))
+
+
+def test_p2p_and_trivial_groups():
+    cm = ring_model()
+    assert cm.p2p_time_s(1e6, inter_node=False) == pytest.approx(ALPHA + 1e6 / BW)
+    assert cm.p2p_time_s(1e6, inter_node=True) == pytest.approx(SLOW.latency_s + 1e6 / SLOW.bandwidth_Bps)
+    assert cm.all_reduce_time_s(1e6, 1) == 0.0
+
+
+def _ops(cm):
+    return [cm.all_reduce_time_s, cm.all_gather_time_s, cm.reduce_scatter_time_s, cm.broadcast_time_s,
+            cm.all_to_all_time_s]
+
+
+PRESET_LINKS = [("nvlink3-nvswitch", "ib-hdr"), ("nvlink4-nvswitch", "ib-ndr"), ("pcie4-x16", "ib-hdr"),
+                ("pcie5-x16", "roce-200g")]
+
+
+def test_properties_on_random_layouts():
+    rng = random.Random(0)
+    for _ in range(300):
+        intra_name, inter_name = rng.choice(PRESET_LINKS)
+        intra, inter = catalog.link(intra_name), catalog.link(inter_name)
+        per_node = rng.choice([2, 4, 8])
+        rpn = rng.choice([d for d in (1, 2, 4, 8) if d <= per_node])
+        nodes = rng.choice([2, 4, 16])
+        k = rpn * nodes
+        n = 10 ** rng.uniform(2, 10)
+        base = CommModel(Topology(devices_per_node=per_node, intra=intra, inter=inter))
+        faster_inter = CommModel(Topology(devices_per_node=per_node, intra=intra,
+                                          inter=dataclasses.replace(inter, bandwidth_Bps=inter.bandwidth_Bps * 2)))
+        faster_intra = CommModel(Topology(devices_per_node=per_node, inter=inter,
+                                          intra=dataclasses.replace(intra, bandwidth_Bps=intra.bandwidth_Bps * 2)))
+        one_node = CommModel(Topology(devices_per_node=k, intra=intra, inter=inter))
+        for i, op in enumerate(_ops(base)):
+            t = op(n, k, rpn)
+            # more bandwidth is never slower
+            assert _ops(faster_inter)[i](n, k, rpn) <= t * (1 + 1e-12)
+            assert _ops(faster_intra)[i](n, k, rpn) <= t * (1 + 1e-12)
+            # a larger message is never faster
+            assert op(n * 1.5, k, rpn) >= t
+            # the same group inside one node is never slower
+            assert _ops(one_node)[i](n, k, k) <= t * (1 + 1e-12)
+
+
+def test_measured_table_takes_precedence_and_is_monotone():
+    samples = [CollectiveSample(op="all_reduce", group_size=2, n_bytes=s, time_s=t)
+               for s, t in [(1024, 4e-4), (2**20, 2e-3), (2**22, 1.9e-3), (2**25, 3e-2)]]
+    from cost_models.profile import MachineInfo, Profile
+
+    prof = Profile(machine=MachineInfo(hostname="h", platform="p", processor="x", cpu_count=2, ram_bytes=1),
+                   device_name="cpu", device_kind="cpu", device_count=2, torch_version="t", created="d",
+                   backend="gloo", threads_per_process=1, launch_overhead_s=1e-6, collectives=tuple(samples))
+    cm = CommModel(Topology(devices_per_node=2, intra=LINK, inter=LINK), profile=prof)
+    assert cm.all_reduce_time_s(2**20, 2) == pytest.approx(2e-3)
+    assert cm.all_reduce_time_s(2**22, 2) == pytest.approx(2e-3)  # noise dip flattened by the running max
+    mid = cm.all_reduce_time_s(2**21, 2)
+    assert 2e-3 <= mid <= 2e-3 * 1.0001
+    assert cm.all_reduce_time_s(10, 2) == pytest.approx(4e-4)  # below the table: the latency floor
+    slope = (3e-2 - 2e-3) / (2**25 - 2**22)
+    assert cm.all_reduce_time_s(2**26, 2) == pytest.approx(3e-2 + slope * 2**25)
+    # a group size that was not measured falls back to the α-β formula
+    four = CommModel(Topology(devices_per_node=4, intra=LINK, inter=LINK), profile=prof)
+    plain = CommModel(Topology(devices_per_node=4, intra=LINK, inter=LINK))
+    assert four.all_reduce_time_s(1e6, 4) == plain.all_reduce_time_s(1e6, 4)
+    assert four.all_reduce_time_s(1e6, 2) != plain.all_reduce_time_s(1e6, 2)
+    assert interpolate_time_s([(10, 1.0)], 20) == pytest.approx(2.0)
+
+
+def test_fit_link_recovers_alpha_beta():
+    alpha, beta = 50e-6, 2e9
+    rows = [CollectiveSample(op="all_reduce", group_size=k, n_bytes=n,
+                             time_s=2 * (k - 1) * alpha + 2 * (k - 1) / k * n / beta)
+            for k in (2, 4) for n in (1e3, 1e5, 1e7, 1e8)]
+    link = fit_link(rows, name="fit", source="test")
+    assert link.latency_s == pytest.approx(alpha, rel=1e-6)
+    assert link.bandwidth_Bps == pytest.approx(beta, rel=1e-6)
+
+
+def test_bad_layout_is_explained():
+    cm = ring_model()
+    with pytest.raises(ValueError, match="ranks_per_node=3 must divide group_size=8"):
+        cm.all_reduce_time_s(1e6, 8, ranks_per_node=3)
+    with pytest.raises(ValueError, match="algorithm"):
+        CommModel(Topology(devices_per_node=8, intra=LINK, inter=LINK), algorithm="magic")
