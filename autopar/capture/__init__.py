@@ -1,0 +1,100 @@
+"""`capture(model, example_inputs)`: a model as ordered, measured layers (`ModelGraph`), on meta tensors.
+
+Stages, each in its own module:
+  units.discover_units   which modules are indivisible pieces of layers (blocks, embedding, head, ...)
+  trace.trace_model      torch.fx.symbolic_trace (units as leaves), else torch.export(strict=False)
+  record.record          one meta forward pass; repeated blocks are run once and replayed by shape
+  probe.measure_call     per distinct unit call: FLOPs, traffic, saved activations, TP structure
+  layers                 units → layers; liveness of values across layer boundaries
+  assemble               LayerSpec / ModelGraph, per sample
+
+Attention is measured as the kernels GPU training runs (`kernels.py`): with SDPA, the flash kernel
+keeps q, k, v, its output and a fp32 log-sum-exp [b, heads, s] instead of Korthikanti's
+5·a·s²·b bytes of scores, softmax and dropout mask, so a GPT block saves about 34·s·b·h bytes plus
+4·a·s·b; eager attention (explicit softmax) saves s·b·h·(34 + 5as/h).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.capture.assemble import assemble
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.capture.layers import group_layers, liveness
+from autopar.capture.meta import on_meta, to_meta
+from autopar.capture.probe import measure_call, storage_key
+from autopar.capture.record import record
+from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
+from autopar.capture.units import discover_units
+from autopar.errors import CaptureError
+
+__all__ = ["capture", "ModelGraph", "LayerSpec", "TPPattern"]
+
+
+def _normalise_inputs(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise CaptureError(
+        f"example_inputs is a {type(example_inputs).__name__}; pass a tuple of the positional inputs of "
+        "model.forward, e.g. (input_ids,), and keyword inputs as keyword arguments of capture()"
+    )
+
+
+def _batch_and_seq(inputs: tuple) -> tuple[int, int | None]:
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    if not tensors:
+        raise CaptureError("example_inputs holds no tensor; capture needs one whose dim 0 is the batch")
+    first = tensors[0]
+    return int(first.shape[0]), (int(first.shape[1]) if first.dim() >= 2 else None)
+
+
+def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> ModelGraph:
+    """Trace and measure `model` called as `model(*example_inputs, **forward_kwargs)`, in training mode.
+
+    Runs on meta tensors whatever the model's device (real weights are swapped for meta stand-ins and
+    restored), so no weight is allocated. Numbers are per sample: dim 0 of the first input is the batch.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture() needs an nn.Module, got {type(model).__name__}")
+    start = time.perf_counter()
+    inputs = _normalise_inputs(example_inputs)
+    batch, seq_len = _batch_and_seq(inputs)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        forward_kwargs.setdefault("use_cache", False)  # a KV cache is for inference; training never builds it
+    units = discover_units(model)
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        with on_meta(model):
+            inputs, kwargs = to_meta(inputs), to_meta(forward_kwargs)
+            traced = trace_model(model, inputs, kwargs, units)
+            excluded = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+            single = len(units) == 1 and not units[0].name
+            runner = traced.graph_module if traced.graph_module is not None and not single else model
+            rec = record(model, runner, units, inputs, kwargs, excluded)
+            stats = {sig: measure_call(model.get_submodule(name), args, kw, excluded)
+                     for sig, (name, args, kw) in rec.first_inputs.items()}
+            called = list(dict.fromkeys(call.unit for call in rec.calls))
+            groups = group_layers(model, units, called)
+            unit_names = frozenset(u.name for u in units)
+            flow = (flow_from_fx(traced.graph_module, rec.node_bytes, unit_names) if runner is not model
+                    else flow_from_export(traced.exported, unit_names) if traced.exported is not None else [])
+            layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
+            input_bytes, boundary_bytes = liveness(flow, layer_of, len(groups))
+            return assemble(
+                model=model, model_name=getattr(model, "zoo_name", None) or type(model).__name__,
+                groups=groups, rec=rec, stats=stats, input_bytes=input_bytes, boundary_bytes=boundary_bytes,
+                batch=batch, seq_len=seq_len, method=traced.method, seconds=time.perf_counter() - start,
+                metadata={"distinct_calls_measured": len(stats), "unit_calls": len(rec.calls),
+                          "torch_version": torch.__version__},
+            )
+    finally:
+        for m, training in modes.items():
+            m.training = training

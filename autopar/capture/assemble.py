@@ -1,0 +1,178 @@
+"""Assemble the measured pieces into `LayerSpec`s and a `ModelGraph`, per sample of the example batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.capture.layers import LayerGroup
+from autopar.capture.probe import CallStats
+from autopar.capture.record import Recording
+
+__all__ = ["assemble"]
+
+_HIDDEN_ATTRS = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+@dataclass
+class _Sums:
+    forward_flops: float = 0.0
+    backward_flops: float = 0.0
+    forward_flops_tp_sharded: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    saved: int = 0
+    saved_tp_sharded: int = 0
+    saved_core: int = 0
+    signatures: list[str] = field(default_factory=list)
+    patterns: dict[tuple, TPPattern] = field(default_factory=dict)
+
+
+def _pair_patterns(unit: str, stats: CallStats) -> list[TPPattern]:
+    out = []
+    for pair in stats.pairs:
+        cols = tuple(f"{unit}.{c}" if unit else c for c in pair.columns)
+        row = f"{unit}.{pair.row}" if unit else pair.row
+        if pair.head_dim:
+            heads = pair.row_in_features // pair.head_dim
+            kv_width = pair.column_out_features - heads * pair.head_dim
+            kv = kv_width // (2 * pair.head_dim) if kv_width > 0 and kv_width % (2 * pair.head_dim) == 0 else None
+            out.append(TPPattern(kind="attention", column=cols, row=(row,), num_heads=heads, num_kv_heads=kv,
+                                 head_dim=pair.head_dim, allreduce_bytes_per_sample=pair.row_out_bytes))
+        else:
+            out.append(TPPattern(kind="mlp", column=cols, row=(row,),
+                                 allreduce_bytes_per_sample=pair.row_out_bytes))
+    return out
+
+
+def _vocab_patterns(model: nn.Module, unit: str, stats: CallStats, vocab: int | None) -> list[TPPattern]:
+    """Vocab-parallel embedding (all-reduce of its output) and LM head (all-reduce of its input gradient)."""
+    if vocab is None:
+        return []
+    in_pairs = {c for p in stats.pairs for c in (*p.columns, p.row)}
+    out = []
+    for rel, in_bytes, out_bytes, _ in stats.linear_io:
+        full = f"{unit}.{rel}" if unit and rel else (unit or rel)
+        m = model.get_submodule(full)
+        if isinstance(m, nn.Embedding) and m.num_embeddings == vocab:
+            out.append(TPPattern(kind="embedding", column=(full,), vocab_size=vocab,
+                                 allreduce_bytes_per_sample=out_bytes))
+        elif isinstance(m, nn.Linear) and m.out_features == vocab and rel not in in_pairs:
+            out.append(TPPattern(kind="lm_head", column=(full,), vocab_size=vocab,
+                                 allreduce_bytes_per_sample=in_bytes))
+    return out
+
+
+def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_params: bool) -> str:
+    modules = [m for u in group.units for m in model.get_submodule(u).modules()]
+    if any(p.kind == "lm_head" for p in patterns):
+        return "head"
+    if any(isinstance(m, nn.Embedding) for m in modules):
+        return "embedding"
+    if group.in_container and has_params:
+        return "block"
+    with_params = [m for m in modules if any(True for _ in m.parameters(recurse=False))]
+    if with_params and all("norm" in type(m).__name__.lower() for m in with_params):
+        return "norm"
+    return "other"
+
+
+def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec: Recording,
+             stats: dict[str, CallStats], input_bytes: list[int], boundary_bytes: list[int], batch: int,
+             seq_len: int | None, method: str, seconds: float, metadata: dict[str, Any]) -> ModelGraph:
+    layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    sums = [_Sums() for _ in groups]
+    for call in rec.calls:
+        s, st = sums[layer_of[call.unit]], stats[call.signature]
+        s.forward_flops += st.forward_flops
+        s.backward_flops += st.backward_flops
+        s.forward_flops_tp_sharded += st.forward_flops_tp_sharded
+        s.bytes_read += st.bytes_read
+        s.bytes_written += st.bytes_written
+        s.saved += st.saved_bytes
+        s.saved_tp_sharded += st.saved_bytes_tp_sharded
+        s.saved_core += st.saved_bytes_attention_core
+        s.signatures.append(call.signature)
+        vocab_patterns = _vocab_patterns(model, call.unit, st, vocab)
+        vocab_modules = {c for p in vocab_patterns for c in p.column}
+        # a vocab-parallel embedding / LM head splits its own work too
+        s.forward_flops_tp_sharded += sum(f for rel, _, _, f in st.linear_io
+                                          if (f"{call.unit}.{rel}" if call.unit and rel else call.unit or rel)
+                                          in vocab_modules)
+        for p in _pair_patterns(call.unit, st) + vocab_patterns:
+            s.patterns.setdefault((p.kind, p.column, p.row), p)
+    for last_unit, cost in rec.top_level.items():
+        s = sums[layer_of.get(last_unit, 0) if last_unit is not None else 0]
+        s.forward_flops += cost.forward_flops
+        # Top-level code runs forward only here; a matmul's backward is two matmuls of the same size
+        # (input and weight gradients), the 2x of Narayanan et al. 2021, eq. 3.
+        s.backward_flops += 2 * cost.forward_flops
+        s.bytes_read += cost.bytes_read
+        s.bytes_written += cost.bytes_written
+        s.saved += cost.saved_bytes
+        s.signatures.append(f"top:{cost.forward_flops}:{cost.saved_bytes}")
+
+    # Parameters: each counted once, in the first layer that holds it (tied weights stay with the embedding).
+    seen: set[int] = set()
+    params: list[list[torch.Tensor]] = [[] for _ in groups]
+    for i, g in enumerate(groups):
+        for u in g.units:
+            for p in model.get_submodule(u).parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params[i].append(p)
+    for p in model.parameters():  # owned by a container above the units: charged to the first layer
+        if id(p) not in seen:
+            seen.add(id(p))
+            params[0].append(p)
+
+    def per_sample(x: float) -> int:
+        return int(round(x / batch))
+
+    layers = []
+    for i, (g, s) in enumerate(zip(groups, sums, strict=True)):
+        patterns = list(s.patterns.values())
+        sig = hashlib.sha1("|".join([*s.signatures, str(sum(p.numel() for p in params[i]))]).encode())
+        layers.append(LayerSpec(
+            name=g.name, kind=_kind(model, g, patterns, bool(params[i])), signature=sig.hexdigest()[:16],
+            modules=g.units, num_params=sum(p.numel() for p in params[i]),
+            param_bytes=sum(p.numel() * p.element_size() for p in params[i]),
+            forward_flops=s.forward_flops / batch, backward_flops=s.backward_flops / batch,
+            forward_flops_tp_sharded=s.forward_flops_tp_sharded / batch,
+            bytes_read=per_sample(s.bytes_read), bytes_written=per_sample(s.bytes_written),
+            input_bytes=per_sample(input_bytes[i]), saved_activation_bytes=per_sample(s.saved),
+            saved_activation_bytes_tp_sharded=per_sample(s.saved_tp_sharded),
+            saved_activation_bytes_attention_core=per_sample(s.saved_core),
+            boundary_bytes=per_sample(boundary_bytes[i]),
+            tp_patterns=tuple(dataclasses.replace(p, allreduce_bytes_per_sample=per_sample(
+                p.allreduce_bytes_per_sample)) for p in patterns),
+        ))
+    attention = next((p for la in layers for p in la.tp_patterns if p.kind == "attention"), None)
+    vocab_embedding = next((m for m in embeddings if m.num_embeddings == vocab), None)
+    floating = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return ModelGraph(
+        model_name=model_name, layers=tuple(layers),
+        dtype=str(floating.dtype).removeprefix("torch.") if floating is not None else "float32",
+        seq_len=seq_len, example_batch_size=batch, num_params=sum(p.numel() for p in model.parameters()),
+        hidden_size=_config_int(model, _HIDDEN_ATTRS) or (vocab_embedding.embedding_dim if vocab_embedding else None),
+        num_attention_heads=attention.num_heads if attention else None,
+        num_kv_heads=(attention.num_kv_heads or attention.num_heads) if attention else None,
+        vocab_size=vocab, capture_method=method, capture_time_s=seconds, metadata=metadata,
+    )

@@ -1,0 +1,81 @@
+"""Make meta execution take the kernels a GPU training step takes.
+
+On meta (and CPU) tensors PyTorch picks fallbacks that a GPU run does not: scaled-dot-product
+attention decomposes into the math path (fp32 upcast, the s×s score and probability tensors saved
+for backward) and dropout saves a mask in the input dtype. Training on GPUs runs
+
+- `F.scaled_dot_product_attention` as the fused flash kernel (Dao et al. 2022): it saves q, k, v,
+  the output, a fp32 log-sum-exp [b, heads, s] and the RNG seed/offset, no s×s tensor; with an
+  explicit mask, the memory-efficient kernel (Rabe & Staats 2021, xFormers), which also saves the
+  mask as an additive bias;
+- `F.dropout` as `aten.native_dropout` (ATen `dropout` takes that fused path for CUDA inputs), which
+  saves a 1-byte boolean mask, the figure Korthikanti et al. (2022) use.
+
+Under `gpu_kernels()` those two functions are routed to exactly these ATen ops, whose meta kernels,
+autograd formulas and FlopCounterMode entries then give the GPU's saved tensors and FLOPs
+(flash counts 4·b·heads·s_q·s_k·head_dim forward, causal masking not halved).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["gpu_kernels", "SDPA_OPS"]
+
+aten = torch.ops.aten
+
+# Fused attention kernels (overload packets), forward only: their outputs after the first
+# (log-sum-exp, RNG state) exist only for the backward.
+SDPA_OPS = frozenset(
+    getattr(aten, name) for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",
+    ) if hasattr(aten, name)
+)
+
+
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+          enable_gqa: bool = False) -> torch.Tensor:
+    if query.dim() != 4:  # the fused kernels take [b, heads, s, d]; leave anything else to PyTorch
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if kv_heads != heads:  # grouped-query attention: the kernel sees each KV head repeated
+        key = key.repeat_interleave(heads // kv_heads, dim=-3)
+        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+    if attn_mask is None:
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                        scale=scale)[0]
+    bias = attn_mask
+    if bias.dtype == torch.bool:  # a boolean mask becomes an additive bias of the query dtype, as SDPA does
+        bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device)
+    bias = bias.expand(query.shape[0], heads, query.shape[-2], key.shape[-2])
+    return aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p, is_causal,
+                                                        scale=scale)[0]
+
+
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    if training and 0.0 < p < 1.0 and input.numel() > 0:
+        out = aten.native_dropout(input, p, True)[0]
+        return input.copy_(out) if inplace else out
+    return F.dropout(input, p, training, inplace)
+
+
+class gpu_kernels(TorchFunctionMode):  # noqa: N801  (used as a context manager, like torch's own modes)
+    """Route attention and dropout to the fused kernels GPU training runs (see the module docstring)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _sdpa(*args, **kwargs)
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
+        return func(*args, **kwargs)

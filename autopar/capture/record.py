@@ -1,0 +1,177 @@
+"""One forward pass on meta tensors that records, for every unit call, what it was given.
+
+Each unit's `forward` is wrapped for the duration of the pass. The first call with a given signature
+(module structure + input shapes) runs for real, on meta; a later call with the same signature is
+not run again: it returns fresh meta tensors shaped like the first call's output. That is what makes
+an 80-block model cost about as much as a 2-block one. Ops outside every unit (top-level code such as
+`wte(ids) + wpe(pos)`) are measured here, forward only, and charged to the unit that ran last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.capture.kernels import gpu_kernels
+from autopar.capture.probe import storage_key, tensor_bytes
+from autopar.capture.units import Unit, call_signature, structure_signature
+from autopar.errors import CaptureError
+
+__all__ = ["Call", "TopLevelCost", "Recording", "record"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Call:
+    unit: str
+    signature: str
+    ran: bool  # False: a repeat whose output was reconstructed from the first call's shapes
+
+
+@dataclass
+class TopLevelCost:
+    """Forward cost of code outside units, whole example batch."""
+
+    forward_flops: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    saved_bytes: int = 0
+
+
+@dataclass
+class Recording:
+    calls: list[Call] = field(default_factory=list)
+    first_inputs: dict[str, tuple[str, tuple, dict]] = field(default_factory=dict)  # signature → (unit, args, kw)
+    top_level: dict[str | None, TopLevelCost] = field(default_factory=dict)  # key: the unit that ran last
+    node_bytes: dict[str, int] = field(default_factory=dict)  # fx path: bytes of each top-level node
+
+
+class _TopLevelProbe(TorchDispatchMode):
+    def __init__(self, counter: FlopCounterMode, excluded: set[int]) -> None:
+        super().__init__()
+        self.counter = counter
+        self.excluded = excluded
+        self.depth = 0
+        self.last_unit: str | None = None
+        self.costs: dict[str | None, TopLevelCost] = {}
+        self.saved: set[int] = set()
+        self.keep: list[torch.Tensor] = []
+
+    def _cost(self) -> TopLevelCost:
+        return self.costs.setdefault(self.last_unit, TopLevelCost())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        before = self.counter.get_total_flops()
+        out = func(*args, **kwargs)
+        if self.depth == 0:
+            cost = self._cost()
+            cost.forward_flops += self.counter.get_total_flops() - before
+            if not func.is_view:
+                cost.bytes_read += tensor_bytes((args, kwargs))
+                cost.bytes_written += tensor_bytes(out)
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if self.depth == 0 and key not in self.excluded and key not in self.saved:
+            self.saved.add(key)
+            self.keep.append(t)
+            self._cost().saved_bytes += t.untyped_storage().nbytes()
+        return t
+
+
+def _shape_spec(out: Any) -> tuple[Any, list[Any]]:
+    leaves, spec = tree_flatten(out)
+    metas = [(tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else ("v", x)
+             for x in leaves]
+    return spec, metas
+
+
+def _rebuild(spec: Any, metas: list[Any]) -> Any:
+    leaves = [m[1] if m[0] == "v" else torch.empty(m[0], dtype=m[1], device=m[2]).requires_grad_(m[3])
+              for m in metas]
+    return tree_unflatten(leaves, spec)
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, node_bytes: dict[str, int]) -> None:
+        super().__init__(gm)
+        self.node_bytes = node_bytes
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.node_bytes[n.name] = tensor_bytes(result)
+        return result
+
+
+def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units: tuple[Unit, ...],
+           example_inputs: tuple, forward_kwargs: dict[str, Any], excluded: set[int]) -> Recording:
+    """Run `runner` (the model, or its unit-leaf GraphModule) once with every unit's forward wrapped."""
+    rec = Recording()
+    counter = FlopCounterMode(display=False)
+    probe = _TopLevelProbe(counter, excluded)
+    outputs: dict[str, tuple[Any, list[Any]]] = {}
+    structures: dict[int, str] = {}
+    originals: list[tuple[nn.Module, Any]] = []
+
+    def wrap(unit: Unit, module: nn.Module) -> Callable[..., Any]:
+        forward = module.forward
+
+        def recorded_forward(*args: Any, **kwargs: Any) -> Any:
+            if probe.depth > 0:  # a unit used inside another unit belongs to that unit's measurement
+                return forward(*args, **kwargs)
+            if id(module) not in structures:
+                structures[id(module)] = structure_signature(module)
+            sig = call_signature(structures[id(module)], args, kwargs)
+            if sig in outputs:
+                rec.calls.append(Call(unit=unit.name, signature=sig, ran=False))
+                probe.last_unit = unit.name
+                return _rebuild(*outputs[sig])
+            probe.depth += 1
+            try:
+                out = forward(*args, **kwargs)
+            except CaptureError:
+                raise
+            except Exception as e:
+                raise CaptureError(
+                    f"running module {unit.name!r} ({type(module).__name__}) on meta tensors failed: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Capture runs the model "
+                    "on the meta device; code that reads tensor values (.item(), .tolist(), printing) cannot "
+                    "run there. Move that code out of forward or make it depend on shapes only."
+                ) from e
+            finally:
+                probe.depth -= 1
+            outputs[sig] = _shape_spec(out)
+            rec.calls.append(Call(unit=unit.name, signature=sig, ran=True))
+            rec.first_inputs[sig] = (unit.name, args, kwargs)
+            probe.last_unit = unit.name
+            return out
+
+        return recorded_forward
+
+    for unit in units:
+        module = model.get_submodule(unit.name)
+        originals.append((module, module.__dict__.get("forward")))
+        module.forward = wrap(unit, module)
+    try:
+        with torch.enable_grad(), counter, probe, saved_tensors_hooks(probe.pack, lambda t: t), gpu_kernels():
+            if isinstance(runner, fx.GraphModule):
+                _Recorder(runner, rec.node_bytes).run(*example_inputs)
+            else:
+                runner(*example_inputs, **forward_kwargs)
+    finally:
+        for module, previous in originals:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+    rec.top_level = probe.costs
+    return rec
