@@ -6,6 +6,7 @@
 """
 
 from autopar import zoo
+from autopar.capture import capture  # the function shadows the subpackage name (autopar.capture(...))
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, PlannerOptions
@@ -21,6 +22,7 @@ from autopar.plan import Estimate, Plan, StagePlan
 
 __all__ = [
     "zoo",
+    "capture",
     "LayerSpec",
     "ModelGraph",
     "TPPattern",
