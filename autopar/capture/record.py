@@ -71,12 +71,11 @@ class _TopLevelProbe(TorchDispatchMode):
         kwargs = kwargs or {}
         before = self.counter.get_total_flops()
         out = func(*args, **kwargs)
-        if self.depth == 0:
+        if self.depth == 0 and not func.is_view:  # views move no data and do no arithmetic
             cost = self._cost()
             cost.forward_flops += self.counter.get_total_flops() - before
-            if not func.is_view:
-                cost.bytes_read += tensor_bytes((args, kwargs))
-                cost.bytes_written += tensor_bytes(out)
+            cost.bytes_read += tensor_bytes((args, kwargs))
+            cost.bytes_written += tensor_bytes(out)
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +133,11 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
             if sig in outputs:
                 rec.calls.append(Call(unit=unit.name, signature=sig, ran=False))
                 probe.last_unit = unit.name
-                return _rebuild(*outputs[sig])
+                probe.depth += 1  # building the stand-in output is not top-level work
+                try:
+                    return _rebuild(*outputs[sig])
+                finally:
+                    probe.depth -= 1
             probe.depth += 1
             try:
                 out = forward(*args, **kwargs)

@@ -1,0 +1,85 @@
+"""Resolve the MODEL argument of the CLI into `(model, example_inputs)`.
+
+MODEL is one of
+- a built-in zoo name (`gpt2-small`, `llama3-70b`, ...), built on the meta device;
+- `path/to/file.py:factory`, a file loaded as a module;
+- `package.module:factory`, an importable module.
+A factory is called with no argument, or with `seq_len=` when one is given and the factory accepts
+it, and returns `(model, example_inputs)` with example_inputs a tuple (a single tensor is accepted).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from autopar import zoo
+from autopar.errors import AutoparError
+
+__all__ = ["resolve_model"]
+
+
+def _load_module(target: str) -> ModuleType:
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise AutoparError(f"MODEL file {target!r} does not exist (cwd: {Path.cwd()}); "
+                               "give a path to a .py file, e.g. examples/my_model.py:build")
+        name = f"autopar_user_model_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise AutoparError(f"cannot load {target!r} as a Python module; is it a .py file?")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise AutoparError(f"importing {target!r} failed: {type(e).__name__}: {e}") from e
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as e:
+        raise AutoparError(f"cannot import module {target!r} ({e}); MODEL must be a zoo name "
+                           f"({', '.join(zoo.names())}), path/file.py:factory or package.module:factory") from e
+
+
+def resolve_model(spec: str, seq_len: int | None = None) -> tuple[nn.Module, tuple]:
+    """`(model, example_inputs)` for a MODEL string; see the module docstring for the accepted forms."""
+    if seq_len is not None and seq_len <= 0:
+        raise AutoparError(f"seq_len={seq_len}; it must be a positive number of tokens")
+    if ":" not in spec:
+        if spec in zoo.names():
+            return zoo.build(spec, seq_len=seq_len)
+        raise AutoparError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.names())}) and not of the "
+                           "form path/file.py:factory or package.module:factory")
+    target, _, factory_name = spec.rpartition(":")
+    if not target or not factory_name.isidentifier():
+        raise AutoparError(f"MODEL {spec!r}: expected path/file.py:factory or package.module:factory with "
+                           "a function name after the colon")
+    module = _load_module(target)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise AutoparError(f"{target!r} has no callable {factory_name!r}; its functions are {found}")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    result = factory(seq_len=seq_len) if seq_len is not None and "seq_len" in params else factory()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        raise AutoparError(f"{spec}: the factory returned {type(result).__name__}; it must return "
+                           "(model, example_inputs), e.g. `return model, (input_ids,)`")
+    model, inputs = result
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise AutoparError(f"{spec}: example_inputs is a {type(inputs).__name__}; return a tuple of tensors")
+    return model, tuple(inputs)
