@@ -1,0 +1,71 @@
+"""Process group and device mesh: the ("pp", "dp", "tp") grid every other codegen step slices.
+
+tp is the innermost (fastest-varying) axis, so consecutive ranks — the GPUs of one node under
+torchrun — form a tensor-parallel group; pp is outermost, so pipeline neighbours may sit on other
+nodes (Narayanan et al. 2021, §3.3: TP inside a node, PP across nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.config import ParallelConfig
+from autopar.errors import PlanMismatchError
+
+__all__ = ["MESH_AXES", "resolve_device", "init_distributed", "build_mesh"]
+
+MESH_AXES = ("pp", "dp", "tp")
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device of this rank: the one given, else cuda:LOCAL_RANK when CUDA is present, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group (unless the user already has) and check its size.
+
+    Under torchrun the rendezvous comes from the environment; outside it a plan for one process
+    still works (a private single-rank group is created). NCCL for CUDA, gloo otherwise.
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ and config.world_size == 1:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        elif "RANK" not in os.environ:
+            raise PlanMismatchError(
+                f"the plan needs {config.world_size} processes (tp·pp·dp = {config.tp}·{config.pp}·{config.dp}) but "
+                f"this is not a distributed launch; run `torchrun --nproc_per_node {config.world_size} your_script.py`"
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world != config.world_size:
+        raise PlanMismatchError(
+            f"the plan needs {config.world_size} processes (tp·pp·dp = {config.tp}·{config.pp}·{config.dp}) "
+            f"but the world size is {world}; launch with `torchrun --nproc_per_node {config.world_size}` "
+            f"(or make a plan for {world} processes)"
+        )
+
+
+def build_mesh(config: ParallelConfig, device: torch.device) -> DeviceMesh:
+    """The 3-D mesh (pp, dp, tp); axes of size 1 are kept so every rank can slice every axis."""
+    return init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=MESH_AXES)

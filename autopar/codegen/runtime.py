@@ -1,0 +1,194 @@
+"""`ParallelModel`: one training step of a parallelised model, as the user calls it on every rank.
+
+A step takes this data-parallel rank's share of the global batch (`local_batch`), runs its
+micro-batches (through the pipeline schedule when pp > 1), averages gradients over the
+data-parallel group (ZeRO-0/1; FSDP does it for ZeRO-2/3), steps the optimizer and returns the
+global mean loss — identical on every rank and equal to the single-device mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from autopar.codegen import state as state_io
+from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
+from autopar.codegen.loss import gather_vocab
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+
+__all__ = ["ParallelModel"]
+
+
+class ParallelModel:
+    """This rank's share of the model, its optimizer, and the step that trains them.
+
+    `parts` are this rank's pipeline stages `(stage_index, module)` (one when pp = 1), already
+    tensor-parallel, recomputing and data-parallel as planned.
+    """
+
+    def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, parts: Sequence[tuple[int, nn.Module]],
+                 num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
+                 device: torch.device) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.parts = tuple(parts)
+        self.num_stages = num_stages
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.vocab_parallel = vocab_parallel
+        self.device = device
+
+    # ---- where this rank sits ----
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.config.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        return tuple(m for _, m in self.parts)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(i == 0 for i, _ in self.parts)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(i == self.num_stages - 1 for i, _ in self.parts)
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.config.micro_batch_size * self.config.num_microbatches
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's contiguous slice (dim 0) of a global batch."""
+        if batch.size(0) != self.config.global_batch_size:
+            raise AutoparError(
+                f"global batch has {batch.size(0)} samples; the plan is for {self.config.global_batch_size} "
+                f"(dp·mbs·m = {self.config.dp}·{self.config.micro_batch_size}·{self.config.num_microbatches})"
+            )
+        n = self.local_batch_size
+        return batch[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def _check_local(self, inputs: torch.Tensor) -> None:
+        if inputs.size(0) != self.local_batch_size:
+            raise AutoparError(
+                f"train_step got {inputs.size(0)} samples; this rank's share is {self.local_batch_size} "
+                f"(mbs·m = {self.config.micro_batch_size}·{self.config.num_microbatches}); "
+                "pass pm.local_batch(global_batch)"
+            )
+
+    # ---- training ----
+    def train(self, mode: bool = True) -> ParallelModel:
+        for m in self.modules:
+            m.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+    def _set_gradient_sync(self, on: bool) -> None:
+        for m in self.modules:
+            if isinstance(m, FSDPModule):
+                m.set_requires_gradient_sync(on)
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, *, backward: bool) -> torch.Tensor:
+        """This rank's mean loss over its micro-batches (0 on ranks without the last stage)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        m = self.config.num_microbatches
+        if self.schedule is None:
+            part = self.modules[0]
+            total = torch.zeros((), device=self.device)
+            for i, (x, t) in enumerate(zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True)):
+                if backward:
+                    self._set_gradient_sync(i == m - 1)
+                    loss = self.loss_fn(part(x), t)
+                    (loss / m).backward()
+                else:
+                    loss = self.loss_fn(part(x), t)
+                total += loss.detach().float()
+            return total / m
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*args, target=target, losses=losses)
+        if not self.has_last_stage:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _global_mean(self, local_loss: torch.Tensor) -> float:
+        """Mean over data-parallel ranks; every tensor-parallel rank of the last stage holds a copy."""
+        loss = local_loss.reshape(1).to(self.device)
+        dist.all_reduce(loss)
+        return float(loss.item() / (self.config.dp * self.config.tp))
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on this rank's local batch; returns the global mean loss."""
+        self._check_local(inputs)
+        self.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = self._run(inputs, targets, backward=True)
+        if self.config.zero_stage < 2 or self.config.dp == 1:
+            average_gradients((p for m in self.modules for p in m.parameters()), self.mesh["dp"])
+        self.optimizer.step()
+        return self._global_mean(local_loss)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The global mean loss on this rank's local batch, without updating anything."""
+        self._check_local(inputs)
+        self.eval()
+        return self._global_mean(self._run(inputs, targets, backward=False))
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Full logits for `inputs` (no pipelining of micro-batches here; the whole batch at once)."""
+        self.eval()
+        if self.schedule is not None:
+            raise AutoparError("forward() of a pipelined model is not supported; use eval_loss(inputs, targets)")
+        logits = self.modules[0](inputs.to(self.device))
+        return gather_vocab(logits, self.mesh["tp"]) if self.vocab_parallel else logits
+
+    __call__ = forward
+
+    # ---- state ----
+    @property
+    def _inner_optimizer(self) -> torch.optim.Optimizer | None:
+        opt = self.optimizer
+        return opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's sharded model state (DTensors where sharded), under the original parameter names."""
+        return state_io.model_state(self.modules)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full single-device model state dict on every rank (collective: call it on all ranks)."""
+        return state_io.full_model_state(self.modules, self.mesh["pp"])
+
+    def save(self, path: str) -> None:
+        """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""
+        state_io.save(path, self.modules, self._inner_optimizer)
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint saved by `save` on the same layout (collective)."""
+        state_io.load(path, self.modules, self._inner_optimizer)

@@ -1,0 +1,148 @@
+"""Tensor (and sequence) parallelism from the `TPPattern`s of a `ModelGraph` (Shoeybi et al. 2019;
+Korthikanti et al. 2022 for sequence parallelism), on DTensor's `parallelize_module` styles.
+
+Per pattern, with tp ranks:
+- "mlp" / "attention": `column` linears split their output features (heads, for attention) and the
+  `row` linear its input features. The pattern's input is turned into a DTensor once, at the
+  module that owns the pattern (the common parent of its linears), so the column linears share one
+  input: forward needs one all-reduce (the row output) and backward one (the input gradient).
+  With sequence parallelism the input is all-gathered along the sequence and the row output
+  reduce-scattered back to sequence shards instead; norms run on sequence shards.
+- "embedding": vocabulary-parallel embedding (one all-reduce forward); with sequence parallelism
+  the embedding layer's output is then split along the sequence.
+- "lm_head": vocabulary-parallel output projection; the logits stay sharded over the vocabulary
+  for `loss.vocab_parallel_cross_entropy`.
+Attributes that hold a head count on the attention module (`n_heads`, `num_key_value_heads`, ...)
+are divided by tp, so code that views `(b, s, self.n_heads, head_dim)` sees the local head count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from autopar.capture.graph import LayerSpec, TPPattern
+from autopar.errors import PlanMismatchError
+
+__all__ = ["HEAD_COUNT_ATTRS", "apply_tensor_parallel", "is_norm"]
+
+# Attribute names that models use for (local) head counts; rewritten to count / tp.
+HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_local_heads",
+                    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_kv_heads")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and look-alikes (class names ending in "Norm"): replicated, per-token ops."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _parent(names: Iterable[str]) -> str:
+    """The longest common module-path prefix of `names` ("" for the root)."""
+    split = [n.split(".")[:-1] for n in names]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _first_tensor_slot(args: tuple, kwargs: dict) -> tuple[str, object]:
+    if args and isinstance(args[0], torch.Tensor):
+        return "arg", 0
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "kw", "hidden_states"
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            return "kw", key
+    raise PlanMismatchError("a tensor-parallel module was called without a tensor input; "
+                            "the pattern's parent module must take the hidden states as its first input")
+
+
+def _shared_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool):
+    """Pre-hook: local activation → one replicated DTensor for all column linears of a pattern."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        kind, slot = _first_tensor_slot(args, kwargs)
+        x = args[slot] if kind == "arg" else kwargs[slot]
+        if isinstance(x, DTensor):
+            return None
+        if sequence_parallel:
+            x = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()])
+        else:
+            x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        if kind == "arg":
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, slot: x}
+
+    return hook
+
+
+def _scatter_sequence_hook(tp_mesh: DeviceMesh):
+    """Forward hook: replicated local output → this rank's sequence shard (backward: all-gather)."""
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        rep = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        return rep.redistribute(tp_mesh, [Shard(1)]).to_local()
+
+    return hook
+
+
+def _rewrite_head_counts(module: nn.Module, pattern: TPPattern, tp: int) -> None:
+    counts = {pattern.num_heads, pattern.num_kv_heads or pattern.num_heads}
+    for attr in HEAD_COUNT_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value in counts:
+            setattr(module, attr, value // tp)
+
+
+def _check_divisible(layer: LayerSpec, pattern: TPPattern, tp: int) -> None:
+    if not pattern.max_degree_ok(tp):
+        raise PlanMismatchError(
+            f"layer {layer.name}: tp={tp} does not divide its {pattern.kind} pattern (heads={pattern.num_heads}, "
+            f"kv heads={pattern.num_kv_heads}, vocab={pattern.vocab_size}); re-plan with a tp that divides them"
+        )
+
+
+def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mesh: DeviceMesh, *,
+                          sequence_parallel: bool) -> None:
+    """Shard, in place, the TP patterns of `layers` that live in `module` (a model or one pipeline stage)."""
+    tp = tp_mesh.size()
+    sp = sequence_parallel
+    for layer in layers:
+        for pattern in layer.tp_patterns:
+            _check_divisible(layer, pattern, tp)
+            if pattern.kind in ("mlp", "attention"):
+                owner = _parent((*pattern.column, *pattern.row))
+                plan: dict[str, object] = {name: ColwiseParallel() for name in pattern.column}
+                plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+                             for name in pattern.row})
+                parallelize_module(module, tp_mesh, plan)
+                owner_module = module.get_submodule(owner)
+                owner_module.register_forward_pre_hook(_shared_input_hook(tp_mesh, sp), with_kwargs=True)
+                if pattern.kind == "attention":
+                    _rewrite_head_counts(owner_module, pattern, tp)
+            elif pattern.kind == "embedding":
+                parallelize_module(module, tp_mesh, {name: RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Replicate())
+                                                     for name in pattern.column})
+                if sp:
+                    module.get_submodule(layer.name).register_forward_hook(_scatter_sequence_hook(tp_mesh))
+            elif pattern.kind == "lm_head":
+                parallelize_module(module, tp_mesh, {name: ColwiseParallel(
+                    input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1))
+                    for name in pattern.column})
+        if sp:
+            for name, sub in module.get_submodule(layer.name).named_modules(prefix=layer.name):
+                if is_norm(sub) and any(True for _ in sub.parameters(recurse=False)):
+                    parallelize_module(module, tp_mesh, {name: SequenceParallel(use_local_output=True)})

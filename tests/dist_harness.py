@@ -1,0 +1,83 @@
+"""Run a function on N local processes joined by a gloo process group, as torchrun would.
+
+`run_distributed(fn, world_size, *args)` spawns the ranks (fresh interpreters, a free port, one
+thread each), runs `fn(*args)` in every rank and returns the per-rank results in rank order.
+A rank that raises, or a job that outlives `timeout_s`, fails the caller with every failing
+rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        out = fn(*args)
+        results.put((rank, "ok", out))
+    except BaseException:  # every failure goes back to the parent with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """`fn(*args)` on `world_size` gloo ranks; `fn` must be importable (module level) and return picklables."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break  # every rank exited without reporting (killed, or crashed at start-up)
+                continue
+            got[rank] = (status, value)
+            if status == "error":  # the others are likely blocked in a collective: give them a moment
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    missing = sorted(set(range(world_size)) - set(got))
+    if errors or missing:
+        lines = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            lines.append(f"ranks {missing} returned nothing (hung past {timeout_s:.0f} s, blocked on a failed "
+                         f"peer, or killed; exit codes {[p.exitcode for p in procs]})")
+        raise AssertionError(f"distributed job {getattr(fn, '__name__', fn)} on {world_size} ranks failed:\n"
+                             + "\n".join(lines))
+    return [got[r][1] for r in range(world_size)]

@@ -1,0 +1,141 @@
+"""Tiny models, their graphs, hand-built plans and the single-device reference for the parity tests.
+
+Shapes follow the CI budget: 2 layers, hidden 64, seq 16, global batch 8, fp32, dropout 0.
+The reference is the same initial model (deep-copied before sharding) trained on one process on
+the whole global batch with the same optimizer; every parallel rank computes it itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import autopar
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.codegen import lm_cross_entropy, parallelize
+from autopar.config import ParallelConfig
+from autopar.plan import Estimate, Plan, StagePlan
+
+SEQ, BATCH, VOCAB, HIDDEN, HEADS, LAYERS = 16, 8, 128, 64, 4, 2
+LR, STEPS = 1e-3, 5
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+
+def build_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        model, _ = autopar.zoo.build("gpt-tiny", seq_len=SEQ, device="cpu", dropout=0.0, n_layers=LAYERS,
+                                     hidden_size=HIDDEN, n_heads=HEADS, vocab_size=VOCAB)
+        return model
+    if kind == "hf_llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN + 40,
+                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                          max_position_embeddings=4 * SEQ, tie_word_embeddings=False, attn_implementation="sdpa")
+        return LlamaForCausalLM(cfg).float()
+    raise ValueError(kind)
+
+
+def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _layer(name: str, kind: str, patterns: tuple[TPPattern, ...] = (), modules: tuple[str, ...] = ()) -> LayerSpec:
+    zeros = dict(num_params=0, param_bytes=0, forward_flops=0.0, backward_flops=0.0, forward_flops_tp_sharded=0.0,
+                 bytes_read=0, bytes_written=0, input_bytes=0, saved_activation_bytes=0,
+                 saved_activation_bytes_tp_sharded=0, saved_activation_bytes_attention_core=0, boundary_bytes=0)
+    return LayerSpec(name=name, kind=kind, signature=kind, modules=modules or (name,), tp_patterns=patterns, **zeros)
+
+
+def handmade_graph(kind: str) -> ModelGraph:
+    """The graph capture is specified to produce for these models (used until capture exists)."""
+    if kind == "gpt":
+        emb, blocks, norm, head = "embed", "blocks", "ln_f", "lm_head"
+        att = ("attn.q_proj", "attn.k_proj", "attn.v_proj"), ("attn.o_proj",)
+        mlp = ("mlp.fc",), ("mlp.proj",)
+        emb_module, kv = "embed.wte", HEADS
+    else:
+        emb, blocks, norm, head = "model.embed_tokens", "model.layers", "model.norm", "lm_head"
+        att = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",)
+        mlp = ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)
+        emb_module, kv = "model.embed_tokens", HEADS // 2
+    layers = [_layer(emb, "embedding", (TPPattern(kind="embedding", column=(emb_module,), vocab_size=VOCAB),))]
+    for i in range(LAYERS):
+        p = f"{blocks}.{i}"
+        layers.append(_layer(p, "block", (
+            TPPattern(kind="attention", column=tuple(f"{p}.{c}" for c in att[0]), row=tuple(f"{p}.{r}" for r in att[1]),
+                      num_heads=HEADS, num_kv_heads=kv, head_dim=HIDDEN // HEADS),
+            TPPattern(kind="mlp", column=tuple(f"{p}.{c}" for c in mlp[0]), row=tuple(f"{p}.{r}" for r in mlp[1])),
+        )))
+    layers.append(_layer(norm, "norm"))
+    layers.append(_layer(head, "head", (TPPattern(kind="lm_head", column=(head,), vocab_size=VOCAB),)))
+    return ModelGraph(model_name=kind, layers=tuple(layers), dtype="float32", seq_len=SEQ, example_batch_size=1,
+                      num_params=0, hidden_size=HIDDEN, num_attention_heads=HEADS, num_kv_heads=kv,
+                      vocab_size=VOCAB)
+
+
+def graph_of(kind: str, model: nn.Module) -> ModelGraph:
+    return handmade_graph(kind)
+
+
+def make_plan(graph: ModelGraph, **config: Any) -> Plan:
+    """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp)."""
+    config.setdefault("micro_batch_size", BATCH // (config.get("dp", 1) * config.get("num_microbatches", 1)))
+    cfg = ParallelConfig(**config)
+    n_chunks = cfg.pp * cfg.virtual_stages
+    names = [la.name for la in graph.layers]
+    bounds = [round(i * len(names) / n_chunks) for i in range(n_chunks + 1)]
+    stages = tuple(StagePlan(index=i, layers=tuple(names[bounds[i]:bounds[i + 1]]), pp_rank=i % cfg.pp,
+                             recompute=cfg.recompute, time_per_microbatch_s=0.0, peak_memory_bytes=0)
+                   for i in range(n_chunks))
+    est = Estimate(step_time_s=0.0, tokens_per_s=0.0, tflops_per_device=0.0, mfu=0.0, peak_memory_bytes=0,
+                   breakdown={})
+    return Plan(config=cfg, stages=stages, estimate=est, model_name=graph.model_name,
+                graph_fingerprint=graph.fingerprint, cluster_name="local", cluster_fingerprint="-",
+                global_batch_size=cfg.global_batch_size, seq_len=SEQ)
+
+
+def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+def train_reference(model: nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = optimizer(model.parameters())
+    losses = []
+    for x, t in data:
+        opt.zero_grad()
+        loss = lm_cross_entropy(logits_of(model, x), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def parity_case(kind: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Run in every rank: reference vs parallel losses per step and the largest final-weight error."""
+    model = build_model(kind)
+    reference = copy.deepcopy(model)
+    graph = graph_of(kind, model)
+    plan = make_plan(graph, **config)
+    data = batches()
+    ref_losses, ref_state = train_reference(reference, data)
+    pm = parallelize(model, plan, graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
+    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
+    full = pm.full_state_dict()
+    worst = max(((full[k] - v).abs() - 1e-4 * v.abs()).max().item() for k, v in ref_state.items() if k in full)
+    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses, "worst_excess": worst,
+            "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
+
+
+def parity_cases(cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [parity_case(kind, cfg) for kind, cfg in cases]
