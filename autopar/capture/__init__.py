@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
 
 from autopar.capture.assemble import assemble
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.capture.layers import group_layers, liveness
-from autopar.capture.meta import on_meta, to_meta
+from autopar.capture.meta import on_meta, swap_tensors, to_meta
 from autopar.capture.probe import measure_call, storage_key
 from autopar.capture.record import record
 from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
@@ -78,9 +81,16 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
             excluded = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
             single = len(units) == 1 and not units[0].name
             runner = traced.graph_module if traced.graph_module is not None and not single else model
-            rec = record(model, runner, units, inputs, kwargs, excluded)
-            stats = {sig: measure_call(model.get_submodule(name), args, kw, excluded)
-                     for sig, (name, args, kw) in rec.first_inputs.items()}
+            # Models that needed export (Hugging Face) consult tensor values in Python unless they see
+            # fake tensors; FakeTensorMode gives them those, still without any storage.
+            fake = FakeTensorMode(allow_non_fake_inputs=True) if traced.exported is not None else None
+            with fake or nullcontext(), swap_tensors(model, fake.from_tensor) if fake else nullcontext():
+                if fake is not None:
+                    inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor, (inputs, kwargs))
+                    excluded = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+                rec = record(model, runner, units, inputs, kwargs, excluded)
+                stats = {sig: measure_call(model.get_submodule(name), args, kw, excluded)
+                         for sig, (name, args, kw) in rec.first_inputs.items()}
             called = list(dict.fromkeys(call.unit for call in rec.calls))
             groups = group_layers(model, units, called)
             unit_names = frozenset(u.name for u in units)

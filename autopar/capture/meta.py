@@ -7,7 +7,7 @@ capture and restored afterwards, so no weight is copied and no kernel runs on re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["on_meta", "to_meta"]
+__all__ = ["on_meta", "swap_tensors", "to_meta"]
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -36,15 +36,24 @@ def to_meta(value: Any) -> Any:
 @contextmanager
 def on_meta(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily replace every non-meta parameter and buffer of `model` by a meta tensor; tied stay tied."""
+    with swap_tensors(model, _meta_like,
+                      lambda t: not (t.device.type == "meta" and type(t) in (torch.Tensor, nn.Parameter))):
+        yield model
+
+
+@contextmanager
+def swap_tensors(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor],
+                 select: Callable[[torch.Tensor], bool] = lambda t: True) -> Iterator[nn.Module]:
+    """Temporarily replace the selected parameters and buffers by `make(t)` (one stand-in per tensor)."""
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     memo: dict[int, Any] = {}
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             for name, t in store.items():
-                if t is None or (t.device.type == "meta" and type(t) in (torch.Tensor, nn.Parameter)):
+                if t is None or not select(t):
                     continue
                 if id(t) not in memo:
-                    stand_in = _meta_like(t)
+                    stand_in = make(t.detach())
                     memo[id(t)] = nn.Parameter(stand_in, t.requires_grad) if isinstance(t, nn.Parameter) \
                         else stand_in
                 swapped.append((store, name, t))
