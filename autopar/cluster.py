@@ -56,6 +56,8 @@ PRESETS: dict[str, tuple[str, str, str, int, str]] = {
 }
 
 _FILE_KEYS = ("name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "backend")
+_LINK_KEYS = ("bandwidth_GBps", "latency_us", "efficiency", "efficiency_source", "source", "notes")
+_DEVICE_KEYS = ("name", "kind", "memory_GiB", "memory_bandwidth_GBps", "peak_TFLOPs", "source", "notes")
 
 
 def _local_device_name() -> str:
@@ -267,6 +269,9 @@ def _link_field(data: dict[str, Any], key: str, where: str) -> LinkSpec:
             raise ClusterSpecError(f"{where}: {key} = {value!r} is not a catalog link; use {hint}")
         return catalog.link(value)
     if isinstance(value, dict):
+        unknown = sorted(set(value) - set(_LINK_KEYS))
+        if unknown:
+            raise ClusterSpecError(f"{where}: [{key}] has unknown field(s) {unknown}; accepted: {list(_LINK_KEYS)}")
         try:
             return catalog.link_from_table(f"{data.get('name', 'cluster')}-{key}",
                                            {"source": f"cluster file {where}", **value})
@@ -290,6 +295,9 @@ def _cluster_from_mapping(data: dict[str, Any], where: str) -> Cluster:
                                    f"{', '.join(catalog.devices())}, or an inline [device] table")
         device = catalog.device(dev)
     elif isinstance(dev, dict):
+        unknown = sorted(set(dev) - set(_DEVICE_KEYS))
+        if unknown:
+            raise ClusterSpecError(f"{where}: [device] has unknown field(s) {unknown}; accepted: {list(_DEVICE_KEYS)}")
         try:
             device = catalog.device_from_table(str(dev.get("name", "custom")), {"source": f"cluster file {where}",
                                                                                 **dev})

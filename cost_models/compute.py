@@ -82,10 +82,10 @@ class ComputeModel:
         w_half = self.device.peak_flops_for(dtype) * self.eff_max * self.ramp_s
         return self.eff_max * flops / (flops + w_half) if flops > 0 else 0.0
 
-    def _compute_s(self, flops: float, dtype: str) -> float:
+    def _compute_s(self, flops: float, dtype: str, layout: str | None = None) -> float:
         if flops <= 0:
             return 0.0
-        samples = self.profile.gemm_samples(dtype) if self.profile else []
+        samples = self.profile.gemm_samples(dtype, layout) if self.profile else []
         if samples:
             best = max(s.flops_per_s for s in samples)
             return _monotone_interp([s.flops for s in samples], [s.time_s for s in samples], flops, best)
@@ -121,19 +121,22 @@ class ComputeModel:
             return max(roof, self.launch_s)
         return roof + self.launch_s
 
-    def gemm_time_s(self, m: int, n: int, k: int, dtype: str = "bfloat16") -> float:
-        """Seconds for (m×k)·(k×n): an exact measured shape if profiled, else op_time_s on the tile-padded
-        FLOPs and the bytes of both operands and the result."""
+    def gemm_time_s(self, m: int, n: int, k: int, dtype: str = "bfloat16", layout: str = "nn") -> float:
+        """Seconds for (m×k)·(k×n): an exact measured shape and layout if profiled, else the roofline on
+        the tile-padded FLOPs and the bytes of both operands and the result (measured tables of the same
+        operand layout when the profile has them)."""
         if min(m, n, k) <= 0:
             raise ValueError(f"gemm_time_s: m={m}, n={n}, k={k} must be positive")
         if self.profile is not None:
-            for s in self.profile.gemm_samples(dtype):
-                if (s.m, s.n, s.k) == (m, n, k):
+            for s in self.profile.gemm_samples(dtype, layout):
+                if (s.m, s.n, s.k, s.layout) == (m, n, k, layout):
                     return s.time_s
         pad_m = math.ceil(m / self.tile) * self.tile
         pad_n = math.ceil(n / self.tile) * self.tile
-        elem = _dtype_bytes(dtype)
-        return self.op_time_s(2.0 * pad_m * pad_n * k, elem * (m * k + k * n + m * n), dtype)
+        flops = 2.0 * pad_m * pad_n * k
+        bytes_moved = _dtype_bytes(dtype) * (m * k + k * n + m * n)
+        roof = max(self._compute_s(flops, dtype, layout), self._memory_s(bytes_moved, dtype))
+        return max(roof, self.launch_s) if self._measured_tables(dtype) else roof + self.launch_s
 
 
 def _dtype_bytes(dtype: str) -> int:

@@ -68,13 +68,15 @@ class MachineInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class GemmSample:
-    """One timed (m×k)·(k×n) matmul."""
+    """One timed (m×k)·(k×n) matmul; layout says which operands are transposed views ("nn", "nt", "tn"),
+    as a linear layer's forward (x·Wᵀ), input-gradient (g·W) and weight-gradient (gᵀ·x) GEMMs are."""
 
     m: int
     n: int
     k: int
     dtype: str
     time_s: float
+    layout: str = "nn"
 
     @property
     def flops(self) -> float:
@@ -150,8 +152,12 @@ class Profile:
             raise ValueError(f"Profile.layer_times has non-positive times: {bad}")
 
     # ---- queries used by the cost models ----
-    def gemm_samples(self, dtype: str) -> list[GemmSample]:
-        return [g for g in self.gemm if g.dtype == dtype]
+    def gemm_samples(self, dtype: str, layout: str | None = None) -> list[GemmSample]:
+        """Samples of `dtype`; of `layout` too when given and measured (else every layout)."""
+        rows = [g for g in self.gemm if g.dtype == dtype]
+        if layout is not None:
+            rows = [g for g in rows if g.layout == layout] or rows
+        return rows
 
     def peak_gemm_flops(self, dtype: str) -> float | None:
         """The best GEMM throughput measured in `dtype`, or None when that dtype was not measured."""

@@ -18,6 +18,15 @@ __all__ = ["gemm_shapes", "elementwise_sizes", "measure_gemm", "measure_elementw
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.randn(k, m, device=device, dtype=dtype).t() if layout[0] == "t" else \
+        torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(n, k, device=device, dtype=dtype).t() if layout[1] == "t" else \
+        torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
+
+
 def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
     squares = [64, 128, 256, 512, 1024, 2048] if quick else [64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
     skinny = [(1024, 768, 768), (1024, 3072, 768), (1024, 768, 3072), (4096, 1024, 256), (256, 4096, 1024)]
@@ -37,26 +46,27 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
     out = []
     trials = 3 if quick else 5
     for dtype in dtypes:
-        for m, n, k in gemm_shapes(quick):
-            a = torch.randn(m, k, device=device, dtype=_DTYPES[dtype])
-            b = torch.randn(k, n, device=device, dtype=_DTYPES[dtype])
-            t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials)
-            sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t)
-            progress(f"gemm {m}x{n}x{k} {dtype}: {t * 1e3:.3f} ms, {sample.flops_per_s / 1e9:.1f} GFLOP/s")
-            out.append(sample)
+        for layout in ("nn", "nt", "tn"):
+            for m, n, k in gemm_shapes(quick):
+                a, b = _operands(m, n, k, layout, _DTYPES[dtype], device)
+                t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials)
+                sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout)
+                progress(f"gemm {m}x{n}x{k} {layout} {dtype}: {t * 1e3:.3f} ms, "
+                         f"{sample.flops_per_s / 1e9:.1f} GFLOP/s")
+                out.append(sample)
     return out
 
 
 def measure_elementwise(device: torch.device, dtype: str, quick: bool,
                         progress: Callable[[str], None]) -> list[ElementwiseSample]:
-    """c = a + b: reads 2 operands, writes 1, so traffic = 3 × operand bytes."""
+    """c = a + b into a fresh tensor, as model ops run (the allocation and first touch of the output are
+    part of the cost on CPU): reads 2 operands, writes 1, so traffic = 3 × operand bytes."""
     out = []
     elem = torch.empty((), dtype=_DTYPES[dtype]).element_size()
     for n_bytes in elementwise_sizes(quick):
         a = torch.randn(n_bytes // elem, device=device, dtype=_DTYPES[dtype])
         b = torch.randn_like(a)
-        c = torch.empty_like(a)
-        t = time_callable(lambda a=a, b=b, c=c: torch.add(a, b, out=c), device, trials=3 if quick else 5)
+        t = time_callable(lambda a=a, b=b: torch.add(a, b), device, trials=3 if quick else 5)
         sample = ElementwiseSample(op="add", dtype=dtype, n_bytes=3 * n_bytes, time_s=t)
         progress(f"elementwise add {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
         out.append(sample)

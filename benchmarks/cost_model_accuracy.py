@@ -1,0 +1,111 @@
+"""Prediction against measurement on this machine: does the cost model, fed a fresh profile, predict
+what it has not measured?
+
+    python benchmarks/cost_model_accuracy.py [--profile profile.json] [--nproc 4]
+
+1. Profile this machine (`profile_machine(quick=True)`), unless --profile is given.
+2. GEMMs of shapes the sweep did not time: ComputeModel.gemm_time_s vs torch.mm, median of repeats.
+3. A GPT transformer block (h=768, 12 heads, s=512, b=2, eager attention) forward + backward, predicted
+   op by op from the GEMM and elementwise tables only (cost_models.optrace) — not from a layer entry.
+4. gloo all-reduce of sizes between the profile's table points over 2 and 4 processes: CommModel vs
+   a fresh measurement.
+Prints each case with its relative error and whether it is within 15%. Run it on a quiet machine:
+other processes on the same cores change both sides of the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from autopar.zoo.gpt import GPTBlock, GPTConfig
+from cost_models import catalog
+from cost_models.comm import CommModel, Topology
+from cost_models.compute import ComputeModel
+from cost_models.optrace import predict_ops_time_s, trace_ops
+from cost_models.profile import Profile
+from cost_models.profiler import profile_machine
+from cost_models.profiler.collectives import measure_collectives
+from cost_models.profiler.timing import time_callable
+
+TOLERANCE = 0.15
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GEMM_CASES = [(1536, 1536, 1536), (3000, 700, 1300), (2048, 4096, 1024)]
+ALLREDUCE_BYTES = [2**16, 2**20, 2**24]  # 64 KiB, 1 MiB, 16 MiB: between the quick table's points
+
+
+def row(name: str, predicted_s: float, measured_s: float) -> bool:
+    err = predicted_s / measured_s - 1.0
+    ok = abs(err) <= TOLERANCE
+    print(f"{name:<44}{predicted_s * 1e3:>12.3f}{measured_s * 1e3:>12.3f}{err * 100:>+9.1f}%  {'ok' if ok else 'MISS'}")
+    return ok
+
+
+def gemm_cases(cm: ComputeModel, device: torch.device) -> list[bool]:
+    results = []
+    for dtype in ("float32", "bfloat16"):
+        for m, n, k in GEMM_CASES:
+            a = torch.randn(m, k, dtype=DTYPES[dtype], device=device)
+            b = torch.randn(k, n, dtype=DTYPES[dtype], device=device)
+            measured = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trial_s=0.05, trials=7)
+            results.append(row(f"gemm {m}x{n}x{k} {dtype}", cm.gemm_time_s(m, n, k, dtype), measured))
+    return results
+
+
+def block_cases(cm: ComputeModel, device: torch.device) -> list[bool]:
+    results = []
+    cfg = GPTConfig(n_layers=1, hidden_size=768, n_heads=12, vocab_size=1024, max_seq_len=512, dropout=0.0,
+                    attn_impl="eager")
+    for dtype in ("float32", "bfloat16"):
+        block = GPTBlock(cfg).to(device=device, dtype=DTYPES[dtype])
+        x = torch.randn(2, 512, 768, dtype=DTYPES[dtype], device=device, requires_grad=True)
+        grad = torch.randn_like(x)
+
+        def step(block: torch.nn.Module = block, x: torch.Tensor = x, grad: torch.Tensor = grad) -> None:
+            block(x).backward(grad)
+
+        predicted = predict_ops_time_s(trace_ops(step), cm, dtype)
+        measured = time_callable(step, device, trial_s=0.3, trials=7, max_reps=20)
+        results.append(row(f"GPT block h768 s512 b2 fwd+bwd {dtype}", predicted, measured))
+    return results
+
+
+def allreduce_cases(prof: Profile, nproc: int) -> list[bool]:
+    groups = [g for g in (2, 4) if g <= nproc]
+    plan = [("all_reduce", g) for g in groups]
+    measured = measure_collectives(nproc, backend="gloo", quick=False, progress=lambda _m: None,
+                                   sizes=ALLREDUCE_BYTES, plan=plan)
+    comm = CommModel(Topology(devices_per_node=nproc, intra=catalog.link("cpu-loopback"),
+                              inter=catalog.link("cpu-loopback")), profile=prof)
+    return [row(f"gloo all_reduce x{s.group_size} {s.n_bytes / 2**10:.0f} KiB",
+                comm.all_reduce_time_s(s.n_bytes, s.group_size, s.group_size), s.time_s) for s in measured]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", help="use this profile instead of measuring one now")
+    ap.add_argument("--nproc", type=int, default=4, help="processes for the collective sweep (default 4)")
+    args = ap.parse_args()
+    device = torch.device("cpu")
+    t0 = time.perf_counter()
+    if args.profile:
+        prof = Profile.load(args.profile)
+    else:
+        print(f"profiling this machine (quick sweep, {args.nproc} processes) ...", flush=True)
+        prof = profile_machine(nproc=args.nproc, quick=True)
+    print(f"profile: {prof.device_name}, torch {prof.torch_version}, {prof.created}, "
+          f"{torch.get_num_threads()} threads; took {time.perf_counter() - t0:.0f} s\n")
+    cm = ComputeModel(catalog.device("cpu"), prof)
+    print(f"{'case':<44}{'pred ms':>12}{'meas ms':>12}{'error':>10}")
+    results = gemm_cases(cm, device) + block_cases(cm, device) + allreduce_cases(prof, args.nproc)
+    hits = sum(results)
+    errs = f"{hits}/{len(results)} within {TOLERANCE:.0%}"
+    print(f"\n{errs}; total {time.perf_counter() - t0:.0f} s")
+    return 0 if hits == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
