@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["model_state", "full_model_state", "optimizer_state", "init_optimizer_state", "save", "load"]
+__all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state", "save", "load"]
 
 
 def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
@@ -46,6 +46,20 @@ def full_model_state(parts: Sequence[nn.Module], pp_mesh: DeviceMesh) -> dict[st
     for d in gathered:
         out.update(d)
     return out
+
+
+def full_gradients(parts: Sequence[nn.Module], pp_mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """Full gradients (as left by the last step) by parameter name, on every rank; for parity checks."""
+    mine = {}
+    for name, p in sorted((n, p) for part in parts for n, p in part.named_parameters()):
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            mine[name] = g.detach().cpu().clone()
+    if pp_mesh.size() == 1:
+        return mine
+    gathered: list[Any] = [None] * pp_mesh.size()
+    dist.all_gather_object(gathered, mine, group=pp_mesh.get_group())
+    return {k: v for d in gathered for k, v in d.items()}
 
 
 def _param_names(parts: Sequence[nn.Module]) -> dict[int, str]:
