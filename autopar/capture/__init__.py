@@ -16,6 +16,7 @@ keeps q, k, v, its output and a fp32 log-sum-exp [b, heads, s] instead of Korthi
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
 from contextlib import nullcontext
@@ -30,10 +31,10 @@ from autopar.capture.assemble import assemble
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.capture.layers import group_layers, liveness
 from autopar.capture.meta import on_meta, swap_tensors, to_meta
-from autopar.capture.probe import measure_call, storage_key
+from autopar.capture.probe import ModelState, measure_call
 from autopar.capture.record import record
 from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
-from autopar.capture.units import discover_units
+from autopar.capture.units import discover_units, structure_signature
 from autopar.errors import CaptureError
 
 __all__ = ["capture", "ModelGraph", "LayerSpec", "TPPattern"]
@@ -74,11 +75,15 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
     units = discover_units(model)
     modes = {m: m.training for m in model.modules()}
     model.train()
+    # Capture allocates many small, short-lived objects and no cycles worth collecting; pausing the
+    # cyclic collector keeps its full passes over a 100-block module tree out of the timing.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with on_meta(model):
             inputs, kwargs = to_meta(inputs), to_meta(forward_kwargs)
-            traced = trace_model(model, inputs, kwargs, units)
-            excluded = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+            structures = {u.name: structure_signature(model.get_submodule(u.name)) for u in units}
+            traced = trace_model(model, inputs, kwargs, units, structures)
             single = len(units) == 1 and not units[0].name
             runner = traced.graph_module if traced.graph_module is not None and not single else model
             # Models that needed export (Hugging Face) consult tensor values in Python unless they see
@@ -87,9 +92,9 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
             with fake or nullcontext(), swap_tensors(model, fake.from_tensor) if fake else nullcontext():
                 if fake is not None:
                     inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor, (inputs, kwargs))
-                    excluded = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
-                rec = record(model, runner, units, inputs, kwargs, excluded)
-                stats = {sig: measure_call(model.get_submodule(name), args, kw, excluded)
+                state = ModelState(model)
+                rec = record(model, runner, units, structures, inputs, kwargs, state)
+                stats = {sig: measure_call(model.get_submodule(name), args, kw, state)
                          for sig, (name, args, kw) in rec.first_inputs.items()}
             called = list(dict.fromkeys(call.unit for call in rec.calls))
             groups = group_layers(model, units, called)
@@ -106,5 +111,7 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
                           "torch_version": torch.__version__},
             )
     finally:
+        if gc_was_enabled:
+            gc.enable()
         for m, training in modes.items():
             m.training = training

@@ -51,32 +51,45 @@ def _pair_patterns(unit: str, stats: CallStats) -> list[TPPattern]:
     return out
 
 
-def _vocab_patterns(model: nn.Module, unit: str, stats: CallStats, vocab: int | None) -> list[TPPattern]:
-    """Vocab-parallel embedding (all-reduce of its output) and LM head (all-reduce of its input gradient)."""
+def _vocab_modules(model: nn.Module, vocab: int | None) -> dict[str, str]:
+    """Fully qualified name → "embedding" / "lm_head" for modules whose size is the vocabulary."""
+    found: dict[str, str] = {}
     if vocab is None:
-        return []
+        return found
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and m.num_embeddings == vocab:
+            found[name] = "embedding"
+        elif isinstance(m, nn.Linear) and m.out_features == vocab:
+            found[name] = "lm_head"
+    return found
+
+
+def _vocab_patterns(unit: str, stats: CallStats, vocab_modules: dict[str, str], vocab: int | None
+                    ) -> list[TPPattern]:
+    """Vocab-parallel embedding (all-reduce of its output) and LM head (all-reduce of its input gradient)."""
     in_pairs = {c for p in stats.pairs for c in (*p.columns, p.row)}
     out = []
     for rel, in_bytes, out_bytes, _ in stats.linear_io:
         full = f"{unit}.{rel}" if unit and rel else (unit or rel)
-        m = model.get_submodule(full)
-        if isinstance(m, nn.Embedding) and m.num_embeddings == vocab:
+        kind = vocab_modules.get(full)
+        if kind == "embedding":
             out.append(TPPattern(kind="embedding", column=(full,), vocab_size=vocab,
                                  allreduce_bytes_per_sample=out_bytes))
-        elif isinstance(m, nn.Linear) and m.out_features == vocab and rel not in in_pairs:
+        elif kind == "lm_head" and rel not in in_pairs:
             out.append(TPPattern(kind="lm_head", column=(full,), vocab_size=vocab,
                                  allreduce_bytes_per_sample=in_bytes))
     return out
 
 
-def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_params: bool) -> str:
-    modules = [m for u in group.units for m in model.get_submodule(u).modules()]
+def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_params: bool,
+          embedding_names: list[str]) -> str:
     if any(p.kind == "lm_head" for p in patterns):
         return "head"
-    if any(isinstance(m, nn.Embedding) for m in modules):
+    if any(e == u or e.startswith(f"{u}.") or not u for e in embedding_names for u in group.units):
         return "embedding"
     if group.in_container and has_params:
         return "block"
+    modules = [m for u in group.units for m in model.get_submodule(u).modules()]
     with_params = [m for m in modules if any(True for _ in m.parameters(recurse=False))]
     if with_params and all("norm" in type(m).__name__.lower() for m in with_params):
         return "norm"
@@ -96,8 +109,10 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
              stats: dict[str, CallStats], input_bytes: list[int], boundary_bytes: list[int], batch: int,
              seq_len: int | None, method: str, seconds: float, metadata: dict[str, Any]) -> ModelGraph:
     layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embedding_names = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    embeddings = [model.get_submodule(n) for n in embedding_names]
     vocab = max((m.num_embeddings for m in embeddings), default=None)
+    vocab_modules = _vocab_modules(model, vocab)
     sums = [_Sums() for _ in groups]
     for call in rec.calls:
         s, st = sums[layer_of[call.unit]], stats[call.signature]
@@ -110,12 +125,12 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved_tp_sharded += st.saved_bytes_tp_sharded
         s.saved_core += st.saved_bytes_attention_core
         s.signatures.append(call.signature)
-        vocab_patterns = _vocab_patterns(model, call.unit, st, vocab)
-        vocab_modules = {c for p in vocab_patterns for c in p.column}
+        vocab_patterns = _vocab_patterns(call.unit, st, vocab_modules, vocab)
+        vocab_names = {c for p in vocab_patterns for c in p.column}
         # a vocab-parallel embedding / LM head splits its own work too
         s.forward_flops_tp_sharded += sum(f for rel, _, _, f in st.linear_io
                                           if (f"{call.unit}.{rel}" if call.unit and rel else call.unit or rel)
-                                          in vocab_modules)
+                                          in vocab_names)
         for p in _pair_patterns(call.unit, st) + vocab_patterns:
             s.patterns.setdefault((p.kind, p.column, p.row), p)
     for last_unit, cost in rec.top_level.items():
@@ -151,7 +166,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         patterns = list(s.patterns.values())
         sig = hashlib.sha1("|".join([*s.signatures, str(sum(p.numel() for p in params[i]))]).encode())
         layers.append(LayerSpec(
-            name=g.name, kind=_kind(model, g, patterns, bool(params[i])), signature=sig.hexdigest()[:16],
+            name=g.name, kind=_kind(model, g, patterns, bool(params[i]), embedding_names),
+            signature=sig.hexdigest()[:16],
             modules=g.units, num_params=sum(p.numel() for p in params[i]),
             param_bytes=sum(p.numel() * p.element_size() for p in params[i]),
             forward_flops=s.forward_flops / batch, backward_flops=s.backward_flops / batch,

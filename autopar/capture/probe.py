@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture.kernels import SDPA_OPS, gpu_kernels
 
-__all__ = ["CallStats", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
+__all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
 
 aten = torch.ops.aten
 _MATMUL_OPS = frozenset({aten.mm, aten.bmm, aten.baddbmm, aten.addmm, aten.addbmm, aten.matmul})
@@ -44,6 +44,18 @@ _CONSTANT: Tag = (frozenset(), False)
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+class ModelState:
+    """Recognises parameters and buffers (and views of them), which are never activations."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffer_ids = {id(b) for b in model.buffers()}
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        base = t._base if t._base is not None else t
+        return isinstance(base, nn.Parameter) or isinstance(t, nn.Parameter) or id(base) in self.buffer_ids \
+            or id(t) in self.buffer_ids
 
 
 def tensor_bytes(value: Any) -> int:
@@ -91,10 +103,10 @@ class _Op:
 class _Tracker(TorchDispatchMode):
     """Tags storages with their source linears and records each op (see the module docstring)."""
 
-    def __init__(self, counter: FlopCounterMode, excluded: set[int]) -> None:
+    def __init__(self, counter: FlopCounterMode, state: ModelState) -> None:
         super().__init__()
         self.counter = counter
-        self.excluded = excluded  # storages of parameters and buffers
+        self.state = state
         self.tags: dict[int, Tag] = {}
         self.keep: list[torch.Tensor] = []  # keeps storages alive so that keys are never reused
         self.ops: list[_Op] = []
@@ -111,8 +123,10 @@ class _Tracker(TorchDispatchMode):
         self.keep.append(t)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t in self.state:
+            return t
         key = storage_key(t)
-        if key not in self.excluded and key not in self.saved:
+        if key not in self.saved:
             self.saved[key] = t.untyped_storage().nbytes()
             self.keep.append(t)
         return t
@@ -172,14 +186,14 @@ def _resolve_pairs(candidates: list[tuple[str, frozenset[str]]]) -> list[tuple[s
     return pairs
 
 
-def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], excluded: set[int]) -> CallStats:
+def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: ModelState) -> CallStats:
     """Run `module(*args, **kwargs)` forward and backward on meta tensors and measure it.
 
-    `excluded`: storage keys of all parameters and buffers of the model (never counted as activations).
+    `state`: the model's parameters and buffers, never counted as activations.
     """
     args, kwargs = tree_map(_fresh, (args, kwargs))
     counter = FlopCounterMode(display=False)
-    tracker = _Tracker(counter, excluded)
+    tracker = _Tracker(counter, state)
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor):
             tracker.set_tag(t, _REPLICATED if t.requires_grad else _CONSTANT)

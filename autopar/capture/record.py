@@ -18,11 +18,10 @@ from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
-from autopar.capture.kernels import gpu_kernels
-from autopar.capture.probe import storage_key, tensor_bytes
-from autopar.capture.units import Unit, call_signature, structure_signature
+from autopar.capture.probe import ModelState, storage_key, tensor_bytes
+from autopar.capture.units import Unit, call_signature
 from autopar.errors import CaptureError
 
 __all__ = ["Call", "TopLevelCost", "Recording", "record"]
@@ -54,10 +53,9 @@ class Recording:
 
 
 class _TopLevelProbe(TorchDispatchMode):
-    def __init__(self, counter: FlopCounterMode, excluded: set[int]) -> None:
+    def __init__(self, state: ModelState) -> None:
         super().__init__()
-        self.counter = counter
-        self.excluded = excluded
+        self.state = state
         self.depth = 0
         self.last_unit: str | None = None
         self.costs: dict[str | None, TopLevelCost] = {}
@@ -69,18 +67,21 @@ class _TopLevelProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        before = self.counter.get_total_flops()
         out = func(*args, **kwargs)
         if self.depth == 0 and not func.is_view:  # views move no data and do no arithmetic
             cost = self._cost()
-            cost.forward_flops += self.counter.get_total_flops() - before
+            count = flop_registry.get(func.overloadpacket)  # FlopCounterMode's own formulas
+            if count is not None:
+                cost.forward_flops += count(*args, **kwargs, out_val=out)
             cost.bytes_read += tensor_bytes((args, kwargs))
             cost.bytes_written += tensor_bytes(out)
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.depth > 0 or t in self.state:
+            return t
         key = storage_key(t)
-        if self.depth == 0 and key not in self.excluded and key not in self.saved:
+        if key not in self.saved:
             self.saved.add(key)
             self.keep.append(t)
             self._cost().saved_bytes += t.untyped_storage().nbytes()
@@ -112,13 +113,12 @@ class _Recorder(fx.Interpreter):
 
 
 def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units: tuple[Unit, ...],
-           example_inputs: tuple, forward_kwargs: dict[str, Any], excluded: set[int]) -> Recording:
+           structures: dict[str, str], example_inputs: tuple, forward_kwargs: dict[str, Any],
+           state: ModelState) -> Recording:
     """Run `runner` (the model, or its unit-leaf GraphModule) once with every unit's forward wrapped."""
     rec = Recording()
-    counter = FlopCounterMode(display=False)
-    probe = _TopLevelProbe(counter, excluded)
+    probe = _TopLevelProbe(state)
     outputs: dict[str, tuple[Any, list[Any]]] = {}
-    structures: dict[int, str] = {}
     originals: list[tuple[nn.Module, Any]] = []
 
     def wrap(unit: Unit, module: nn.Module) -> Callable[..., Any]:
@@ -127,9 +127,7 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
         def recorded_forward(*args: Any, **kwargs: Any) -> Any:
             if probe.depth > 0:  # a unit used inside another unit belongs to that unit's measurement
                 return forward(*args, **kwargs)
-            if id(module) not in structures:
-                structures[id(module)] = structure_signature(module)
-            sig = call_signature(structures[id(module)], args, kwargs)
+            sig = call_signature(structures[unit.name], args, kwargs)
             if sig in outputs:
                 rec.calls.append(Call(unit=unit.name, signature=sig, ran=False))
                 probe.last_unit = unit.name
@@ -165,7 +163,7 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
         originals.append((module, module.__dict__.get("forward")))
         module.forward = wrap(unit, module)
     try:
-        with torch.enable_grad(), counter, probe, saved_tensors_hooks(probe.pack, lambda t: t), gpu_kernels():
+        with torch.enable_grad(), probe, saved_tensors_hooks(probe.pack, lambda t: t):
             if isinstance(runner, fx.GraphModule):
                 _Recorder(runner, rec.node_bytes).run(*example_inputs)
             else:

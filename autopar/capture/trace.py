@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from autopar.capture.probe import tensor_bytes
-from autopar.capture.units import Unit, structure_signature
+from autopar.capture.units import Unit
 from autopar.errors import CaptureError
 
 __all__ = ["FlowNode", "Traced", "trace_model", "flow_from_export"]
@@ -89,7 +89,8 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: dict[str, Any]) -> fx.GraphModule:
+def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: dict[str, Any],
+                    structures: dict[str, str]) -> fx.GraphModule:
     leaves = frozenset(u.name for u in units if u.name)
     tracer = _UnitTracer(leaves)
     try:
@@ -101,14 +102,13 @@ def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: d
     for unit in units:  # each distinct unit once: proves the whole model is symbolically traceable
         if not unit.name:
             continue
-        module = model.get_submodule(unit.name)
-        sig = structure_signature(module)
+        sig = structures[unit.name]
         if sig in seen:
             continue
         seen.add(sig)
         unit_tracer = _UnitTracer(frozenset(), prefix=f"{unit.name}.")
         try:
-            unit_tracer.trace(module)
+            unit_tracer.trace(model.get_submodule(unit.name))
         except Exception as e:
             failed = unit_tracer.failed_in.rstrip(".") if unit_tracer.failed_in else unit.name
             raise _FxFailure(failed, e) from e
@@ -116,10 +116,14 @@ def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: d
 
 
 def trace_model(model: nn.Module, example_inputs: tuple, forward_kwargs: dict[str, Any],
-                units: tuple[Unit, ...]) -> Traced:
-    """Symbolic trace, else export; `CaptureError` naming the module and construct when both fail."""
+                units: tuple[Unit, ...], structures: dict[str, str]) -> Traced:
+    """Symbolic trace, else export; `CaptureError` naming the module and construct when both fail.
+
+    `structures`: `structure_signature` of every unit, so that each distinct unit is traced once.
+    """
     try:
-        return Traced(method="symbolic_trace", graph_module=_symbolic_trace(model, units, forward_kwargs))
+        return Traced(method="symbolic_trace",
+                      graph_module=_symbolic_trace(model, units, forward_kwargs, structures))
     except _FxFailure as fx_failure:
         try:
             exported = torch.export.export(model, tuple(example_inputs), dict(forward_kwargs), strict=False)

@@ -71,15 +71,12 @@ def _simple_attrs(module: nn.Module) -> list[tuple[str, Any]]:
 
 def structure_signature(module: nn.Module) -> str:
     """Hash of module classes, their settings and parameter/buffer shapes: equal ⇒ same code and weights' shapes."""
-    h = hashlib.sha1()
+    parts = []
     for name, m in module.named_modules():
-        h.update(f"{name}|{type(m).__module__}.{type(m).__qualname__}|{m.extra_repr()}|{_simple_attrs(m)}|"
-                 f"{m.training}\n".encode())
-        for pname, p in m.named_parameters(recurse=False):
-            h.update(f"p {pname} {tuple(p.shape)} {p.dtype} {p.requires_grad}\n".encode())
-        for bname, b in m.named_buffers(recurse=False):
-            h.update(f"b {bname} {tuple(b.shape)} {b.dtype}\n".encode())
-    return h.hexdigest()[:16]
+        parts.append((name, type(m), m.extra_repr(), _simple_attrs(m), m.training,
+                      [(n, p.shape, p.dtype, p.requires_grad) for n, p in m._parameters.items() if p is not None],
+                      [(n, b.shape, b.dtype) for n, b in m._buffers.items() if b is not None]))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
 def _describe(value: Any) -> str:
