@@ -60,7 +60,7 @@ def _layer(name: str, kind: str, patterns: tuple[TPPattern, ...] = (), modules: 
 
 
 def handmade_graph(kind: str) -> ModelGraph:
-    """The graph capture is specified to produce for these models (used until capture exists)."""
+    """The layers and TP patterns these models have, written by hand (independent of capture)."""
     if kind == "gpt":
         emb, blocks, norm, head = "embed", "blocks", "ln_f", "lm_head"
         att = ("attn.q_proj", "attn.k_proj", "attn.v_proj"), ("attn.o_proj",)
@@ -87,7 +87,8 @@ def handmade_graph(kind: str) -> ModelGraph:
 
 
 def graph_of(kind: str, model: nn.Module) -> ModelGraph:
-    return handmade_graph(kind)
+    """The captured graph of `model` (what a user's plan is made from)."""
+    return autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
 
 
 def make_plan(graph: ModelGraph, **config: Any) -> Plan:
@@ -147,7 +148,8 @@ def parity_case(kind: str, config: dict[str, Any]) -> dict[str, Any]:
     grads = full_gradients(pm.modules, pm.mesh["pp"])
     weight_excess, weight_key = excess(full, ref_state)
     grad_excess, grad_key = excess(grads, ref_grads)
-    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses, "weight_excess": weight_excess, "weight_key": weight_key,
+    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses,
+            "weight_excess": weight_excess, "weight_key": weight_key,
             "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
 

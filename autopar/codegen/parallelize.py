@@ -19,7 +19,7 @@ from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
 from autopar.codegen.pipeline import build_schedule, build_stage_module, check_stage_placement, layer_modules
 from autopar.codegen.recompute import apply_recompute
 from autopar.codegen.runtime import ParallelModel
-from autopar.codegen.tensor_parallel import apply_tensor_parallel
+from autopar.codegen.tensor_parallel import apply_tensor_parallel, sequence_span
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
 
@@ -77,12 +77,13 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
 
     pp_rank = mesh["pp"].get_local_rank()
     sp = cfg.sequence_parallel
+    span = sequence_span(graph) if sp else None
     parts: list[tuple[int, nn.Module]] = []
     for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
         part = build_stage_module(model, graph, stage, sequence_shards=cfg.tp if sp else 1)
         layers = [graph.layer(name) for name in part.layer_names]
         if cfg.tp > 1:
-            apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=sp)
+            apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)
         for layer in layers:
             if layer.kind == "block":
                 for path in layer_modules(graph, layer.name):

@@ -84,8 +84,9 @@ class StageModule(nn.Module):
         for name, p in pruned.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self.layer_names = tuple(la for la in layers if not rotary or la != rotary[0])
-        self._calls = tuple(layer_modules(graph, la) for la in self.layer_names)
         self._rotary_path = rotary[0] if rotary else None
+        self._calls = tuple(tuple(p for p in layer_modules(graph, la) if p != self._rotary_path)
+                            for la in self.layer_names)
         self._hf_layers_prefix = "model.layers." if rotary else None
         self.sequence_shards = sequence_shards
 

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state", "save", "load"]
+__all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state",
+           "save", "load"]
 
 
 def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:

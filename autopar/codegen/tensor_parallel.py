@@ -19,6 +19,7 @@ are divided by tp, so code that views `(b, s, self.n_heads, head_dim)` sees the 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,10 +32,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autopar.capture.graph import LayerSpec, TPPattern
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.errors import PlanMismatchError
 
-__all__ = ["HEAD_COUNT_ATTRS", "apply_tensor_parallel", "is_norm"]
+__all__ = ["HEAD_COUNT_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
 
 # Attribute names that models use for (local) head counts; rewritten to count / tp.
 HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_local_heads",
@@ -88,6 +89,43 @@ def _shared_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool):
     return hook
 
 
+@dataclass(frozen=True, kw_only=True)
+class SequenceSpan:
+    """Where hidden states are split along the sequence under sequence parallelism.
+
+    scatter_after: the layer whose output is split (the embedding layer).
+    gather_after: the layer whose output is gathered back to the full sequence, or None when the
+      next layer is a vocab-parallel LM head that takes sequence shards (all-gather inside it).
+    Layers in between see sequence shards: their norms run on shards (SequenceParallel) and their
+    TP patterns all-gather their input and reduce-scatter their output.
+    """
+
+    scatter_after: str
+    gather_after: str | None
+    sharded_layers: tuple[str, ...]  # layers whose inputs are sequence shards
+
+
+def sequence_span(graph: ModelGraph) -> SequenceSpan:
+    """From the first embedding layer through the last block/norm layer of the graph."""
+    names = [la.name for la in graph.layers]
+    first = next((la.name for la in graph.layers if la.kind == "embedding"), names[0])
+    last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
+    head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
+    start = names.index(first)
+    return SequenceSpan(scatter_after=first, gather_after=None if head_next else names[last],
+                        sharded_layers=tuple(names[start + 1:last + 1]))
+
+
+def _gather_sequence_hook(tp_mesh: DeviceMesh):
+    """Forward hook: sequence-shard local output → full sequence (backward: keep this rank's shard)."""
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        shard = DTensor.from_local(out, tp_mesh, [Shard(1)], run_check=False)
+        return shard.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    return hook
+
+
 def _scatter_sequence_hook(tp_mesh: DeviceMesh):
     """Forward hook: replicated local output → this rank's sequence shard (backward: all-gather)."""
 
@@ -114,11 +152,19 @@ def _check_divisible(layer: LayerSpec, pattern: TPPattern, tp: int) -> None:
         )
 
 
+def _layer_module(module: nn.Module, layer: LayerSpec) -> nn.Module:
+    try:
+        return module.get_submodule(layer.name)
+    except AttributeError:
+        return module.get_submodule(layer.modules[-1])
+
+
 def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mesh: DeviceMesh, *,
-                          sequence_parallel: bool) -> None:
+                          sequence_parallel: SequenceSpan | None) -> None:
     """Shard, in place, the TP patterns of `layers` that live in `module` (a model or one pipeline stage)."""
     tp = tp_mesh.size()
-    sp = sequence_parallel
+    span = sequence_parallel
+    sp = span is not None
     for layer in layers:
         for pattern in layer.tp_patterns:
             _check_divisible(layer, pattern, tp)
@@ -136,13 +182,17 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 parallelize_module(module, tp_mesh, {name: RowwiseParallel(input_layouts=Replicate(),
                                                                           output_layouts=Replicate())
                                                      for name in pattern.column})
-                if sp:
-                    module.get_submodule(layer.name).register_forward_hook(_scatter_sequence_hook(tp_mesh))
             elif pattern.kind == "lm_head":
+                shards_in = span is not None and span.gather_after is None
                 parallelize_module(module, tp_mesh, {name: ColwiseParallel(
-                    input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1))
+                    input_layouts=Shard(1) if shards_in else Replicate(), output_layouts=Shard(-1))
                     for name in pattern.column})
-        if sp:
-            for name, sub in module.get_submodule(layer.name).named_modules(prefix=layer.name):
+        if span is not None and layer.name in span.sharded_layers:
+            for name, sub in _layer_module(module, layer).named_modules(prefix=layer.name):
                 if is_norm(sub) and any(True for _ in sub.parameters(recurse=False)):
                     parallelize_module(module, tp_mesh, {name: SequenceParallel(use_local_output=True)})
+        # after the layer's own hooks, so these see its final (local) output
+        if span is not None and layer.name == span.scatter_after:
+            _layer_module(module, layer).register_forward_hook(_scatter_sequence_hook(tp_mesh))
+        elif span is not None and layer.name == span.gather_after:
+            _layer_module(module, layer).register_forward_hook(_gather_sequence_hook(tp_mesh))
