@@ -16,19 +16,19 @@ from autopar import CaptureError, ModelGraph
 from autopar.capture import capture
 
 
-def _gpt_model_flops(*, s: int, l: int, h: int, V: int) -> float:
+def _gpt_model_flops(*, s: int, layers: int, h: int, V: int) -> float:
     """Narayanan et al. 2021, eq. 3, B = 1: 72·s·l·h²·(1 + s/(6h) + V/(12lh)) (forward + backward)."""
-    return 72 * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    return 72 * s * layers * h * h * (1 + s / (6 * h) + V / (12 * layers * h))
 
 
-def _llama_model_flops(*, s: int, l: int, h: int, a: int, kv: int, f: int, V: int) -> float:
+def _llama_model_flops(*, s: int, layers: int, h: int, a: int, kv: int, f: int, V: int) -> float:
     """The same count for a Llama block, B = 1, derived the way eq. 3 is (2 FLOPs per multiply-add):
     q and o projections 2·2sh², k and v 2·2sh·(kv·h/a), scores and attention-weighted values
     2·2s²h (causal masking not halved, as in eq. 3), SwiGLU MLP three h×f matmuls 3·2shf;
     LM head 2shV; backward is twice forward, so the total is 3× forward."""
     d = h // a
     per_layer = 4 * s * h * h + 4 * s * h * kv * d + 4 * s * s * h + 6 * s * h * f
-    return 3 * (l * per_layer + 2 * s * h * V)
+    return 3 * (layers * per_layer + 2 * s * h * V)
 
 
 @pytest.mark.parametrize("name,seq", [("gpt2-small", 1024), ("gpt3-175b", 2048)])
@@ -36,7 +36,7 @@ def test_gpt_flops_match_narayanan(name: str, seq: int) -> None:
     model, x = autopar.zoo.build(name, seq_len=seq)
     cfg = model.config
     g = capture(model, x)
-    expected = _gpt_model_flops(s=seq, l=cfg.n_layers, h=cfg.hidden_size, V=cfg.vocab_size)
+    expected = _gpt_model_flops(s=seq, layers=cfg.n_layers, h=cfg.hidden_size, V=cfg.vocab_size)
     assert 3 * g.forward_flops == pytest.approx(expected, rel=0.02)
     # what the flop counter measured for backward: 2x forward for the matmuls (eager-free SDPA: flash's
     # backward also recomputes the scores, so slightly more)
@@ -47,7 +47,7 @@ def test_llama_flops_match_swiglu_gqa_formula() -> None:
     model, x = autopar.zoo.build("llama3-8b", seq_len=4096)
     c = model.config
     g = capture(model, x)
-    expected = _llama_model_flops(s=4096, l=c.n_layers, h=c.hidden_size, a=c.n_heads, kv=c.n_kv_heads,
+    expected = _llama_model_flops(s=4096, layers=c.n_layers, h=c.hidden_size, a=c.n_heads, kv=c.n_kv_heads,
                                   f=c.ffn_hidden_size, V=c.vocab_size)
     assert 3 * g.forward_flops == pytest.approx(expected, rel=0.02)
 
@@ -107,8 +107,8 @@ def test_gpt_layers_boundaries_and_tp_patterns() -> None:
     assert g.layers[-1].boundary_bytes == 2 * s * V  # the logits the model returns
     assert len({la.signature for la in g.layers[1:4]}) == 1
     attn, mlp = g.layer("blocks.1").tp_patterns
-    assert (attn.kind, attn.column, attn.row) == (
-        "attention", ("blocks.1.attn.q_proj", "blocks.1.attn.k_proj", "blocks.1.attn.v_proj"), ("blocks.1.attn.o_proj",))
+    qkv = ("blocks.1.attn.q_proj", "blocks.1.attn.k_proj", "blocks.1.attn.v_proj")
+    assert (attn.kind, attn.column, attn.row) == ("attention", qkv, ("blocks.1.attn.o_proj",))
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (12, 12, 64)
     assert (mlp.kind, mlp.column, mlp.row) == ("mlp", ("blocks.1.mlp.fc",), ("blocks.1.mlp.proj",))
     assert attn.allreduce_bytes_per_sample == mlp.allreduce_bytes_per_sample == 2 * s * h
