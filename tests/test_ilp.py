@@ -55,7 +55,7 @@ def brute_objective(pr: InnerProblem, cuts: tuple[int, ...], modes: tuple[str, .
     rank_t, rank_mem, opt, dp = [0.0] * p, [0.0] * p, [0.0] * p, [pr.grad_sync_latency_s] * p
     rank_modes = [set() for _ in range(p)]
     pos, stage_ts = 0, []
-    for s, (n, mode) in enumerate(zip(cuts, modes)):
+    for s, (n, mode) in enumerate(zip(cuts, modes, strict=False)):
         k, q = MODES.index(mode), s % p
         mine = layers[pos:pos + n]
         t = sum(r.time_s[k] for r in mine)
@@ -80,9 +80,13 @@ def brute_objective(pr: InnerProblem, cuts: tuple[int, ...], modes: tuple[str, .
 
 
 def brute_force(pr: InnerProblem) -> float | None:
-    best = None
-    for cuts in compositions(pr.num_layers, pr.num_stages):
-        for modes in itertools.product(pr.modes, repeat=pr.num_stages):
+    """Every cut vector (interleaved: chunks differ by ≤ 1 layer), every recompute mode per rank."""
+    best, p, S = None, pr.num_ranks, pr.num_stages
+    for cuts in compositions(pr.num_layers, S):
+        if pr.virtual_stages > 1 and max(cuts) - min(cuts) > 1:
+            continue
+        for rank_modes in itertools.product(pr.modes, repeat=p):
+            modes = tuple(rank_modes[s % p] for s in range(S))
             val = brute_objective(pr, cuts, modes)
             if val is not None and (best is None or val < best):
                 best = val

@@ -2,8 +2,11 @@
 
 The outer search (`autopar.planner.search`) fixes tp, pp, dp, ZeRO stage, micro-batch size and count,
 schedule, virtual stages and sequence parallelism. What remains is where to cut the layer sequence into
-S = p·v contiguous stages (stage s runs on pipeline rank s mod p) and which recompute mode each stage
-uses. This module takes numbers and names only (no torch), so tests can check it against brute force.
+S = p·v contiguous stages (stage s runs on pipeline rank s mod p) and which recompute mode each pipeline
+rank uses (with v = 1 a rank is a stage; with interleaving its v chunks share the mode, and all chunks
+hold ⌊L/S⌋ or ⌈L/S⌉ layers, as Megatron-LM's interleaved schedule wants equal chunks — both rules also
+remove the symmetric solutions that would otherwise make the ILP slow). This module takes numbers and
+names only (no torch), so tests can check it against brute force.
 
 Data. The layer sequence is a list of *runs*: run r is n_r consecutive identical layers (equal
 signatures), so a cut inside a run only matters through how many of its layers fall on each side.
@@ -23,10 +26,9 @@ Variables (all per stage s = 0..S−1, run r, mode k):
   F[r,s] ∈ {0..n_r}  integer   layers of run r in stages ≤ s (cumulative; F[r,S−1] = n_r)
   c[r,s] = F[r,s] − F[r,s−1]  layers of run r in stage s (an expression, ≥ 0)
   g[r,s] ∈ {0,1}               run r has started by stage s
-  z[s,k] ∈ {0,1}               stage s uses recompute mode k
+  z[q,k] ∈ {0,1}               pipeline rank q uses recompute mode k (all its chunks)
   y[r,s,k] ≥ 0                 layers of run r in stage s under mode k (integral because z is)
   e[r,s] ≥ 0                   stage s ends inside run r (sets the size of the tensor sent on)
-  w[q,k] ≥ 0                   rank q holds a stage in mode k (pays workspace W[k] once)
   t[s], T, E ≥ 0               stage time, bottleneck rank time, step tail (DP comm + optimizer)
 
 Objective (design.md §5; Narayanan et al. 2021 §2.2 for interleaving):
@@ -39,8 +41,9 @@ Constraints (the name prefix of each family, as it appears in the model):
   started_{r}_{s}  g[r,s] ≤ F[r,s] ≤ n_r·g[r,s]             g is exactly "F > 0"
   order_{r}_{s}    F[r,s] ≥ n_r·g[r+1,s]                    run r+1 starts only after run r is complete
   nonempty_{s}     Σ_r c[r,s] ≥ 1                            every stage holds a layer
-  mode_{s}         Σ_k z[s,k] = 1
-  split_{r}_{s}    Σ_k y[r,s,k] = c[r,s];  y[r,s,k] ≤ n_r·z[s,k]   (ymode_{r}_{s}_{k})
+  mode_{q}         Σ_k z[q,k] = 1
+  chunk_lo/hi_{s}  ⌊L/S⌋ ≤ Σ_r c[r,s] ≤ ⌈L/S⌉  (v > 1 only)    interleaved chunks are near-equal
+  split_{r}_{s}    Σ_k y[r,s,k] = c[r,s];  y[r,s,k] ≤ n_r·z[s mod p,k]   (ymode_{r}_{s}_{k})
   ends_{r}_{s}     e[r,s] ≥ g[r,s] − g[r+1,s]                the last layer of stage s is in run r
   stage_time_{s}   t[s] = Σ τ·y + π(out, fwd) + π(in, bwd)   each stage sends its output forward and its
                                                              input gradient backward
@@ -48,7 +51,7 @@ Constraints (the name prefix of each family, as it appears in the model):
   tail_{q}         E ≥ Σ ω·c;  tail_dp_{q}: E ≥ Σ (ω + γ − β)·c + γ0   gradient reduction hides behind the
                                                              last micro-batch's backward (PyTorch DDP
                                                              bucketing, Li et al. VLDB 2020)
-  memory_rank{q}   Σ_{s≡q} Σ (σ + φ[q]·a[r,k])·y + Σ_k W[k]·w[q,k] ≤ M[q];  w[q,k] ≥ z[s,k]
+  memory_rank{q}   Σ_{s≡q} Σ (σ + φ[q]·a[r,k])·y + Σ_k W[k]·z[q,k] ≤ M[q]
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
     mem = [0.0] * p
     used_modes: list[set[str]] = [set() for _ in range(p)]
     tail_opt, tail_dp = [0.0] * p, [problem.grad_sync_latency_s] * p
-    for s, (n, mode) in enumerate(zip(layers_per_stage, modes)):
+    for s, (n, mode) in enumerate(zip(layers_per_stage, modes, strict=False)):
         k, q = MODES.index(mode), s % p
         lay = [runs[of[i]] for i in range(pos, pos + n)]
         comp = sum(r.compute_s[k] for r in lay)
@@ -208,8 +211,13 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
     for s, mode in enumerate(modes):
         if mode not in problem.modes:
             violated = f"mode_{s} (recompute {mode!r} not allowed)"
+    for s in range(p, S):
+        if modes[s] != modes[s - p]:
+            violated = violated or f"mode_{s % p} (chunks of one rank share a recompute mode)"
+    if v > 1 and max(layers_per_stage) - min(layers_per_stage) > 1:
+        violated = violated or "chunk_lo/hi (interleaved chunks differ by at most one layer)"
     for q in range(p):
-        if mem[q] > problem.capacity_bytes[q] * (1 + 1e-9):
+        if mem[q] > problem.capacity_bytes[q] * (1 + 1e-6):
             violated = violated or f"memory_rank{q}"
     return InnerSolution(layers_per_stage=tuple(layers_per_stage), modes=tuple(modes),
                          objective_s=pipeline + tails[qe], pipeline_s=pipeline, bottleneck_rank=b,
@@ -217,17 +225,21 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
                          rank_memory_bytes=tuple(mem), feasible=not violated, violated=violated)
 
 
-def select_solver(time_limit_s: float, threads: int = 1) -> pulp.LpSolver:
+def select_solver(time_limit_s: float, threads: int = 1, cutoff_s: float | None = None,
+                  prefer: str | None = None) -> pulp.LpSolver:
     """HiGHS when installed, else CBC. HiGHS solved the benchmark ILPs faster in
-    `python benchmarks/plan_speed.py --solvers` (both are exact branch-and-cut; relative gap set to 0)."""
-    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=1e-9, threads=threads)
+    `python benchmarks/plan_speed.py --solvers` (both are exact branch-and-cut; relative gap set to 0).
+    `cutoff_s`: prune every branch that cannot beat this objective (the search's incumbent)."""
+    if prefer != "CBC" and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        extra = {"objective_bound": cutoff_s} if cutoff_s is not None else {}
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=1e-9, threads=threads, **extra)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=threads)
 
 
-def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpSolver | None = None
-          ) -> InnerSolution | None:
-    """The exact optimum of the inner problem, or None when no cut/recompute assignment fits memory."""
+def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpSolver | None = None,
+          cutoff_s: float | None = None) -> InnerSolution | None:
+    """The exact optimum of the inner problem; None when no cut/recompute assignment fits memory or, with
+    `cutoff_s`, when none beats that objective."""
     t0 = time.perf_counter()
     p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
     runs, R = problem.runs, len(problem.runs)
@@ -239,10 +251,9 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     F = {(r, s): (lp.add_variable(f"F_{r}_{s}", 0, runs[r].count, cat="Integer") if s < S - 1 else runs[r].count)
          for r in range(R) for s in range(S)}
     g = {(r, s): (lp.add_variable(f"g_{r}_{s}", cat="Binary") if s < S - 1 else 1) for r in range(R) for s in range(S)}
-    z = {(s, k): lp.add_variable(f"z_{s}_{k}", cat="Binary") for s in range(S) for k in K}
+    z = {(q, k): lp.add_variable(f"z_{q}_{k}", cat="Binary") for q in range(p) for k in K}
     y = {(r, s, k): lp.add_variable(f"y_{r}_{s}_{k}", 0) for r in range(R) for s in range(S) for k in K}
     e = {(r, s): lp.add_variable(f"e_{r}_{s}", 0) for r in range(R) for s in range(S - 1)}
-    w = {(q, k): lp.add_variable(f"w_{q}_{k}", 0) for q in range(p) for k in K if k != 0}
     t = {s: lp.add_variable(f"t_{s}", 0) for s in range(S)}
     T, E = lp.add_variable("T", 0), lp.add_variable("E", 0)
     lp += (m - 1.0 / v) * T + pulp.lpSum(t.values()) * (1.0 / v) + E
@@ -264,9 +275,12 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
                     lp += e[r, s] >= g[r, s], f"ends_{r}_{s}"
             lp += pulp.lpSum(y[r, s, k] for k in K) == c(r, s), f"split_{r}_{s}"
             for k in K:
-                lp += y[r, s, k] <= runs[r].count * z[s, k], f"ymode_{r}_{s}_{k}"
+                lp += y[r, s, k] <= runs[r].count * z[s % p, k], f"ymode_{r}_{s}_{k}"
         lp += pulp.lpSum(c(r, s) for r in range(R)) >= 1, f"nonempty_{s}"
-        lp += pulp.lpSum(z[s, k] for k in K) == 1, f"mode_{s}"
+        if v > 1:
+            size = pulp.lpSum(c(r, s) for r in range(R))
+            lp += size >= problem.num_layers // S, f"chunk_lo_{s}"
+            lp += size <= -(-problem.num_layers // S), f"chunk_hi_{s}"
         send = []
         if s < S - 1:
             send += [runs[r].send_s[problem.inter_node[s]] * e[r, s] for r in range(R)]
@@ -276,35 +290,36 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
             f"stage_time_{s}"
     for q in range(p):
         mine = range(q, S, p)
-        lp += T >= pulp.lpSum(t[s] for s in mine), f"rank_time_{q}"
+        lp += pulp.lpSum(z[q, k] for k in K) == 1, f"mode_{q}"
+        lp += pulp.lpSum(t[s] for s in mine) <= T, f"rank_time_{q}"
         opt = pulp.lpSum(runs[r].optimizer_s * c(r, s) for r in range(R) for s in mine)
         dp = pulp.lpSum((runs[r].grad_sync_s - runs[r].backward_s) * c(r, s) for r in range(R) for s in mine)
-        lp += E >= opt, f"tail_{q}"
-        lp += E >= opt + dp + problem.grad_sync_latency_s, f"tail_dp_{q}"
+        lp += opt <= E, f"tail_{q}"
+        lp += opt + dp + problem.grad_sync_latency_s <= E, f"tail_dp_{q}"
         mem = pulp.lpSum((runs[r].state_bytes + problem.inflight[q] * runs[r].act_bytes[k]) / unit * y[r, s, k]
                          for r in range(R) for s in mine for k in K)
-        ws = pulp.lpSum(problem.workspace_bytes(MODES[k]) / unit * w[q, k] for k in K if k != 0)
+        ws = pulp.lpSum(problem.workspace_bytes(MODES[k]) / unit * z[q, k] for k in K if k != 0)
         lp += mem + ws <= problem.capacity_bytes[q] / unit, f"memory_rank{q}"
-        for s in mine:
-            for k in K:
-                if k != 0:
-                    lp += w[q, k] >= z[s, k], f"workspace_{q}_{s}_{k}"
-    solver = solver or select_solver(time_limit_s)
+    solver = solver or select_solver(time_limit_s, cutoff_s=cutoff_s)
     lp.solve(solver)
     status = pulp.LpStatus[lp.status]
-    if status != "Optimal":
-        if status in ("Infeasible", "Undefined") and lp.sol_status != pulp.LpSolutionIntegerFeasible:
-            return None
+    if status != "Optimal" and lp.sol_status != pulp.LpSolutionIntegerFeasible:
+        return None  # infeasible, or no integer solution within the time limit
     gap = 0.0
     model = getattr(lp, "solverModel", None)
     if model is not None and hasattr(model, "getInfo"):
         info_gap = model.getInfo().mip_gap
         gap = float(info_gap) if info_gap < float("inf") else 1.0
         gap = 0.0 if gap < 1e-9 else gap  # round-off of an exact optimum
-        if model.getModelStatus().name == "kTimeLimit":
+        hs = model.getModelStatus().name
+        if hs in ("kObjectiveBound", "kObjectiveTarget"):
+            return None  # cannot beat cutoff_s: pruned
+        if hs == "kTimeLimit":
             status = "time_limit"
+    if cutoff_s is not None and pulp.value(lp.objective) > cutoff_s:
+        return None  # HiGHS pruned every branch under the cutoff; what it kept cannot beat it
     counts = [sum(round(pulp.value(c(r, s))) for r in range(R)) for s in range(S)]
-    modes = tuple(MODES[max(K, key=lambda k, s=s: pulp.value(z[s, k]))] for s in range(S))
+    modes = tuple(MODES[max(K, key=lambda k, q=s % p: pulp.value(z[q, k]))] for s in range(S))
     sol = evaluate(problem, tuple(counts), modes)
     if abs(sol.objective_s - pulp.value(lp.objective)) > 1e-6 * max(1.0, sol.objective_s) and status == "Optimal":
         raise RuntimeError(f"ILP objective {pulp.value(lp.objective)} disagrees with its evaluation {sol.objective_s}")

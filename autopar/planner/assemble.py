@@ -1,0 +1,90 @@
+"""Turns a solved layout into the public `Estimate`, `StagePlan`s and `Plan`.
+
+Breakdown of the step (sums to step_time_s exactly): the bottleneck rank b runs m micro-batches,
+m·T_b, split into compute / recompute / tp_comm / pp_comm by b's own shares; the fill and drain of the
+other stages, (Σ_s t_s − T_b)/v, is the pipeline bubble; the tail after the flush is exposed
+data-parallel communication plus the optimizer step.
+"""
+
+from __future__ import annotations
+
+from autopar.plan import Estimate, Plan, SolverInfo, StagePlan
+from autopar.planner.costs import CostModel
+from autopar.planner.ilp import MODES
+from autopar.planner.search import SearchResult, Solved
+
+__all__ = ["build_estimate", "build_stages", "build_plan"]
+
+
+def _rank_totals(solved: Solved, costs: CostModel) -> tuple[list[float], list[dict[str, int]]]:
+    sol, c = solved.solution, solved.candidate
+    pr_ws = costs.problem(c, MODES)
+    names = _stage_layer_names(costs, sol.layers_per_stage)
+    by_rank: list[list[str]] = [[] for _ in range(c.pp)]
+    acts, ws = [0.0] * c.pp, [0.0] * c.pp
+    used: list[set[str]] = [set() for _ in range(c.pp)]
+    for st in sol.stages:
+        by_rank[st.rank] += names[st.index]
+        acts[st.rank] += st.act_bytes
+        used[st.rank].add(st.mode)
+    for q in range(c.pp):
+        ws[q] = sum(pr_ws.workspace_bytes(k) for k in used[q])
+    breakdown = costs.memory_breakdown(c, by_rank, acts, ws)
+    return [float(sum(b.values())) for b in breakdown], breakdown
+
+
+def _stage_layer_names(costs: CostModel, layers_per_stage: tuple[int, ...]) -> list[list[str]]:
+    names = [la.name for la in costs.graph.layers]
+    out, pos = [], 0
+    for n in layers_per_stage:
+        out.append(names[pos:pos + n])
+        pos += n
+    return out
+
+
+def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
+    sol, c = solved.solution, solved.candidate
+    m, v = c.num_microbatches, c.virtual_stages
+    mine = [st for st in sol.stages if st.rank == sol.bottleneck_rank]
+    T = sum(st.time_s for st in mine)
+    breakdown = {
+        "compute": m * sum(st.compute_s for st in mine),
+        "recompute": m * sum(st.recompute_s for st in mine),
+        "tp_comm": m * sum(st.tp_comm_s for st in mine),
+        "pp_comm": m * sum(st.pp_comm_s for st in mine),
+        "pipeline_bubble": (sum(st.time_s for st in sol.stages) - T) / v,
+        "dp_comm": sol.tail_s - sol.tail_optimizer_s,
+        "optimizer": sol.tail_optimizer_s,
+    }
+    step = sum(breakdown.values())  # equals sol.objective_s up to rounding; the breakdown must sum exactly
+    g = costs.graph
+    batch = c.config("none").global_batch_size
+    model_flops = batch * (g.forward_flops + g.backward_flops)
+    world = costs.world_size
+    peak = costs.device.peak_flops_for(g.dtype)
+    totals, _ = _rank_totals(solved, costs)
+    return Estimate(step_time_s=step, tokens_per_s=batch * (g.seq_len or 1) / step,
+                    tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
+                    peak_memory_bytes=int(max(totals)), breakdown=breakdown)
+
+
+def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:
+    sol = solved.solution
+    names = _stage_layer_names(costs, sol.layers_per_stage)
+    totals, breakdown = _rank_totals(solved, costs)
+    return tuple(StagePlan(index=st.index, layers=tuple(names[st.index]), pp_rank=st.rank, recompute=st.mode,
+                           time_per_microbatch_s=st.time_s, peak_memory_bytes=int(totals[st.rank]),
+                           memory_breakdown=dict(breakdown[st.rank]))
+                 for st in sol.stages)
+
+
+def build_plan(result: SearchResult, costs: CostModel, *, cluster_name: str, cluster_fingerprint: str,
+               global_batch_size: int) -> Plan:
+    best = result.best
+    return Plan(config=best.config, stages=build_stages(best, costs), estimate=build_estimate(best, costs),
+                model_name=costs.graph.model_name, graph_fingerprint=costs.graph.fingerprint,
+                cluster_name=cluster_name, cluster_fingerprint=cluster_fingerprint,
+                global_batch_size=global_batch_size, seq_len=costs.graph.seq_len,
+                solver=SolverInfo(status=result.status, gap=result.gap, solver=result.solver,
+                                  solve_time_s=result.solve_time_s, configs_considered=result.configs_considered),
+                alternatives=tuple((a.config, build_estimate(a, costs)) for a in result.alternatives))

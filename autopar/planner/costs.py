@@ -1,0 +1,234 @@
+"""Prices layers of a `ModelGraph` on a cluster for one outer `Candidate`, as the ILP's numbers.
+
+This is the only planner module that talks to `cost_models` (the adapter of design.md §2): it turns
+each run of identical layers into a `Run` (time by recompute mode, activation and model-state bytes,
+gradient-sync, optimizer and p2p time) and each pipeline rank into its in-flight micro-batches and
+memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and micro-batch b:
+
+  forward FLOPs   b·(F − F_tp + F_tp/t)           F_tp: the part inside TP patterns (LayerSpec)
+  backward FLOPs  b·B·(1 − f + f/t), f = F_tp/F  (backward splits like forward)
+  TP comm         per TPPattern one all-reduce of b·payload in forward and one in backward (Megatron-LM,
+                  Shoeybi et al. 2019 §3); with SP an all-gather + reduce-scatter of the same volume
+                  (Korthikanti et al. 2022 §4.2.2), over t ranks inside one node
+  recompute       selective: the attention core again, 4·b·s²·(heads·head_dim)/t FLOPs (Narayanan et al.
+                  2021 eq. 3's attention term, forward); full: the whole forward and its TP comm again
+  activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022)
+  model states    cost_models.memory.model_state_bytes on the layer's parameters ÷ t where TP shards them
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.planner.ilp import MODES, InnerProblem, Run
+from autopar.planner.space import Candidate
+from cost_models import memory
+from cost_models.comm import CommModel, Topology
+from cost_models.compute import ComputeModel
+
+__all__ = ["CostModel", "RankMemory", "group_runs"]
+
+# Bytes an Adam step reads and writes per parameter: grad (2) + fp32 master, momentum, variance read and
+# written (3·4·2) + the new 16-bit weight (2) = 28 (states as in Rajbhandari et al. 2020 §3.1); the
+# update is memory-bound, so bandwidth sets its time.
+ADAM_BYTES_PER_PARAM = 28
+ADAM_FLOPS_PER_PARAM = 12  # moment updates, bias correction, sqrt, divide: ~a dozen FLOPs per element
+# ZeRO-3 moves 1.5× the bytes of plain data parallelism: all-gather in forward and in backward plus a
+# reduce-scatter (Rajbhandari et al. 2020 §7.2.2); ZeRO-0/1/2 move one all-reduce's worth.
+ZERO3_COMM_FACTOR = 1.5
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def group_runs(layers: tuple[LayerSpec, ...]) -> list[list[LayerSpec]]:
+    """Consecutive layers with equal signatures, in order."""
+    runs: list[list[LayerSpec]] = []
+    for layer in layers:
+        if runs and runs[-1][0].signature == layer.signature:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """Per-device bytes on one pipeline rank that do not depend on which layers it holds."""
+
+    logits_bytes: float
+    zero3_buffer_bytes: float
+    capacity_bytes: float  # device memory less the reserve and the two terms above
+
+
+class CostModel:
+    """Prices a graph on one cluster; results are cached per (tp, sp, micro-batch) and per layout."""
+
+    def __init__(self, graph: ModelGraph, *, device, devices_per_node: int, nodes: int, intra_node, inter_node,
+                 profile=None, memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION) -> None:
+        self.graph = graph
+        self.device = device
+        self.devices_per_node = devices_per_node
+        self.nodes = nodes
+        self.compute = ComputeModel(device, profile)
+        self.comm = CommModel(Topology(devices_per_node=devices_per_node, intra=intra_node, inter=inter_node),
+                              profile)
+        self.usable_bytes = device.memory_bytes * (1.0 - memory_reserve_fraction)
+        self.dtype = graph.dtype
+        self.elem = _DTYPE_BYTES.get(graph.dtype, 2)
+        self.runs = group_runs(graph.layers)
+        self._time = lru_cache(maxsize=None)(self._run_times)
+
+    @classmethod
+    def for_cluster(cls, graph: ModelGraph, cluster, profile=None, memory_reserve_fraction: float = 0.1
+                    ) -> CostModel:
+        return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
+                   intra_node=cluster.intra_node, inter_node=cluster.inter_node,
+                   profile=profile if profile is not None else getattr(cluster, "profile", None),
+                   memory_reserve_fraction=memory_reserve_fraction)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    # ---- per layer ----
+    def tp_param_fraction(self, layer: LayerSpec) -> float:
+        """Share of a layer's parameters that TP shards: vocab × hidden for embeddings and heads, else the
+        TP-sharded share of its FLOPs (linears do 2 FLOPs per parameter per token; norms stay replicated)."""
+        kinds = {p.kind for p in layer.tp_patterns}
+        if not kinds or layer.num_params == 0:
+            return 0.0
+        if kinds & {"embedding", "lm_head"} and self.graph.hidden_size:
+            vocab = max(p.vocab_size or 0 for p in layer.tp_patterns)
+            return min(1.0, vocab * self.graph.hidden_size / layer.num_params)
+        return layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
+
+    def local_params(self, layer: LayerSpec, tp: int) -> float:
+        f = self.tp_param_fraction(layer)
+        return layer.num_params * (1.0 - f + f / tp)
+
+    def _run_times(self, ri: int, tp: int, sp: bool, mbs: int) -> dict[str, object]:
+        layer = self.runs[ri][0]
+        f = layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
+        share = 1.0 - f + f / tp
+        fp = self.tp_param_fraction(layer)
+        param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
+        act_traffic = max(0.0, layer.bytes_read + layer.bytes_written - layer.param_bytes) * mbs * share
+        fwd = self.compute.op_time_s(mbs * layer.forward_flops * share, param_bytes + act_traffic, self.dtype)
+        # Backward reads weights and activations and writes both gradients: twice the forward traffic.
+        bwd = self.compute.op_time_s(mbs * layer.backward_flops * share, 2 * (param_bytes + act_traffic), self.dtype)
+        tp_fwd = 0.0
+        if tp > 1:
+            rpn = tp
+            for pat in layer.tp_patterns:
+                n = pat.allreduce_bytes_per_sample * mbs
+                if sp:
+                    tp_fwd += self.comm.all_gather_time_s(n, tp, rpn) + self.comm.reduce_scatter_time_s(n, tp, rpn)
+                else:
+                    tp_fwd += self.comm.all_reduce_time_s(n, tp, rpn)
+        core_flops = 0.0
+        if self.graph.seq_len:
+            for pat in layer.tp_patterns:
+                if pat.kind == "attention":
+                    width = pat.num_heads * (pat.head_dim or (self.graph.hidden_size or 0) // pat.num_heads)
+                    core_flops += 4.0 * mbs * self.graph.seq_len ** 2 * width / tp
+        core_bytes = layer.saved_activation_bytes_attention_core * mbs / tp
+        sel = self.compute.op_time_s(core_flops, core_bytes, self.dtype) if core_flops or core_bytes else 0.0
+        recompute = (0.0, sel, fwd + tp_fwd)
+        acts = tuple(memory.layer_activation_bytes(
+            saved_bytes=layer.saved_activation_bytes, tp_sharded_bytes=layer.saved_activation_bytes_tp_sharded,
+            attention_core_bytes=min(layer.saved_activation_bytes_attention_core,
+                                     layer.saved_activation_bytes_tp_sharded),
+            input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp, recompute=k)
+            for k in MODES)
+        send_bytes = layer.boundary_bytes * mbs / (tp if sp else 1)
+        return {"compute": fwd + bwd, "backward": bwd, "tp_comm": 2 * tp_fwd, "recompute": recompute, "act": acts,
+                "send": (self.comm.p2p_time_s(send_bytes, False), self.comm.p2p_time_s(send_bytes, True))}
+
+    # ---- per candidate ----
+    def _states(self, layer: LayerSpec, c: Candidate):
+        w = self.elem
+        opt = 12 if w == 2 else 8  # mixed precision: fp32 master + 2 moments; fp32 training: 2 moments
+        return memory.model_state_bytes(self.local_params(layer, c.tp), zero_stage=c.zero_stage, dp=c.dp,
+                                        weight_bytes=w, grad_bytes=w, optimizer_bytes=opt)
+
+    def _grad_sync(self, c: Candidate) -> tuple[float, float]:
+        """(seconds per gradient byte, latency seconds) of the data-parallel reduction, linearised around the
+        average rank's gradient volume (exact where the collective's α-β cost is affine)."""
+        if c.dp == 1:
+            return 0.0, 0.0
+        rpn = math.gcd(c.dp, max(1, self.devices_per_node // c.tp))
+        total = sum(self.local_params(la, c.tp) for la in self.graph.layers) * self.elem / c.pp
+        factor = ZERO3_COMM_FACTOR if c.zero_stage == 3 else 1.0
+
+        def t(n: float) -> float:
+            return factor * self.comm.all_reduce_time_s(n, c.dp, rpn)
+
+        slope = (t(total) - t(total / 2)) / (total / 2) if total > 0 else 0.0
+        return slope, max(0.0, t(total) - slope * total)
+
+    def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
+        slope, latency = self._grad_sync(c)
+        runs = []
+        for ri, group in enumerate(self.runs):
+            layer = group[0]
+            tm = self._time(ri, c.tp, c.sequence_parallel, c.micro_batch_size)
+            rec = tm["recompute"]
+            local = self.local_params(layer, c.tp) / (c.dp if c.zero_stage >= 1 else 1)
+            opt_s = self.compute.op_time_s(ADAM_FLOPS_PER_PARAM * local, ADAM_BYTES_PER_PARAM * local, "float32")
+            runs.append(Run(
+                name=layer.name, count=len(group), layer_names=tuple(la.name for la in group),
+                time_s=tuple(tm["compute"] + tm["tp_comm"] + r for r in rec), compute_s=(tm["compute"],) * 3,
+                recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
+                state_bytes=self._states(layer, c).total_bytes, backward_s=tm["backward"],
+                grad_sync_s=slope * self.local_params(layer, c.tp) * self.elem, optimizer_s=opt_s, send_s=tm["send"]))
+        ranks = self.rank_memory(c)
+        inflight = tuple(memory.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, q, c.virtual_stages)
+                         for q in range(c.pp))
+        return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,
+                            num_microbatches=c.num_microbatches, inflight=inflight,
+                            capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
+                            modes=modes, grad_sync_latency_s=latency)
+
+    def rank_memory(self, c: Candidate) -> list[RankMemory]:
+        g = self.graph
+        zero3 = 0.0
+        if c.zero_stage == 3 and c.dp > 1:
+            largest = max(self.local_params(la, c.tp) for la in g.layers) * self.elem
+            zero3 = memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest)
+        logits = 0.0
+        if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
+            last_inflight = memory.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, c.pp - 1,
+                                                         c.virtual_stages)
+            logits = last_inflight * memory.logits_bytes(micro_batch=c.micro_batch_size, seq_len=g.seq_len,
+                                                         vocab=g.vocab_size, tp=c.tp, dtype_bytes=self.elem)
+        out = []
+        for q in range(c.pp):
+            lg = logits if q == c.pp - 1 else 0.0
+            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3,
+                                  capacity_bytes=self.usable_bytes - lg - zero3))
+        return out
+
+    def inter_node(self, c: Candidate) -> tuple[bool, ...]:
+        """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""
+        block, dpn = c.dp * c.tp, self.devices_per_node
+        S = c.pp * c.virtual_stages
+
+        def crosses(a: int, b: int) -> bool:
+            return any((a * block + j) // dpn != (b * block + j) // dpn for j in range(min(block, dpn)))
+
+        return tuple(crosses(s % c.pp, (s + 1) % c.pp) for s in range(S - 1))
+
+    def memory_breakdown(self, c: Candidate, layer_names_by_rank: list[list[str]], act_bytes_by_rank: list[float],
+                         workspace_by_rank: list[float]) -> list[dict[str, int]]:
+        """Per rank: weights, grads, optimizer, activations, workspace, logits, zero3_buffer (bytes/device)."""
+        ranks = self.rank_memory(c)
+        out = []
+        for q, names in enumerate(layer_names_by_rank):
+            st = [self._states(self.graph.layer(n), c) for n in names]
+            out.append({"weights": int(sum(s.weights_bytes for s in st)), "grads": int(sum(s.grads_bytes for s in st)),
+                        "optimizer": int(sum(s.optimizer_bytes for s in st)), "activations": int(act_bytes_by_rank[q]),
+                        "workspace": int(workspace_by_rank[q]), "logits": int(ranks[q].logits_bytes),
+                        "zero3_buffer": int(ranks[q].zero3_buffer_bytes)})
+        return out

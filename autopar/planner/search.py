@@ -1,0 +1,151 @@
+"""Exact search over the whole space: enumerate outer candidates, solve ILPs in lower-bound order.
+
+Branch and bound: every candidate gets a valid lower bound (`bound.lower_bound`) and candidates are
+solved cheapest-bound first. Once `top_k + 1` configurations are solved and the next bound is no lower
+than the worst of them, no unsolved candidate can enter the top `top_k + 1`, so the best is the exact
+optimum of the modelled step time over the space (gap 0) and the runner-ups are exact as well.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from autopar.config import ParallelConfig, PlannerOptions
+from autopar.errors import InfeasiblePlanError
+from autopar.planner.bound import lower_bound
+from autopar.planner.costs import CostModel
+from autopar.planner.ilp import MODES, InnerProblem, InnerSolution, select_solver, solve
+from autopar.planner.space import Candidate, enumerate_candidates, tp_degrees
+
+__all__ = ["Solved", "SearchResult", "search", "price", "recompute_label"]
+
+_GiB = float(1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solved:
+    candidate: Candidate
+    solution: InnerSolution
+
+    @property
+    def objective_s(self) -> float:
+        return self.solution.objective_s
+
+    @property
+    def config(self) -> ParallelConfig:
+        return self.candidate.config(recompute_label(self.solution.modes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    best: Solved
+    alternatives: tuple[Solved, ...]
+    status: str  # "optimal" | "time_limit"
+    gap: float  # relative gap between the best and the lowest bound left unexplored
+    solver: str
+    configs_considered: int  # outer candidates enumerated (each with its own stage-cut ILP)
+    ilps_solved: int
+    solve_time_s: float  # wall time of the whole search
+
+
+def recompute_label(modes: tuple[str, ...]) -> str:
+    """The ParallelConfig.recompute of a per-stage assignment: the most common mode (ties: the heavier)."""
+    return max(MODES, key=lambda k: (modes.count(k), MODES.index(k)))
+
+
+def _modes(options: PlannerOptions) -> tuple[str, ...]:
+    return (options.recompute,) if options.recompute else MODES
+
+
+def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions) -> SearchResult:
+    t0 = time.perf_counter()
+    cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
+                                 global_batch_size=global_batch_size, options=options)
+    modes = _modes(options)
+    queue = sorted(((lower_bound(pr), i, c, pr) for i, c in enumerate(cands)
+                    for pr in [costs.problem(c, modes)]), key=lambda x: (x[0], x[1]))
+    keep = options.top_k + 1
+    top: list[Solved] = []
+    keys: list[float] = []
+    solved, status, open_bound = 0, "optimal", float("inf")
+    solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC")
+    for lb, _, cand, pr in queue:
+        if lb == float("inf") or (len(top) >= keep and lb >= keys[keep - 1]):
+            break
+        left = options.time_limit_s - (time.perf_counter() - t0)
+        if left <= 0 and top:
+            status, open_bound = "time_limit", lb
+            break
+        cutoff = keys[keep - 1] * (1 + 1e-9) if len(top) >= keep else None
+        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=cutoff)
+        solved += 1
+        if sol is None:
+            continue
+        if sol.status != "optimal":
+            status = "time_limit"
+        at = bisect.bisect(keys, sol.objective_s)
+        keys.insert(at, sol.objective_s)
+        top.insert(at, Solved(candidate=cand, solution=sol))
+        del keys[keep:], top[keep:]
+    if not top:
+        raise InfeasiblePlanError(_why_infeasible(costs, [(c, pr) for _, _, c, pr in queue]))
+    best = top[0]
+    gap = 0.0 if status == "optimal" else max(0.0, (best.objective_s - open_bound) / best.objective_s)
+    gap = max(gap, best.solution.gap)
+    return SearchResult(best=best, alternatives=tuple(top[1:]), status=status, gap=gap, solver=solver_name,
+                        configs_considered=len(cands), ilps_solved=solved, solve_time_s=time.perf_counter() - t0)
+
+
+def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | None = None) -> Solved:
+    """The planner's objective for one given layout: its best stage cuts under `config.recompute`
+    on every stage. Raises InfeasiblePlanError naming what the layout violates."""
+    _check_layout(costs, config)
+    cand = Candidate.of(config)
+    pr = costs.problem(cand, (config.recompute,))
+    tl = options.time_limit_s if options else 60.0
+    sol = solve(pr, time_limit_s=tl)
+    if sol is None:
+        raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr))
+    return Solved(candidate=cand, solution=sol)
+
+
+def _check_layout(costs: CostModel, c: ParallelConfig) -> None:
+    g, world = costs.graph, costs.world_size
+    if c.world_size != world:
+        raise InfeasiblePlanError(f"layout {c} uses tp·pp·dp = {c.world_size} devices but the cluster has {world}; "
+                                  f"choose degrees whose product is {world}")
+    tps = tp_degrees(g, costs.devices_per_node)
+    if c.tp not in tps:
+        raise InfeasiblePlanError(f"tp={c.tp} is not possible for {g.model_name} on {costs.devices_per_node} "
+                                  f"devices per node (it must divide the node size and every head count and "
+                                  f"vocabulary); possible tp: {tps}")
+    if c.pp * c.virtual_stages > g.num_layers:
+        raise InfeasiblePlanError(f"pp·v = {c.pp * c.virtual_stages} stages exceed the {g.num_layers} layers of "
+                                  f"{g.model_name}; lower pp or virtual_stages")
+
+
+def _lean_need_bytes(costs: CostModel, pr: InnerProblem) -> float:
+    """Per-device bytes the layout needs at least: pooled lean model states and activations + fixed terms."""
+    phi = min(pr.inflight)
+    lean = sum(r.count * min(r.state_bytes + phi * r.act_bytes[MODES.index(k)] for k in pr.modes) for r in pr.runs)
+    fixed = sum(costs.usable_bytes - cap for cap in pr.capacity_bytes)
+    return (lean + fixed) / pr.num_ranks
+
+
+def _why_layout_infeasible(costs: CostModel, c: Candidate, pr: InnerProblem) -> str:
+    need = _lean_need_bytes(costs, pr)
+    return (f"layout {c.config(pr.modes[0])} does not fit: constraint memory_rank* (per-device memory) is violated; "
+            f"it needs at least {need / _GiB:.1f} GiB per device but {costs.device.name} offers "
+            f"{costs.usable_bytes / _GiB:.1f} GiB after the reserve; raise tp/pp, the ZeRO stage or recompute")
+
+
+def _why_infeasible(costs: CostModel, problems: list[tuple[Candidate, InnerProblem]]) -> str:
+    c, pr = min(problems, key=lambda x: _lean_need_bytes(costs, x[1]))
+    need = _lean_need_bytes(costs, pr)
+    factor = need / costs.usable_bytes
+    return (f"no layout of {costs.graph.model_name} fits on {costs.world_size} × {costs.device.name}: the binding "
+            f"constraint is memory_rank* (per-device memory); the leanest layout ({c.config(pr.modes[-1])}) needs "
+            f"at least {need / _GiB:.1f} GiB per device, {costs.usable_bytes / _GiB:.1f} GiB are usable. Use about "
+            f"{max(2, int(factor + 0.999))}× as many devices, a device with more memory, or unpin options")

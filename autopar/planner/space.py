@@ -1,0 +1,135 @@
+"""The outer search space (design.md §5): every discrete layout choice except stage cuts and recompute.
+
+A `Candidate` fixes tp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages and
+sequence parallelism; the ILP (`autopar.planner.ilp`) then places the cuts and picks recompute per stage.
+Equivalent layouts are enumerated once: with dp = 1 every ZeRO stage is ZeRO-0, and with pp = 1 GPipe
+and 1F1B are the same schedule (named 1f1b).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.capture.graph import ModelGraph
+from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
+from autopar.errors import InfeasiblePlanError
+
+__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees"]
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    sequence_parallel: bool
+
+    def config(self, recompute: str) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage,
+                              micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
+                              schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
+                              sequence_parallel=self.sequence_parallel)
+
+    @classmethod
+    def of(cls, config: ParallelConfig) -> Candidate:
+        return cls(tp=config.tp, pp=config.pp, dp=config.dp, zero_stage=config.zero_stage,
+                   micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
+                   schedule=config.schedule, virtual_stages=config.virtual_stages,
+                   sequence_parallel=config.sequence_parallel)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(graph: ModelGraph, devices_per_node: int) -> list[int]:
+    """TP degrees that stay inside a node and split every head count and vocabulary evenly."""
+    patterns = [pat for layer in graph.layers for pat in layer.tp_patterns]
+    if not patterns:
+        return [1]
+    return [t for t in divisors(devices_per_node) if all(pat.max_degree_ok(t) for pat in patterns)]
+
+
+def _pinned(values: list, pin) -> list:
+    return [x for x in values if pin is None or x == pin]
+
+
+def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, global_batch_size: int,
+                         options: PlannerOptions) -> list[Candidate]:
+    """All outer layouts allowed by the cluster, the batch and `options`; raises when there are none."""
+    o = options
+    out: list[Candidate] = []
+    zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
+    schedules = [s for s in SCHEDULES if s not in o.exclude_schedules]
+    for tp in _pinned(tp_degrees(graph, devices_per_node), o.tp):
+        for pp in _pinned(divisors(world_size // tp) if world_size % tp == 0 else [], o.pp):
+            if pp > graph.num_layers:
+                continue
+            dp = world_size // (tp * pp)
+            if (o.dp is not None and dp != o.dp) or global_batch_size % dp:
+                continue
+            for mbs in _pinned(divisors(global_batch_size // dp), o.micro_batch_size):
+                m = global_batch_size // (dp * mbs)
+                if o.num_microbatches is not None and m != o.num_microbatches:
+                    continue
+                for zero in _zero_stages(dp, zeros, o.zero_stage):
+                    for sched, v in _schedules(pp, m, graph.num_layers, schedules, o):
+                        for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
+                            out.append(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
+                                                 num_microbatches=m, schedule=sched, virtual_stages=v,
+                                                 sequence_parallel=sp))
+    if not out:
+        raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
+    return out
+
+
+def _zero_stages(dp: int, allowed: list[int], pin: int | None) -> list[int]:
+    if pin is not None:
+        return [pin]
+    if dp == 1:  # nothing to shard across: every stage behaves as ZeRO-0; keep one representative
+        return allowed[:1]
+    return allowed
+
+
+def _schedules(pp: int, m: int, num_layers: int, schedules: list[str], o: PlannerOptions) -> list[tuple[str, int]]:
+    if pp == 1:  # one stage: every schedule runs the micro-batches back to back
+        pick = o.schedule if o.schedule in ("gpipe", "1f1b") else ("1f1b" if "1f1b" in schedules else "gpipe")
+        return [(pick, 1)] if o.virtual_stages in (None, 1) and o.schedule != "interleaved_1f1b" else []
+    out = []
+    for s in _pinned(schedules, o.schedule):
+        if s != "interleaved_1f1b":
+            if o.virtual_stages in (None, 1):
+                out.append((s, 1))
+            continue
+        if m % pp:
+            continue
+        for v in range(2, o.max_virtual_stages + 1):
+            if pp * v <= num_layers and o.virtual_stages in (None, v):
+                out.append((s, v))
+    return out
+
+
+def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch: int, o: PlannerOptions) -> str:
+    tps = tp_degrees(graph, devices_per_node)
+    if o.tp is not None and o.tp not in tps:
+        return (f"tp={o.tp} is not possible: tensor parallelism must divide devices_per_node={devices_per_node} "
+                f"and every head count and vocabulary of {graph.model_name}; possible tp: {tps}")
+    dps = sorted({world_size // (t * p) for t in tps for p in divisors(world_size // t) if p <= graph.num_layers})
+    fitting = [d for d in dps if batch % d == 0]
+    if not fitting:
+        return (f"global batch {batch} cannot be split over any data-parallel degree possible on {world_size} "
+                f"devices (dp ∈ {dps}); use a global batch divisible by one of them, e.g. "
+                f"{max(d for d in dps if d <= max(batch, 1)) if any(d <= batch for d in dps) else min(dps)}·k")
+    return (f"no layout satisfies the pinned options ({_pins(o)}) with global batch {batch} on {world_size} "
+            f"devices; data-parallel degrees that divide the batch: {fitting}. Unpin some options.")
+
+
+def _pins(o: PlannerOptions) -> str:
+    names = ("tp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages",
+             "recompute", "sequence_parallel")
+    return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"
