@@ -6,6 +6,7 @@
 """
 
 from autopar import zoo
+from autopar.api import estimate, plan  # the functions shadow the submodule name autopar.plan
 from autopar.capture import capture  # the function shadows the subpackage name (autopar.capture(...))
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.cluster import Cluster
@@ -23,6 +24,8 @@ from autopar.plan import Estimate, Plan, StagePlan
 __all__ = [
     "zoo",
     "capture",
+    "plan",
+    "estimate",
     "LayerSpec",
     "ModelGraph",
     "TPPattern",
