@@ -1,8 +1,8 @@
 """Group units into layers and find what crosses each layer boundary.
 
-Layers follow execution order. Every block of a stack is its own layer; every other unit with
-parameters starts a new layer (embedding, final norm, head); a unit without parameters (dropout,
-rotary-table module) joins the layer before it. Units that never ran keep their parameters in the
+Layers follow execution order. Every unit with parameters starts a new layer (embedding, each
+block of a stack, final norm, head); a unit without parameters (dropout, activation, rotary-table
+module) joins the layer before it. Units that never ran keep their parameters in the
 layer of the unit registered just before them.
 
 Liveness: a value produced in layer i (or a model input, "layer -1") and used in layer j > i is live
@@ -39,7 +39,7 @@ def group_layers(model: nn.Module, units: tuple[Unit, ...], called: list[str]) -
     by_name = {u.name: u for u in units}
     groups: list[list[str]] = []
     for name in called:
-        if not groups or by_name[name].in_container or _has_params(model, name):
+        if not groups or _has_params(model, name):
             groups.append([name])
         else:
             groups[-1].append(name)

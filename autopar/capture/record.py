@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
 from autopar.capture.probe import ModelState, storage_key, tensor_bytes
+from autopar.capture.trace import placeholder_values
 from autopar.capture.units import Unit, call_signature
 from autopar.errors import CaptureError
 
@@ -165,7 +166,8 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
     try:
         with torch.enable_grad(), probe, saved_tensors_hooks(probe.pack, lambda t: t):
             if isinstance(runner, fx.GraphModule):
-                _Recorder(runner, rec.node_bytes).run(*example_inputs)
+                _Recorder(runner, rec.node_bytes).run(*placeholder_values(runner, model, example_inputs,
+                                                                          forward_kwargs))
             else:
                 runner(*example_inputs, **forward_kwargs)
     finally:

@@ -11,6 +11,7 @@ liveness analysis in `layers.py`.
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from autopar.capture.probe import tensor_bytes
 from autopar.capture.units import Unit
 from autopar.errors import CaptureError
 
-__all__ = ["FlowNode", "Traced", "trace_model", "flow_from_export"]
+__all__ = ["FlowNode", "Traced", "trace_model", "placeholder_values", "flow_from_fx", "flow_from_export"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -93,8 +94,10 @@ def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: d
                     structures: dict[str, str]) -> fx.GraphModule:
     leaves = frozenset(u.name for u in units if u.name)
     tracer = _UnitTracer(leaves)
+    # Python values (flags such as use_cache=False) are baked in; tensors stay graph inputs.
+    constants = {k: v for k, v in forward_kwargs.items() if not isinstance(v, torch.Tensor)}
     try:
-        graph = tracer.trace(model, concrete_args=dict(forward_kwargs) or None)
+        graph = tracer.trace(model, concrete_args=constants or None)
     except Exception as e:
         raise _FxFailure(tracer.failed_in or "", e) from e
     gm = fx.GraphModule(model, graph, type(model).__name__)
@@ -139,6 +142,16 @@ def trace_model(model: nn.Module, example_inputs: tuple, forward_kwargs: dict[st
                 "plain Python argument (forward_kwargs) so tracing sees a constant."
             ) from export_error
         return Traced(method="export", graph_module=None, exported=exported)
+
+
+def placeholder_values(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    """The positional arguments of `gm` for a call `model(*args, **kwargs)` (defaults where not given)."""
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = node.target.lstrip("*")
+        values.append(bound[name] if name in bound else (node.args[0] if node.args else None))
+    return values
 
 
 def flow_from_fx(gm: fx.GraphModule, node_bytes: dict[str, int], unit_names: frozenset[str]) -> list[FlowNode]:
