@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "autopar.cli.cmd_capture",
     "autopar.cli.cmd_clusters",
     "autopar.cli.cmd_profile",
+    "autopar.cli.cmd_plan",
 )
 
 

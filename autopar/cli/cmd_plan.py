@@ -1,0 +1,179 @@
+"""`autopar plan | show | diff | explain`: make a plan and inspect plans. A thin mirror of
+`autopar.plan`, `autopar.estimate`, `PlannerOptions` and `Plan`; rendering lives in autopar.report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="plan the fastest layout of a model on a cluster",
+                              description="Search tp/pp/dp, ZeRO, micro-batching, schedule, recompute and stage "
+                                          "cuts for the fastest layout that fits memory (exact ILP).")
+    p.add_argument("model", metavar="MODEL", help="zoo name (e.g. gpt3-175b), path/file.py:factory or pkg.mod:factory")
+    p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of a preset cluster")
+    p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
+    p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
+    p.add_argument("--out", default=None, help="write the plan as JSON here")
+    p.add_argument("--top", type=int, default=5, help="runner-up layouts to keep")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    p.add_argument("--tp", type=int, help="pin tensor parallelism")
+    p.add_argument("--pp", type=int, help="pin pipeline parallelism")
+    p.add_argument("--dp", type=int, help="pin data parallelism")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="pin the ZeRO stage")
+    p.add_argument("--mbs", type=int, help="pin the micro-batch size")
+    p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recompute on every stage")
+    p.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+
+    s = subparsers.add_parser("show", help="print a saved plan")
+    s.add_argument("plan", help="plan.json")
+    s.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_show)
+
+    d = subparsers.add_parser("diff", help="compare two plans")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_diff)
+
+    e = subparsers.add_parser("explain", help="why the plan is not another layout")
+    e.add_argument("plan", help="plan.json")
+    e.add_argument("--config", required=True, help='the alternative, e.g. "tp=4,pp=8,mbs=1,schedule=1f1b"')
+    e.add_argument("--model", default=None, help="MODEL, when it is not a zoo name equal to the plan's model")
+    e.add_argument("--cluster", default=None, help="cluster; default: the plan's preset")
+    e.add_argument("--nodes", type=int, default=None)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_explain)
+
+
+def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | None):
+    from autopar.cluster import Cluster
+
+    if spec == "local":
+        return Cluster.local(nproc=nproc, profile=profile)
+    if Path(spec).suffix.lower() in (".toml", ".json") or Path(spec).exists():
+        return Cluster.from_file(spec)
+    return Cluster.preset(spec, nodes=nodes or 1, profile=profile)
+
+
+def _graph(model: str, seq_len: int | None):
+    from autopar.capture import capture
+    from autopar.models import resolve_model
+
+    module, inputs = resolve_model(model, seq_len)
+    return capture(module, inputs)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import autopar
+
+    opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
+                          schedule=args.schedule, recompute=args.recompute, top_k=max(0, args.top),
+                          time_limit_s=args.time_limit)
+    cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
+    plan = autopar.plan(_graph(args.model, args.seq_len), cluster, global_batch_size=args.global_batch_size,
+                        options=opts)
+    if args.out:
+        plan.save(args.out)
+    return _emit(plan, args)
+
+
+def _emit(plan: Plan, args: argparse.Namespace) -> int:
+    from autopar.report.text import render_plan
+
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(render_plan(plan))
+        if getattr(args, "out", None):
+            print(f"saved           {args.out}")
+    if args.timeline:
+        from autopar.report.timeline import draw_timeline
+
+        draw_timeline(plan, args.timeline)
+        if not args.json:
+            print(f"timeline        {args.timeline}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    return _emit(Plan.load(args.plan), args)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from autopar.report.text import render_diff
+
+    a, b = Plan.load(args.a), Plan.load(args.b)
+    if args.json:
+        print(json.dumps({"a": a.to_dict(), "b": b.to_dict(),
+                          "changed": sorted(k for k, v in a.config.to_dict().items() if b.config.to_dict()[k] != v)}))
+    else:
+        print(render_diff(a, b))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.report.text import render_explain
+
+    plan = Plan.load(args.plan)
+    alt = _alternative(plan, args.config)
+    cluster = _cluster(args.cluster or plan.cluster_name, args.nodes or _nodes(plan), None, None)
+    est, reason = None, None
+    try:
+        est = autopar.estimate(_graph(args.model or plan.model_name, plan.seq_len), cluster, alt)
+    except AutoparError as e:
+        reason = str(e)
+    if args.json:
+        print(json.dumps({"chosen": {"config": plan.config.to_dict(), "estimate": dataclasses.asdict(plan.estimate)},
+                          "alternative": {"config": alt.to_dict(),
+                                          "estimate": dataclasses.asdict(est) if est else None, "violates": reason}}))
+    else:
+        print(render_explain(plan, alt, est, reason))
+    return 0
+
+
+def _nodes(plan: Plan) -> int:
+    from autopar.cluster import Cluster
+
+    if plan.cluster_name in Cluster.presets():
+        per_node = Cluster.preset(plan.cluster_name).devices_per_node
+        return max(1, plan.world_size // per_node)
+    return 1
+
+
+def _alternative(plan: Plan, text: str) -> ParallelConfig:
+    """`text` over the plan's config; unset dp and m follow from the world size and the global batch."""
+    given = {ParallelConfig._ALIASES.get(k.strip(), k.strip()) for k, _, _ in
+             (part.partition("=") for part in text.split(",") if part.strip())}
+    base = plan.config.to_dict()
+    probe = ParallelConfig.parse(text, **{**base, "schedule": "1f1b", "virtual_stages": 1, "num_microbatches": 1,
+                                          "sequence_parallel": False})
+    world, batch = plan.world_size, plan.global_batch_size
+    tp, pp, mbs = probe.tp, probe.pp, probe.micro_batch_size
+    dp = probe.dp if "dp" in given else max(1, world // (tp * pp))
+    if tp * pp * dp != world or batch % (dp * mbs):
+        raise AutoparError(f"--config {text!r}: tp·pp·dp must be {world} and dp·mbs must divide the global batch "
+                           f"{batch}; got tp={tp}, pp={pp}, dp={dp}, mbs={mbs}")
+    fill = {**base, "dp": dp, "num_microbatches": batch // (dp * mbs)}
+    if pp == 1 or ("schedule" not in given and base["schedule"] == "interleaved_1f1b" and fill["num_microbatches"] % pp):
+        fill.update(schedule="1f1b", virtual_stages=1)
+    if tp == 1:
+        fill["sequence_parallel"] = False
+    return ParallelConfig.parse(text, **fill)

@@ -1,0 +1,105 @@
+"""Human-readable renderings of plans: `show`, `diff`, `explain`. Pure functions from data to text."""
+
+from __future__ import annotations
+
+from autopar.config import ParallelConfig
+from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan
+
+__all__ = ["render_plan", "render_diff", "render_explain", "gib", "fmt_s"]
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def fmt_s(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _estimate_line(e: Estimate) -> str:
+    return (f"step {fmt_s(e.step_time_s)}  |  {e.tokens_per_s:,.0f} tokens/s  |  {e.tflops_per_device:.0f} TFLOP/s "
+            f"per device  |  MFU {e.mfu:.1%}  |  peak {gib(e.peak_memory_bytes)}")
+
+
+def _breakdown(e: Estimate) -> list[str]:
+    rows = []
+    for k in BREAKDOWN_KEYS:
+        v = e.breakdown.get(k, 0.0)
+        rows.append(f"  {k:<16} {fmt_s(v):>12}  {v / e.step_time_s:6.1%}  {'█' * round(40 * v / e.step_time_s)}")
+    return rows
+
+
+def _stage_table(plan: Plan) -> list[str]:
+    rows = [f"  {'stage':>5} {'rank':>4}  {'layers':<34} {'n':>3}  {'recompute':<9} {'t/µbatch':>10}  "
+            f"{'weights':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'peak':>9}"]
+    for s in plan.stages:
+        mb = s.memory_breakdown
+        span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} … {s.layers[-1]}"
+        rows.append(f"  {s.index:>5} {s.pp_rank:>4}  {span[:34]:<34} {len(s.layers):>3}  {s.recompute:<9} "
+                    f"{fmt_s(s.time_per_microbatch_s):>10}  {gib(mb.get('weights', 0)):>9} "
+                    f"{gib(mb.get('grads', 0)):>9} {gib(mb.get('optimizer', 0)):>9} "
+                    f"{gib(mb.get('activations', 0)):>9} {gib(s.peak_memory_bytes):>9}")
+    return rows
+
+
+def render_plan(plan: Plan, *, top: int | None = None) -> str:
+    c, e = plan.config, plan.estimate
+    lines = [f"autopar plan: {plan.model_name} on {plan.cluster_name} ({c.world_size} devices), "
+             f"global batch {plan.global_batch_size}" + (f" × {plan.seq_len} tokens" if plan.seq_len else ""),
+             "", f"chosen layout   {c}",
+             f"                tp={c.tp} (inside a node) × pp={c.pp} × dp={c.dp}, ZeRO-{c.zero_stage}, "
+             f"{c.num_microbatches} micro-batches of {c.micro_batch_size}, {c.schedule}"
+             + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else ""),
+             f"predicted       {_estimate_line(e)}", "", "time per step"]
+    lines += _breakdown(e)
+    lines += ["", "stages (memory per device)"] + _stage_table(plan)
+    alts = plan.alternatives[:top] if top is not None else plan.alternatives
+    if alts:
+        lines += ["", "runner-ups"]
+        for i, (ac, ae) in enumerate(alts, 1):
+            lines.append(f"  {i}. {fmt_s(ae.step_time_s):>10} (+{ae.step_time_s / e.step_time_s - 1:6.2%})  {ac}")
+    if plan.solver:
+        s = plan.solver
+        lines += ["", f"solver          {s.solver}: {s.status}, gap {s.gap:.2g}, {s.configs_considered} layouts "
+                      f"considered, {s.solve_time_s:.2f} s"]
+    lines.append(f"fingerprints    model {plan.graph_fingerprint}, cluster {plan.cluster_fingerprint}")
+    return "\n".join(lines)
+
+
+def render_diff(a: Plan, b: Plan) -> str:
+    ca, cb = a.config.to_dict(), b.config.to_dict()
+    lines = [f"{'':<20} {'A':>24} {'B':>24}"]
+    for k in ca:
+        mark = " " if ca[k] == cb[k] else "*"
+        lines.append(f"{mark} {k:<18} {ca[k]!s:>24} {cb[k]!s:>24}")
+    ea, eb = a.estimate, b.estimate
+    for name, va, vb in (("step_time_s", ea.step_time_s, eb.step_time_s), ("tokens_per_s", ea.tokens_per_s,
+                         eb.tokens_per_s), ("mfu", ea.mfu, eb.mfu), ("peak_memory_GiB", ea.peak_memory_bytes / 2**30,
+                         eb.peak_memory_bytes / 2**30)):
+        lines.append(f"  {name:<18} {va:>24.4g} {vb:>24.4g}   ({vb / va - 1:+.1%})" if va else f"  {name}")
+    for k in BREAKDOWN_KEYS:
+        va, vb = ea.breakdown.get(k, 0.0), eb.breakdown.get(k, 0.0)
+        lines.append(f"  {k:<18} {fmt_s(va):>24} {fmt_s(vb):>24}")
+    if a.graph_fingerprint != b.graph_fingerprint or a.cluster_fingerprint != b.cluster_fingerprint:
+        lines.append("  note: the plans were made for different models or clusters")
+    cuts_a = [len(s.layers) for s in a.stages]
+    cuts_b = [len(s.layers) for s in b.stages]
+    if cuts_a != cuts_b:
+        lines.append(f"  layers per stage  A {cuts_a}\n                    B {cuts_b}")
+    return "\n".join(lines)
+
+
+def render_explain(plan: Plan, config: ParallelConfig, estimate: Estimate | None, reason: str | None) -> str:
+    lines = [f"chosen       {plan.config}", f"             {_estimate_line(plan.estimate)}",
+             f"alternative  {config}"]
+    if estimate is None:
+        lines.append(f"             not possible: {reason}")
+        return "\n".join(lines)
+    lines.append(f"             {_estimate_line(estimate)}")
+    slower = estimate.step_time_s / plan.estimate.step_time_s - 1
+    lines.append(f"             {'slower' if slower >= 0 else 'FASTER'} by {abs(slower):.2%}; where the time goes:")
+    lines.append(f"  {'':<16} {'chosen':>12} {'alternative':>12}")
+    for k in BREAKDOWN_KEYS:
+        lines.append(f"  {k:<16} {fmt_s(plan.estimate.breakdown.get(k, 0)):>12} "
+                     f"{fmt_s(estimate.breakdown.get(k, 0)):>12}")
+    return "\n".join(lines)
