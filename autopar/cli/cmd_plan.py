@@ -172,7 +172,8 @@ def _alternative(plan: Plan, text: str) -> ParallelConfig:
         raise AutoparError(f"--config {text!r}: tp·pp·dp must be {world} and dp·mbs must divide the global batch "
                            f"{batch}; got tp={tp}, pp={pp}, dp={dp}, mbs={mbs}")
     fill = {**base, "dp": dp, "num_microbatches": batch // (dp * mbs)}
-    if pp == 1 or ("schedule" not in given and base["schedule"] == "interleaved_1f1b" and fill["num_microbatches"] % pp):
+    inherited_interleave = "schedule" not in given and base["schedule"] == "interleaved_1f1b"
+    if pp == 1 or (inherited_interleave and fill["num_microbatches"] % pp):
         fill.update(schedule="1f1b", virtual_stages=1)
     if tp == 1:
         fill["sequence_parallel"] = False
