@@ -74,7 +74,8 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
         forward_kwargs.setdefault("use_cache", False)  # a KV cache is for inference; training never builds it
     units = discover_units(model)
     modes = {m: m.training for m in model.modules()}
-    model.train()
+    if not all(modes.values()):
+        model.train()
     # Capture allocates many small, short-lived objects and no cycles worth collecting; pausing the
     # cyclic collector keeps its full passes over a 100-block module tree out of the timing.
     gc_was_enabled = gc.isenabled()
@@ -113,5 +114,6 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
     finally:
         if gc_was_enabled:
             gc.enable()
-        for m, training in modes.items():
-            m.training = training
+        if not all(modes.values()):
+            for m, training in modes.items():
+                m.training = training
