@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import autopar
+import autopar  # run from the repository root after `pip install -e .`, or with PYTHONPATH=.
 from autopar.cluster import Cluster
 from autopar.config import PlannerOptions
 
