@@ -37,13 +37,22 @@ def _graph_of(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None) -
 
 
 def check_plan(plan: Plan, graph: ModelGraph) -> None:
-    """The plan must have been made for this model graph."""
+    """The plan must have been made for this model graph, and its tp must split every TP pattern."""
     if plan.graph_fingerprint != graph.fingerprint:
         raise PlanMismatchError(
             f"the plan was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}) but this "
             f"model is {graph.model_name!r} (fingerprint {graph.fingerprint}); make a plan for this model with "
             "autopar.plan(model, cluster, ...)"
         )
+    tp = plan.config.tp
+    for layer in graph.layers:
+        for pattern in layer.tp_patterns:
+            if not pattern.max_degree_ok(tp):
+                raise PlanMismatchError(
+                    f"layer {layer.name}: tp={tp} does not divide its {pattern.kind} pattern (heads="
+                    f"{pattern.num_heads}, kv heads={pattern.num_kv_heads}, vocab={pattern.vocab_size}); "
+                    "re-plan with a tp that divides them"
+                )
 
 
 @torch.no_grad()
