@@ -6,7 +6,7 @@
 """
 
 from autopar import zoo
-from autopar.api import estimate, plan  # the functions shadow the submodule name autopar.plan
+from autopar.api import estimate, parallelize, plan  # the functions shadow the submodule name autopar.plan
 from autopar.capture import capture  # the function shadows the subpackage name (autopar.capture(...))
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.cluster import Cluster
@@ -26,6 +26,7 @@ __all__ = [
     "capture",
     "plan",
     "estimate",
+    "parallelize",
     "LayerSpec",
     "ModelGraph",
     "TPPattern",

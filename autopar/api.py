@@ -2,6 +2,7 @@
 
     plan:      model ─capture→ ModelGraph ─CostModel→ numbers ─search (ILP)→ SearchResult ─build_plan→ Plan
     estimate:  model ─capture→ ModelGraph ─CostModel→ numbers ─price (ILP, one layout)→ Estimate
+    parallelize: model ─capture→ ModelGraph ─(plan on rank 0, broadcast)→ Plan ─codegen→ ParallelModel
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from autopar.planner.assemble import build_estimate, build_plan
 from autopar.planner.costs import CostModel
 from autopar.planner.search import price, search
 
-__all__ = ["plan", "estimate"]
+__all__ = ["plan", "estimate", "parallelize"]
 
 
 def _graph(model: Any, example_inputs: tuple | None) -> ModelGraph:
@@ -54,3 +55,47 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     options = options or PlannerOptions()
     costs = CostModel.for_cluster(_graph(model, example_inputs), cluster, profile, options.memory_reserve_fraction)
     return build_estimate(price(costs, config, options), costs)
+
+
+def _plan_everywhere(graph: ModelGraph, cluster: Any, global_batch_size: int | None, profile: Any,
+                     options: PlannerOptions | None) -> Plan:
+    """Plan once on rank 0 and send the plan's JSON to every rank, so all ranks run the same layout."""
+    import torch.distributed as dist
+
+    if global_batch_size is None:
+        raise AutoparError("parallelize(model, cluster, ...) plans first and needs global_batch_size=; "
+                           "or pass a Plan from autopar.plan(...)")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        payload = [plan(graph, cluster, global_batch_size=global_batch_size, profile=profile,
+                        options=options).to_dict()]
+    else:
+        payload = [None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return Plan.from_dict(payload[0])
+
+
+def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple, optimizer: Any, loss_fn: Any = None,
+                global_batch_size: int | None = None, profile: Any = None, options: PlannerOptions | None = None,
+                device: Any = None) -> Any:
+    """Shard `model` on this rank as a plan says and return its `ParallelModel` (call on every rank).
+
+    plan_or_cluster: a `Plan` (e.g. `Plan.load("plan.json")`), or a `Cluster` to plan for first
+    (rank 0 plans with `global_batch_size`, `profile` and `options`; every rank gets the same plan).
+    optimizer: a factory `params -> torch.optim.Optimizer`; loss_fn: `(logits, targets) -> mean loss`
+    (default: language-model cross entropy, vocab-parallel under tensor parallelism).
+    """
+    from autopar import codegen
+    from autopar.codegen.mesh import init_distributed, resolve_device
+
+    graph = _graph(model, example_inputs)
+    if isinstance(plan_or_cluster, Plan):
+        the_plan = plan_or_cluster
+    else:
+        cluster = plan_or_cluster
+        probe = ParallelConfig(dp=cluster.world_size)  # only its world size matters for the launch check
+        init_distributed(probe, resolve_device(device))
+        the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, options)
+    kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
+    return codegen.parallelize(model, the_plan, graph=graph, example_inputs=example_inputs, optimizer=optimizer,
+                               device=device, **kwargs)
