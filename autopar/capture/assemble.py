@@ -96,6 +96,17 @@ def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_pa
     return "other"
 
 
+def _vocab_size(model: nn.Module, embeddings: list[nn.Embedding]) -> int | None:
+    """The vocabulary: the config's, else an embedding whose size an output linear shares (the LM head),
+    else the largest embedding. Not simply the largest: a position table can outgrow a small vocabulary."""
+    configured = _config_int(model, ("vocab_size",))
+    if configured is not None:
+        return configured
+    out_features = {m.out_features for m in model.modules() if isinstance(m, nn.Linear)}
+    tied = [m.num_embeddings for m in embeddings if m.num_embeddings in out_features]
+    return max(tied or [m.num_embeddings for m in embeddings], default=None)
+
+
 def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
     cfg = getattr(model, "config", None)
     for name in names:
@@ -111,7 +122,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
     embedding_names = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     embeddings = [model.get_submodule(n) for n in embedding_names]
-    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    vocab = _vocab_size(model, embeddings)
     vocab_modules = _vocab_modules(model, vocab)
     sums = [_Sums() for _ in groups]
     for call in rec.calls:
