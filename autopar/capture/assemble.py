@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph, TPPattern
 from autopar.capture.layers import LayerGroup
 from autopar.capture.probe import CallStats
 from autopar.capture.record import Recording
@@ -30,6 +30,8 @@ class _Sums:
     saved: int = 0
     saved_tp_sharded: int = 0
     saved_core: int = 0
+    kernels_forward: KernelMix = field(default_factory=KernelMix)
+    kernels_backward: KernelMix = field(default_factory=KernelMix)
     signatures: list[str] = field(default_factory=list)
     patterns: dict[tuple, TPPattern] = field(default_factory=dict)
 
@@ -79,6 +81,13 @@ def _vocab_patterns(unit: str, stats: CallStats, vocab_modules: dict[str, str], 
             out.append(TPPattern(kind="lm_head", column=(full,), vocab_size=vocab,
                                  allreduce_bytes_per_sample=in_bytes))
     return out
+
+
+def _vocab_sharded(mix: KernelMix, share: float) -> KernelMix:
+    """The extra TP-sharded work of a vocab-parallel embedding or LM head: `share` of the call's GEMM
+    FLOPs and memory traffic (the logits, the lookups) that the vocabulary split divides."""
+    return KernelMix(gemm_flops_tp_sharded=mix.gemm_flops * share - mix.gemm_flops_tp_sharded * share,
+                     memory_bytes_tp_sharded=mix.memory_bytes * share - mix.memory_bytes_tp_sharded * share)
 
 
 def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_params: bool,
@@ -135,13 +144,19 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved += st.saved_bytes
         s.saved_tp_sharded += st.saved_bytes_tp_sharded
         s.saved_core += st.saved_bytes_attention_core
+        s.kernels_forward += st.kernels_forward
+        s.kernels_backward += st.kernels_backward
         s.signatures.append(call.signature)
         vocab_patterns = _vocab_patterns(call.unit, st, vocab_modules, vocab)
         vocab_names = {c for p in vocab_patterns for c in p.column}
         # a vocab-parallel embedding / LM head splits its own work too
-        s.forward_flops_tp_sharded += sum(f for rel, _, _, f in st.linear_io
-                                          if (f"{call.unit}.{rel}" if call.unit and rel else call.unit or rel)
-                                          in vocab_names)
+        vocab_flops = sum(f for rel, _, _, f in st.linear_io
+                          if (f"{call.unit}.{rel}" if call.unit and rel else call.unit or rel) in vocab_names)
+        s.forward_flops_tp_sharded += vocab_flops
+        if vocab_patterns:
+            share = min(1.0, vocab_flops / st.forward_flops) if st.forward_flops else 0.0
+            s.kernels_forward += _vocab_sharded(st.kernels_forward, share)
+            s.kernels_backward += _vocab_sharded(st.kernels_backward, share)
         for p in _pair_patterns(call.unit, st) + vocab_patterns:
             s.patterns.setdefault((p.kind, p.column, p.row), p)
     for last_unit, cost in rec.top_level.items():
@@ -153,6 +168,11 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.bytes_read += cost.bytes_read
         s.bytes_written += cost.bytes_written
         s.saved += cost.saved_bytes
+        top = KernelMix(gemm_flops=cost.forward_flops, gemm_count=int(cost.forward_flops > 0),
+                        memory_bytes=float(cost.bytes_read + cost.bytes_written), memory_count=1)
+        s.kernels_forward += top
+        s.kernels_backward += KernelMix(gemm_flops=2 * top.gemm_flops, gemm_count=2 * top.gemm_count,
+                                        memory_bytes=2 * top.memory_bytes, memory_count=1)
         s.signatures.append(f"top:{cost.forward_flops}:{cost.saved_bytes}")
 
     # Parameters: each counted once, in the first layer that holds it (tied weights stay with the embedding).
@@ -190,6 +210,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             boundary_bytes=per_sample(boundary_bytes[i]),
             tp_patterns=tuple(dataclasses.replace(p, allreduce_bytes_per_sample=per_sample(
                 p.allreduce_bytes_per_sample)) for p in patterns),
+            kernels_forward=s.kernels_forward.scaled(1 / batch),
+            kernels_backward=s.kernels_backward.scaled(1 / batch),
         ))
     attention = next((p for la in layers for p in la.tp_patterns if p.kind == "attention"), None)
     vocab_embedding = next((m for m in embeddings if m.num_embeddings == vocab), None)

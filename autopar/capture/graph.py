@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TPPattern", "LayerSpec", "ModelGraph"]
+__all__ = ["TPPattern", "KernelMix", "LayerSpec", "ModelGraph"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
@@ -68,6 +68,41 @@ class TPPattern:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KernelMix:
+    """The kernels of one pass (forward or backward) of a layer, per sample, grouped by what bounds them.
+
+    A layer's time is the sum of its kernels' times, not one roofline over its totals: a block's
+    GEMMs are compute-bound while its norms, activations and dropouts are memory-bound, and they
+    run one after another. Counts are kernels per pass (they do not scale with the batch).
+    The `*_tp_sharded` parts are inside tensor-parallel patterns and are divided by tp.
+    """
+
+    gemm_flops: float = 0.0  # matmuls against weights (linear layers)
+    gemm_count: int = 0
+    attention_flops: float = 0.0  # matmuls between activations and fused attention kernels
+    attention_count: int = 0
+    memory_bytes: float = 0.0  # bytes read + written by the other (memory-bound) kernels
+    memory_count: int = 0
+    gemm_flops_tp_sharded: float = 0.0
+    attention_flops_tp_sharded: float = 0.0
+    memory_bytes_tp_sharded: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.gemm_flops, self.attention_flops, self.memory_bytes, self.gemm_count, self.attention_count,
+               self.memory_count) < 0:
+            raise ValueError(f"KernelMix has a negative entry: {self}")
+
+    def __add__(self, other: KernelMix) -> KernelMix:
+        return KernelMix(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                            for f in dataclasses.fields(self)})
+
+    def scaled(self, factor: float) -> KernelMix:
+        """Work scaled by `factor` (e.g. 1/batch for per-sample numbers); kernel counts unchanged."""
+        return KernelMix(**{f.name: getattr(self, f.name) * (1 if f.name.endswith("count") else factor)
+                            for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerSpec:
     """One layer, measured on meta/fake tensors; all FLOPs and activation bytes are per sample."""
 
@@ -93,6 +128,8 @@ class LayerSpec:
     saved_activation_bytes_attention_core: int
     boundary_bytes: int  # live tensors crossing a cut placed right after this layer
     tp_patterns: tuple[TPPattern, ...] = ()
+    kernels_forward: KernelMix = field(default_factory=KernelMix)
+    kernels_backward: KernelMix = field(default_factory=KernelMix)
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
@@ -185,7 +222,8 @@ class ModelGraph:
                 for p in ld.pop("tp_patterns", ())
             )
             ld["modules"] = tuple(ld["modules"])
-            layers.append(LayerSpec(**ld, tp_patterns=pats))
+            kernels = {k: KernelMix(**ld.pop(k)) for k in ("kernels_forward", "kernels_backward") if k in ld}
+            layers.append(LayerSpec(**ld, tp_patterns=pats, **kernels))
         return cls(**d, layers=tuple(layers))
 
     def to_json(self) -> str:

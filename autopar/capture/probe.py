@@ -28,12 +28,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.capture.graph import KernelMix
 from autopar.capture.kernels import SDPA_OPS, gpu_kernels
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
 
 aten = torch.ops.aten
 _MATMUL_OPS = frozenset({aten.mm, aten.bmm, aten.baddbmm, aten.addmm, aten.addbmm, aten.matmul})
+_SDPA_BACKWARD_OPS = frozenset(
+    getattr(aten, name) for name in (
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_fused_attention_overrideable_backward",
+    ) if hasattr(aten, name)
+)
 
 # Tag: (source linears, is attention core). Source None = replicated (from the residual stream);
 # an empty frozenset = constant.
@@ -90,6 +100,8 @@ class CallStats:
     pairs: tuple[PairSpec, ...]
     # (relative linear/embedding name, input bytes, output bytes, forward FLOPs inside it)
     linear_io: tuple[tuple[str, int, int, float], ...]
+    kernels_forward: KernelMix = KernelMix()
+    kernels_backward: KernelMix = KernelMix()
 
 
 @dataclass
@@ -98,6 +110,85 @@ class _Op:
     src: frozenset[str] | None
     linear: str | None
     head_dim: int | None
+    kind: str = "memory"  # "gemm" | "attention" | "memory" | "view" (see KernelMix)
+    bytes_moved: int = 0
+
+
+def _op_kind(packet: Any, func: Any, n_active: int) -> str:
+    """What bounds a kernel: a matmul with a weight is a GEMM, one between two activations (or a fused
+    attention kernel) is attention, a view launches nothing, everything else streams memory."""
+    if func.is_view:
+        return "view"
+    if packet in SDPA_OPS or packet in _SDPA_BACKWARD_OPS:
+        return "attention"
+    if packet in _MATMUL_OPS:
+        return "attention" if n_active >= 2 else "gemm"
+    return "memory"
+
+
+class _OpLog(TorchDispatchMode):
+    """Records (kind, FLOPs, bytes) of each op a backward pass runs; FLOPs from a running FlopCounterMode."""
+
+    def __init__(self, counter: FlopCounterMode) -> None:
+        super().__init__()
+        self.counter = counter
+        self.ops: list[tuple[str, float, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        before = self.counter.get_total_flops()
+        out = func(*args, **(kwargs or {}))
+        flops = self.counter.get_total_flops() - before
+        packet = func.overloadpacket
+        kind = "view" if func.is_view else "matmul" if packet in _MATMUL_OPS else \
+            "attention" if packet in _SDPA_BACKWARD_OPS else "memory"
+        moved = 0 if func.is_view else tensor_bytes((args, kwargs)) + tensor_bytes(out)
+        self.ops.append((kind, float(flops), moved))
+        return out
+
+
+def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix:
+    """Forward kernels by kind; an op inside a TP pattern (its linear, or data from column linears) is sharded."""
+    sums: dict[str, float] = {}
+    for op in ops:
+        if op.kind == "view":
+            continue
+        work = float(op.bytes_moved) if op.kind == "memory" else op.flops
+        key = {"gemm": "gemm_flops", "attention": "attention_flops", "memory": "memory_bytes"}[op.kind]
+        sums[key] = sums.get(key, 0.0) + work
+        count_key = key.split("_")[0] + "_count"
+        sums[count_key] = sums.get(count_key, 0) + 1
+        if op.linear in tp_linears or sharded(op.src):
+            sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
+    return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()})
+
+
+def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix) -> KernelMix:
+    """Backward kernels; matmul FLOPs split between GEMM and attention as in forward (each forward
+    matmul has two backward matmuls of its size: Narayanan et al. 2021, eq. 3), and the TP-sharded
+    shares of each kind taken from forward (a backward op runs on its forward op's shards)."""
+    mm = [f for k, f, _ in log if k == "matmul"]
+    fused = [f for k, f, _ in log if k == "attention"]
+    mem = [b for k, _, b in log if k == "memory"]
+    # With a fused attention kernel its backward is fused too and every backward matmul is a GEMM;
+    # with eager attention the backward matmuls split as the forward ones do.
+    fwd_mm = forward.gemm_flops + forward.attention_flops
+    attn_share = forward.attention_flops / fwd_mm if fwd_mm and not fused else 0.0
+    n_attn_mm = 0 if fused else round(
+        len(mm) * forward.attention_count / max(1, forward.gemm_count + forward.attention_count))
+
+    def share(part: float, whole: float) -> float:
+        return part / whole if whole else 0.0
+
+    gemm = sum(mm) * (1 - attn_share)
+    attention = sum(mm) * attn_share + sum(fused)
+    return KernelMix(
+        gemm_flops=gemm, gemm_count=len(mm) - n_attn_mm,
+        attention_flops=attention, attention_count=n_attn_mm + len(fused),
+        memory_bytes=float(sum(mem)), memory_count=len(mem),
+        gemm_flops_tp_sharded=gemm * share(forward.gemm_flops_tp_sharded, forward.gemm_flops),
+        attention_flops_tp_sharded=attention * share(forward.attention_flops_tp_sharded, forward.attention_flops),
+        memory_bytes_tp_sharded=sum(mem) * share(forward.memory_bytes_tp_sharded, forward.memory_bytes),
+    )
 
 
 class _Tracker(TorchDispatchMode):
@@ -161,7 +252,9 @@ class _Tracker(TorchDispatchMode):
         for t, tag in zip(outs, out_tags, strict=True):
             self.set_tag(t, tag)
         linear = self.linear_stack[-1] if self.linear_stack else None
-        self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim))
+        moved = 0 if func.is_view else tensor_bytes(ins) + tensor_bytes(outs)
+        self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim,
+                            kind=_op_kind(packet, func, len(active)), bytes_moved=moved))
         return out
 
 
@@ -230,7 +323,8 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         forward_flops = counter.get_total_flops()
         roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         backward_counter = FlopCounterMode(display=False)
-        with backward_counter:
+        op_log = _OpLog(backward_counter)
+        with backward_counter, op_log, gpu_kernels():
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
         backward_flops = backward_counter.get_total_flops()
@@ -256,6 +350,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
             column_out_features=sum(linears[c].out_features for c in cols),
             row_in_features=linears[row].in_features, row_out_bytes=io[row][1],
         ))
+    kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears)
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
     return CallStats(
@@ -271,4 +366,6 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         pairs=tuple(specs),
         linear_io=tuple((name, i, o, sum(op.flops for op in tracker.ops if op.linear == name))
                         for name, (i, o) in io.items()),
+        kernels_forward=kernels_forward,
+        kernels_backward=_backward_mix(op_log.ops, kernels_forward),
     )
