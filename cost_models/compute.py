@@ -91,11 +91,13 @@ class ComputeModel:
             return _monotone_interp([s.flops for s in samples], [s.time_s for s in samples], flops, best)
         return flops / (self.device.peak_flops_for(dtype) * self.efficiency(flops, dtype))
 
-    def _memory_s(self, bytes_moved: float, dtype: str) -> float:
+    def _memory_s(self, bytes_moved: float, dtype: str, kind: str = "elementwise") -> float:
         if bytes_moved <= 0:
             return 0.0
         rows = list(self.profile.elementwise) if self.profile else []
         rows = [r for r in rows if r.dtype == dtype] or rows
+        table_op = "sum" if kind == "reduction" else "add"
+        rows = [r for r in rows if r.op == table_op] or rows
         if rows:
             best = max(r.bytes_per_s for r in rows)
             return _monotone_interp([r.n_bytes for r in rows], [r.time_s for r in rows], bytes_moved, best)
@@ -105,10 +107,12 @@ class ComputeModel:
         return self.profile is not None and bool(self.profile.gemm_samples(dtype)) and bool(self.profile.elementwise)
 
     # ---- public API ----
-    def op_time_s(self, flops: float, bytes_moved: float, dtype: str = "bfloat16", key: str | None = None) -> float:
+    def op_time_s(self, flops: float, bytes_moved: float, dtype: str = "bfloat16", key: str | None = None,
+                  kind: str = "elementwise") -> float:
         """Seconds for an op or a layer doing `flops` and moving `bytes_moved` (read + written).
 
         `key` names a measured entry in profile.layer_times (e.g. layer_key(sig, "fwd", 2, 1)), used as is.
+        `kind` ("elementwise" | "reduction") picks which measured memory table prices the bytes.
         """
         if flops < 0 or bytes_moved < 0:
             raise ValueError(f"op_time_s: flops={flops} and bytes_moved={bytes_moved} must be non-negative")
@@ -116,7 +120,7 @@ class ComputeModel:
             return self.profile.layer_times[key]
         if flops == 0 and bytes_moved == 0:
             return 0.0
-        roof = max(self._compute_s(flops, dtype), self._memory_s(bytes_moved, dtype))
+        roof = max(self._compute_s(flops, dtype), self._memory_s(bytes_moved, dtype, kind))
         if self._measured_tables(dtype):  # measured times already include the launch floor
             return max(roof, self.launch_s)
         return roof + self.launch_s

@@ -32,6 +32,7 @@ class OpRecord:
     gemm_mnk: tuple[int, int, int] | None  # for mm / addmm
     gemm_layout: str = "nn"  # "t" for an operand stored transposed (column-major)
     is_view: bool  # output aliases an input: no kernel runs
+    is_reduction: bool = False  # the largest input is ≥ 4× the largest output (sums, norms' statistics)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -64,8 +65,10 @@ class _Recorder(TorchDispatchMode):
             mnk = (a.shape[0], b.shape[1], a.shape[1])
             layout = _layout_char(a) + _layout_char(b)
         moved = sum(t.numel() * t.element_size() for t in ins + outs)
+        biggest_in = max((t.numel() for t in ins), default=0)
+        reduction = bool(outs) and biggest_in >= 4 * max(t.numel() for t in outs) and mnk is None
         self.ops.append(OpRecord(name=name, flops=flops, bytes_moved=moved, gemm_mnk=mnk, gemm_layout=layout,
-                                 is_view=is_view))
+                                 is_view=is_view, is_reduction=reduction))
         return out
 
 
@@ -86,5 +89,6 @@ def predict_ops_time_s(ops: list[OpRecord], cm: ComputeModel, dtype: str) -> flo
         if op.gemm_mnk is not None:
             total += cm.gemm_time_s(*op.gemm_mnk, dtype=dtype, layout=op.gemm_layout)
         else:
-            total += cm.op_time_s(op.flops, op.bytes_moved, dtype)
+            total += cm.op_time_s(op.flops, op.bytes_moved, dtype,
+                                  kind="reduction" if op.is_reduction else "elementwise")
     return total

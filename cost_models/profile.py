@@ -140,6 +140,7 @@ class Profile:
     layer_times: dict[str, float] = field(default_factory=dict)  # layer_key(...) → seconds
     model_name: str | None = None
     notes: str = ""
+    clock: str = "wall"  # how kernels were timed: "wall", or "thread" (single-threaded CPU time)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:

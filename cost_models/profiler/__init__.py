@@ -41,11 +41,13 @@ def local_device_name() -> str:
 
 def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Sequence[LayerCase] = (),
                     dtypes: Sequence[str] | None = None, progress: Callable[[str], None] | None = None,
-                    model_name: str | None = None, collectives: bool = True) -> Profile:
+                    model_name: str | None = None, collectives: bool = True, clock: str = "wall") -> Profile:
     """Measure the local device (CUDA when present, else CPU) and `nproc` local processes.
 
     nproc defaults to the GPU count, or to the CPU count (at least 2) on a CPU machine.
     dtypes defaults to bfloat16 and float32 (the GEMM sweep runs once per dtype).
+    clock "thread" times kernels by single-threaded CPU time (CPU only), for machines shared with other
+    work; layers and collectives are always timed by the wall clock.
     """
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -61,10 +63,10 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
         step[0] += 1
         log(f"[{step[0]}] {msg}")
 
-    launch_s = measure_launch_s(device)
+    launch_s = measure_launch_s(device, clock)
     note(f"eager op floor on {device.type}: {launch_s * 1e6:.1f} us")
-    gemm = measure_gemm(device, dtypes, quick, note)
-    elementwise = [e for dtype in dtypes for e in measure_elementwise(device, dtype, quick, note)]
+    gemm = measure_gemm(device, dtypes, quick, note, clock)
+    elementwise = [e for dtype in dtypes for e in measure_elementwise(device, dtype, quick, note, clock)]
     layer_times: dict[str, float] = {}
     for case in layers:
         times = measure_layer(case, device, quick=quick)
@@ -89,4 +91,5 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
         layer_times=layer_times,
         model_name=model_name,
         notes="quick sweep" if quick else "",
+        clock=clock,
     )

@@ -150,9 +150,12 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
                 msg = results.get(timeout=1.0)
             except queue_mod.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"collective profiling failed (worker exit codes {dead}, "
-                                       f"timeout {timeout_s} s); rerun with fewer processes (--nproc)") from None
+                if dead:
+                    raise RuntimeError(f"collective profiling failed: workers exited with codes {dead} (their "
+                                       "traceback is above); rerun with fewer processes (--nproc)") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"collective profiling took over {timeout_s:.0f} s; rerun with --quick "
+                                       "or fewer processes (--nproc)") from None
                 continue
             if msg[0] == "done":
                 break

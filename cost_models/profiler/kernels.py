@@ -42,14 +42,14 @@ def elementwise_sizes(quick: bool) -> list[int]:
 
 
 def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
-                 progress: Callable[[str], None]) -> list[GemmSample]:
+                 progress: Callable[[str], None], clock: str = "wall") -> list[GemmSample]:
     out = []
     trials = 3 if quick else 5
     for dtype in dtypes:
         for layout in ("nn", "nt", "tn"):
             for m, n, k in gemm_shapes(quick):
                 a, b = _operands(m, n, k, layout, _DTYPES[dtype], device)
-                t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials)
+                t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials, clock=clock)
                 sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout)
                 progress(f"gemm {m}x{n}x{k} {layout} {dtype}: {t * 1e3:.3f} ms, "
                          f"{sample.flops_per_s / 1e9:.1f} GFLOP/s")
@@ -58,7 +58,7 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
 
 
 def measure_elementwise(device: torch.device, dtype: str, quick: bool,
-                        progress: Callable[[str], None]) -> list[ElementwiseSample]:
+                        progress: Callable[[str], None], clock: str = "wall") -> list[ElementwiseSample]:
     """c = a + b into a fresh tensor, as model ops run (the allocation and first touch of the output are
     part of the cost on CPU): reads 2 operands, writes 1, so traffic = 3 × operand bytes."""
     out = []
@@ -66,15 +66,21 @@ def measure_elementwise(device: torch.device, dtype: str, quick: bool,
     for n_bytes in elementwise_sizes(quick):
         a = torch.randn(n_bytes // elem, device=device, dtype=_DTYPES[dtype])
         b = torch.randn_like(a)
-        t = time_callable(lambda a=a, b=b: torch.add(a, b), device, trials=3 if quick else 5)
+        t = time_callable(lambda a=a, b=b: torch.add(a, b), device, trials=3 if quick else 5, clock=clock)
         sample = ElementwiseSample(op="add", dtype=dtype, n_bytes=3 * n_bytes, time_s=t)
         progress(f"elementwise add {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
+        out.append(sample)
+        # a reduction over rows (a bias gradient): reads the operand, writes 1/256 of it
+        rows = a.view(-1, 256)
+        t = time_callable(lambda rows=rows: rows.sum(dim=0), device, trials=3 if quick else 5, clock=clock)
+        sample = ElementwiseSample(op="sum", dtype=dtype, n_bytes=n_bytes + 256 * elem, time_s=t)
+        progress(f"reduction sum {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
         out.append(sample)
     return out
 
 
-def measure_launch_s(device: torch.device) -> float:
+def measure_launch_s(device: torch.device, clock: str = "wall") -> float:
     """The floor of one eager op: an add of two 1-element tensors."""
     a = torch.ones(1, device=device)
     b = torch.ones(1, device=device)
-    return time_callable(lambda: torch.add(a, b), device, trial_s=0.02, trials=5)
+    return time_callable(lambda: torch.add(a, b), device, trial_s=0.02, trials=5, clock=clock)

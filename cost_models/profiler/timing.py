@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_callable", "synchronize"]
+__all__ = ["time_callable", "synchronize", "CLOCKS"]
+
+CLOCKS = ("wall", "thread")
 
 
 def synchronize(device: torch.device) -> None:
@@ -20,7 +22,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _one_trial(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+def _one_trial(fn: Callable[[], object], reps: int, device: torch.device, clock: str = "wall") -> float:
+    if clock == "thread":  # CPU time of the calling thread: immune to other processes on the cores
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        return (time.thread_time() - t0) / reps
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -36,10 +43,16 @@ def _one_trial(fn: Callable[[], object], reps: int, device: torch.device) -> flo
 
 
 def time_callable(fn: Callable[[], object], device: torch.device, *, trial_s: float = 0.02, trials: int = 5,
-                  max_reps: int = 1000) -> float:
-    """Median seconds per call of `fn` over `trials` trials, after a warm-up call."""
+                  max_reps: int = 1000, clock: str = "wall") -> float:
+    """Median seconds per call of `fn` over `trials` trials, after a warm-up call.
+
+    clock "wall" is elapsed time (CUDA events on GPU); "thread" is the calling thread's CPU time, for
+    single-threaded CPU runs on a machine shared with other work (it equals wall time when idle).
+    """
+    if clock not in CLOCKS or (clock == "thread" and device.type != "cpu"):
+        raise ValueError(f"clock={clock!r} on {device.type}; expected 'wall', or 'thread' on CPU")
     fn()
     synchronize(device)
-    first = _one_trial(fn, 1, device)
+    first = _one_trial(fn, 1, device, clock)
     reps = max(1, min(max_reps, int(trial_s / max(first, 1e-9))))
-    return statistics.median(_one_trial(fn, reps, device) for _ in range(trials))
+    return statistics.median(_one_trial(fn, reps, device, clock) for _ in range(trials))
