@@ -205,6 +205,8 @@ class Cluster:
             device, intra = _local_cpu_device(n, prof), catalog.link("cpu-loopback")
         if prof is not None:
             _check_profile(prof, device=device, here=True)
+            if not cuda:
+                prof = _cpu_share(prof, n)
             device = _refine_device(device, prof)
             if len(prof.collectives) >= 2:
                 intra = fit_link(list(prof.collectives), name=f"{intra.name}-measured",
@@ -220,6 +222,40 @@ def _load_profile(profile: Profile | str | Path | None) -> Profile | None:
         return Profile.load(profile)
     except ProfileMismatch as e:
         raise ProfileMismatchError(str(e)) from e
+
+
+def cpu_slowdown(*, nproc: int, cpu_count: int, profiled_threads: int, run_threads: int) -> float:
+    """How much slower a CPU kernel runs in one of `nproc` training processes than in the profiler.
+
+    The profiler ran alone with `profiled_threads` threads; a training process runs `run_threads`
+    threads (torchrun sets OMP_NUM_THREADS=1 when nproc > 1) and, when processes outnumber cores, the
+    OS time-slices the cores among them. Kernel time is taken as inversely proportional to the cores a
+    process gets, min(threads, cores / nproc) (compute-bound GEMMs scale with cores; the rest is left to
+    calibration, autopar.calibrate).
+    """
+    profiled = max(1.0, min(profiled_threads, cpu_count))
+    share = min(float(run_threads), cpu_count / nproc)
+    return profiled / share
+
+
+def _run_threads(n: int) -> int:
+    """Threads each training process will use: OMP_NUM_THREADS, else torchrun's default (1 when n > 1)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1 if n > 1 else (os.cpu_count() or 1)
+
+
+def _cpu_share(prof: Profile, n: int) -> Profile:
+    """The profile as one of n training processes on this CPU sees it (compute tables slowed down)."""
+    from autopar.calibrate import scale_profile
+
+    factor = cpu_slowdown(nproc=n, cpu_count=prof.machine.cpu_count or 1,
+                          profiled_threads=prof.threads_per_process, run_threads=_run_threads(n))
+    if factor == 1.0:
+        return prof
+    return scale_profile(prof, compute=factor, note=f"compute x{factor:g}: {n} process(es) sharing "
+                                                    f"{prof.machine.cpu_count} cores")
 
 
 def _local_gpu_device(torch: Any) -> tuple[DeviceSpec, LinkSpec]:

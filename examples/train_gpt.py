@@ -2,6 +2,10 @@
 
     torchrun --nproc_per_node 2 examples/train_gpt.py --model gpt-tiny --seq-len 128 --steps 20 --plan auto
     torchrun --nproc_per_node 4 examples/train_gpt.py --plan plan.json   # from `autopar plan ... --out plan.json`
+    torchrun --nproc_per_node 4 examples/train_gpt.py --plan plan.json --record run.json   # then `autopar report`
+
+A plan file must be made for the model this script trains (float32, no dropout), which the factory
+below describes: `autopar plan examples/train_gpt.py:gpt_tiny --seq-len 128 ...`.
 
 The data is generated: sequences from a fixed random bigram language (each token has a handful of
 likely successors), so the loss visibly falls from ln(vocab) toward the language's entropy.
@@ -11,7 +15,9 @@ Rank 0 prints loss, step time and tokens/s; every rank runs the same code.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import socket
 import sys
 import time
 
@@ -21,6 +27,30 @@ import torch.distributed as dist
 import autopar
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.mesh import resolve_device
+from autopar.codegen.timing import rank_timing
+from autopar.record import build_record
+
+
+def build_model(name: str = "gpt-tiny", seq_len: int = 128, device: str = "meta", **overrides):
+    """The model this script trains: float32 (the CPU/gloo training dtype) and no dropout."""
+    return autopar.zoo.build(name, seq_len=seq_len, device=device, dtype=torch.float32,
+                             **{"dropout": 0.0, **overrides})
+
+
+def gpt_tiny(seq_len: int = 128):
+    """MODEL factory for the CLI (`autopar profile|plan examples/train_gpt.py:gpt_tiny`): the default run."""
+    return build_model("gpt-tiny", seq_len)
+
+
+def parse_overrides(items: list[str]) -> dict[str, int | float]:
+    """["n_layers=2", "hidden_size=256"] → {"n_layers": 2, "hidden_size": 256}."""
+    out: dict[str, int | float] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--override {item!r}: expected key=value, e.g. n_layers=2")
+        out[key.strip()] = float(raw) if "." in raw else int(raw)
+    return out
 
 
 def bigram_batches(vocab: int, seq_len: int, batch: int, steps: int, seed: int = 0):
@@ -50,6 +80,32 @@ def make_plan(args, model, example) -> autopar.Plan:
     return autopar.Plan.from_dict(payload[0])
 
 
+def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict) -> None:
+    """Gather every rank's timings on rank 0 and save the RunRecord (collective: all ranks call it)."""
+    mine = rank_timing(timer, rank=dist.get_rank(), pp_rank=pm.pp_rank, dp_rank=pm.dp_rank, tp_rank=pm.tp_rank,
+                       warmup_steps=args.warmup)
+    gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return
+    spec = " ".join([args.model, f"seq_len={args.seq_len}", *(f"{k}={v}" for k, v in overrides.items())])
+    record = build_record(plan, gathered, hostname=socket.gethostname(), device_name=pm_device_name(pm),
+                          torch_version=torch.__version__, backend=dist.get_backend(),
+                          threads_per_process=torch.get_num_threads(),
+                          created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          warmup_steps=args.warmup, model_spec=spec)
+    record.save(args.record)
+    b = record.breakdown()
+    print(f"recorded {record.steps} steps to {args.record}: median {record.measured_step_time_s * 1e3:.1f} ms "
+          f"(predicted {record.predicted_step_time_s * 1e3:.1f} ms); "
+          + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b.items() if v > 0), flush=True)
+
+
+def pm_device_name(pm) -> str:
+    """What profiles and records call this device: the CUDA name, else "cpu"."""
+    return torch.cuda.get_device_name(pm.device) if pm.device.type == "cuda" else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-tiny", help=f"one of {', '.join(autopar.zoo.names())}")
@@ -58,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--plan", default="auto", help="'auto' (plan for this job) or a plan JSON file")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="model config field, e.g. n_layers=2 (repeatable; the plan must be made for it too)")
+    parser.add_argument("--record", default=None, help="write measured step times and breakdown here (JSON)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the record")
     args = parser.parse_args(argv)
+    if args.record and args.steps <= args.warmup:
+        parser.error(f"--record needs --steps ({args.steps}) > --warmup ({args.warmup})")
 
     device = resolve_device()
     if not dist.is_initialized():
@@ -67,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(0)
-    model, example = autopar.zoo.build(args.model, seq_len=args.seq_len, device="cpu", dropout=0.0)
+    overrides = parse_overrides(args.override)
+    model, example = build_model(args.model, args.seq_len, "cpu", **overrides)
     plan = make_plan(args, model, example)
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -77,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = autopar.zoo.config(args.model).vocab_size
     tokens_per_step = args.global_batch_size * args.seq_len
     times = []
-    for step, (x, t) in enumerate(bigram_batches(vocab, args.seq_len, args.global_batch_size, args.steps), 1):
+    batches = list(bigram_batches(vocab, args.seq_len, args.global_batch_size, args.steps))
+    timing = pm.timing() if args.record else None
+    timer = timing.__enter__() if timing else None
+    for step, (x, t) in enumerate(batches, 1):
+        if timer:
+            dist.barrier()  # every rank starts the step together, so per-rank times are comparable
         start = time.perf_counter()
         loss = pm.train_step(pm.local_batch(x), pm.local_batch(t))
         times.append(time.perf_counter() - start)
@@ -91,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         steady = times[1:] or times
         mean_s = sum(steady) / len(steady)
         print(f"mean step {mean_s * 1e3:.1f} ms (after the first), {tokens_per_step / mean_s:.0f} tokens/s")
+    if timing is not None:
+        timing.__exit__(None, None, None)
+        write_record(args, plan, pm, timer, overrides)
     dist.destroy_process_group()
     return 0
 

@@ -8,7 +8,8 @@ global mean loss — identical on every rank and equal to the single-device mean
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from autopar.codegen import state as state_io
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
 from autopar.codegen.loss import gather_vocab
+from autopar.codegen.timing import CommClock, StepTimer
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 
@@ -45,6 +47,7 @@ class ParallelModel:
         self.optimizer = optimizer
         self.vocab_parallel = vocab_parallel
         self.device = device
+        self.timer: StepTimer | None = None
 
     # ---- where this rank sits ----
     @property
@@ -146,12 +149,32 @@ class ParallelModel:
         """One optimizer step on this rank's local batch; returns the global mean loss."""
         self._check_local(inputs)
         self.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        local_loss = self._run(inputs, targets, backward=True)
-        if self.config.zero_stage < 2 or self.config.dp == 1:
-            average_gradients((p for m in self.modules for p in m.parameters()), self.mesh["dp"])
-        self.optimizer.step()
-        return self._global_mean(local_loss)
+        timer = self.timer
+        with timer.step() if timer else nullcontext():
+            self.optimizer.zero_grad(set_to_none=True)
+            with timer.phase("forward_backward") if timer else nullcontext():
+                local_loss = self._run(inputs, targets, backward=True)
+            with timer.phase("grad_sync") if timer else nullcontext():
+                if self.config.zero_stage < 2 or self.config.dp == 1:
+                    average_gradients((p for m in self.modules for p in m.parameters()), self.mesh["dp"])
+            with timer.phase("optimizer") if timer else nullcontext():
+                self.optimizer.step()
+            with timer.phase("loss") if timer else nullcontext():
+                return self._global_mean(local_loss)
+
+    @contextmanager
+    def timing(self) -> Iterator[StepTimer]:
+        """Time every `train_step` inside the block, phase by phase and wait by wait (autopar.codegen.timing).
+
+        The process-group entry points are wrapped only inside the block; samples stay on the timer.
+        """
+        groups = {self.mesh[axis].get_group(): axis for axis in ("tp", "dp", "pp") if self.mesh[axis].size() > 1}
+        with CommClock(groups) as clock:
+            self.timer = StepTimer(clock)
+            try:
+                yield self.timer
+            finally:
+                self.timer = None
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
