@@ -96,7 +96,7 @@ class ComputeModel:
             return 0.0
         rows = list(self.profile.elementwise) if self.profile else []
         rows = [r for r in rows if r.dtype == dtype] or rows
-        table_op = "sum" if kind == "reduction" else "add"
+        table_op = {"reduction": "sum", "transcendental": "exp"}.get(kind, "add")
         rows = [r for r in rows if r.op == table_op] or rows
         if rows:
             best = max(r.bytes_per_s for r in rows)
@@ -112,7 +112,8 @@ class ComputeModel:
         """Seconds for an op or a layer doing `flops` and moving `bytes_moved` (read + written).
 
         `key` names a measured entry in profile.layer_times (e.g. layer_key(sig, "fwd", 2, 1)), used as is.
-        `kind` ("elementwise" | "reduction") picks which measured memory table prices the bytes.
+        `kind` ("elementwise" | "reduction" | "transcendental") picks which measured memory table prices the
+        bytes: a CPU spends more per byte on exp/softmax/GELU than on an add.
         """
         if flops < 0 or bytes_moved < 0:
             raise ValueError(f"op_time_s: flops={flops} and bytes_moved={bytes_moved} must be non-negative")

@@ -22,6 +22,11 @@ from cost_models.compute import ComputeModel
 __all__ = ["OpRecord", "trace_ops", "predict_ops_time_s"]
 
 _GEMMS = {"mm", "addmm"}
+# ops whose per-element cost is an exp/erf/rsqrt rather than a load and a store
+_TRANSCENDENTAL = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "gelu",
+                   "gelu_backward", "silu", "silu_backward", "exp", "tanh", "tanh_backward", "sigmoid",
+                   "sigmoid_backward", "erf", "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm",
+                   "rsqrt", "pow"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +94,7 @@ def predict_ops_time_s(ops: list[OpRecord], cm: ComputeModel, dtype: str) -> flo
         if op.gemm_mnk is not None:
             total += cm.gemm_time_s(*op.gemm_mnk, dtype=dtype, layout=op.gemm_layout)
         else:
-            total += cm.op_time_s(op.flops, op.bytes_moved, dtype,
-                                  kind="reduction" if op.is_reduction else "elementwise")
+            kind = "transcendental" if op.name in _TRANSCENDENTAL else \
+                "reduction" if op.is_reduction else "elementwise"
+            total += cm.op_time_s(op.flops, op.bytes_moved, dtype, kind=kind)
     return total

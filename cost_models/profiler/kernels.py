@@ -70,6 +70,11 @@ def measure_elementwise(device: torch.device, dtype: str, quick: bool,
         sample = ElementwiseSample(op="add", dtype=dtype, n_bytes=3 * n_bytes, time_s=t)
         progress(f"elementwise add {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
         out.append(sample)
+        # a transcendental (softmax, GELU, norms): exp reads the operand and writes as much
+        t = time_callable(lambda a=a: torch.exp(a), device, trials=3 if quick else 5, clock=clock)
+        sample = ElementwiseSample(op="exp", dtype=dtype, n_bytes=2 * n_bytes, time_s=t)
+        progress(f"elementwise exp {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
+        out.append(sample)
         # a reduction over rows (a bias gradient): reads the operand, writes 1/256 of it
         rows = a.view(-1, 256)
         t = time_callable(lambda rows=rows: rows.sum(dim=0), device, trials=3 if quick else 5, clock=clock)
