@@ -52,194 +52,105 @@ Constraints (the name prefix of each family, as it appears in the model):
                                                              last micro-batch's backward (PyTorch DDP
                                                              bucketing, Li et al. VLDB 2020)
   memory_rank{q}   Σ_{s≡q} Σ (σ + φ[q]·a[r,k])·y + Σ_k W[k]·z[q,k] ≤ M[q]
+  bound_T, bound_E, bound_obj   T ≥ T*, E ≥ E_lb, objective ≥ LB   (optional; from `bound.tight_bound`)
+                   valid inequalities: every feasible point satisfies them (the bound relaxes this model),
+                   so the optimum is unchanged; they lift the LP relaxation, so an incumbent that meets LB
+                   closes the search at the root. Should a bound ever exceed the optimum, the solution's
+                   re-evaluation below disagrees with the ILP objective and `solve` raises.
+
+Solving: HiGHS (CBC when HiGHS is missing) with relative gap 0, optionally warm-started from a feasible
+solution (`autopar.planner.incumbent`) and with `cutoff_s` as an objective bound (branches that cannot
+beat the search's k-th best are pruned; then `solve` returns None). The returned cuts and modes are
+re-priced by `autopar.planner.problem.evaluate`, which must agree with the ILP objective.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import replace
+from functools import lru_cache
 
 import pulp
 
+from autopar.planner.bound import Bound
+from autopar.planner.problem import MODES, InnerProblem, InnerSolution, Run, StageEval, evaluate
+
 __all__ = ["MODES", "Run", "InnerProblem", "InnerSolution", "StageEval", "evaluate", "solve", "select_solver"]
 
-MODES = ("none", "selective", "full")
+
+@lru_cache(maxsize=1)
+def _has_highs() -> bool:
+    return "HiGHS" in pulp.listSolvers(onlyAvailable=True)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Run:
-    """`count` consecutive identical layers; every number is per layer, per micro-batch, per device."""
+class _HiGHSWarm(pulp.HiGHS):
+    """pulp's in-process HiGHS, handed a feasible start (`highspy.Highs.setSolution`) before it runs."""
 
-    name: str
-    count: int
-    layer_names: tuple[str, ...]  # len == count
-    time_s: tuple[float, float, float]  # τ by mode (none, selective, full)
-    compute_s: tuple[float, float, float]  # of τ: forward + backward compute (no recompute, no comm)
-    recompute_s: tuple[float, float, float]  # of τ: recompute compute and its tensor-parallel comm
-    tp_comm_s: tuple[float, float, float]  # of τ: tensor-parallel comm of forward and backward
-    act_bytes: tuple[float, float, float]  # a by mode, per in-flight micro-batch
-    state_bytes: float  # σ
-    backward_s: float  # β
-    grad_sync_s: float  # γ
-    optimizer_s: float  # ω
-    send_s: tuple[float, float]  # π (intra-node, inter-node)
+    def __init__(self, start: dict[str, float] | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.start = start
 
-    def __post_init__(self) -> None:
-        if self.count < 1 or len(self.layer_names) != self.count:
-            raise ValueError(f"Run {self.name}: count={self.count} with {len(self.layer_names)} layer names")
+    def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 (pulp's name)
+        if self.start:
+            import highspy
 
-
-@dataclass(frozen=True, kw_only=True)
-class InnerProblem:
-    runs: tuple[Run, ...]
-    num_ranks: int  # p
-    virtual_stages: int  # v
-    num_microbatches: int  # m
-    inflight: tuple[float, ...]  # φ per rank
-    capacity_bytes: tuple[float, ...]  # M per rank
-    inter_node: tuple[bool, ...]  # per boundary between stage s and s+1 (S−1 entries)
-    modes: tuple[str, ...] = MODES  # allowed recompute modes
-    grad_sync_latency_s: float = 0.0  # γ0: latency part of the gradient collectives (0 when dp = 1)
-
-    def __post_init__(self) -> None:
-        s = self.num_stages
-        if len(self.inflight) != self.num_ranks or len(self.capacity_bytes) != self.num_ranks:
-            raise ValueError("InnerProblem: inflight and capacity_bytes need one entry per pipeline rank")
-        if len(self.inter_node) != s - 1:
-            raise ValueError(f"InnerProblem: inter_node needs {s - 1} entries (one per stage boundary)")
-        if not self.modes or any(k not in MODES for k in self.modes):
-            raise ValueError(f"InnerProblem.modes={self.modes}; expected a non-empty subset of {MODES}")
-
-    @property
-    def num_stages(self) -> int:
-        return self.num_ranks * self.virtual_stages
-
-    @property
-    def num_layers(self) -> int:
-        return sum(r.count for r in self.runs)
-
-    def workspace_bytes(self, mode: str) -> float:
-        k = MODES.index(mode)
-        return max(r.act_bytes[0] - r.act_bytes[k] for r in self.runs)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageEval:
-    index: int
-    rank: int
-    first_layer: int  # position in the layer sequence
-    num_layers: int
-    mode: str
-    time_s: float
-    compute_s: float
-    recompute_s: float
-    tp_comm_s: float
-    pp_comm_s: float
-    memory_bytes: float  # model states + activations (+ workspace) of this stage
-    state_bytes: float
-    act_bytes: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class InnerSolution:
-    """A cut vector and mode per stage, priced by `evaluate`; ILP status when it came from `solve`."""
-
-    layers_per_stage: tuple[int, ...]
-    modes: tuple[str, ...]
-    objective_s: float
-    pipeline_s: float  # (m − 1/v)·T + Σ t / v
-    bottleneck_rank: int
-    tail_s: float  # E
-    tail_optimizer_s: float  # of E: the optimizer step on the rank that sets E
-    stages: tuple[StageEval, ...]
-    rank_memory_bytes: tuple[float, ...]
-    feasible: bool
-    violated: str = ""  # name of a violated constraint, "" when feasible
-    status: str = "evaluated"
-    gap: float = 0.0
-    solve_time_s: float = 0.0
-
-
-def _layer_run(problem: InnerProblem) -> list[int]:
-    return [ri for ri, r in enumerate(problem.runs) for _ in range(r.count)]
-
-
-def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tuple[str, ...]) -> InnerSolution:
-    """Price one cut vector and recompute assignment with the ILP's objective, layer by layer."""
-    p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
-    if len(layers_per_stage) != S or len(modes) != S:
-        raise ValueError(f"need {S} stages, got {len(layers_per_stage)} cuts and {len(modes)} modes")
-    if sum(layers_per_stage) != problem.num_layers or min(layers_per_stage) < 1:
-        raise ValueError(f"cuts {layers_per_stage} must be ≥ 1 each and sum to {problem.num_layers} layers")
-    runs, of = problem.runs, _layer_run(problem)
-    stages, pos = [], 0
-    ranks_t = [0.0] * p
-    mem = [0.0] * p
-    used_modes: list[set[str]] = [set() for _ in range(p)]
-    tail_opt, tail_dp = [0.0] * p, [problem.grad_sync_latency_s] * p
-    for s, (n, mode) in enumerate(zip(layers_per_stage, modes, strict=False)):
-        k, q = MODES.index(mode), s % p
-        lay = [runs[of[i]] for i in range(pos, pos + n)]
-        comp = sum(r.compute_s[k] for r in lay)
-        rec = sum(r.recompute_s[k] for r in lay)
-        tpc = sum(r.tp_comm_s[k] for r in lay)
-        t = sum(r.time_s[k] for r in lay)
-        ppc = 0.0
-        if s < S - 1:
-            ppc += lay[-1].send_s[problem.inter_node[s]]
-        if s > 0:
-            ppc += runs[of[pos - 1]].send_s[problem.inter_node[s - 1]]
-        state = sum(r.state_bytes for r in lay)
-        act = sum(r.act_bytes[k] for r in lay) * problem.inflight[q]
-        ranks_t[q] += t + ppc
-        mem[q] += state + act
-        used_modes[q].add(mode)
-        tail_opt[q] += sum(r.optimizer_s for r in lay)
-        tail_dp[q] += sum(r.grad_sync_s - r.backward_s for r in lay)
-        stages.append(StageEval(index=s, rank=q, first_layer=pos, num_layers=n, mode=mode, time_s=t + ppc,
-                                compute_s=comp, recompute_s=rec, tp_comm_s=tpc, pp_comm_s=ppc,
-                                memory_bytes=state + act, state_bytes=state, act_bytes=act))
-        pos += n
-    for q in range(p):
-        mem[q] += sum(problem.workspace_bytes(k) for k in used_modes[q])
-    b = max(range(p), key=lambda q: ranks_t[q])
-    T = ranks_t[b]
-    pipeline = (m - 1.0 / v) * T + sum(st.time_s for st in stages) / v
-    tails = [max(tail_opt[q], tail_opt[q] + tail_dp[q]) for q in range(p)]
-    qe = max(range(p), key=lambda q: tails[q])
-    violated = ""
-    for s, mode in enumerate(modes):
-        if mode not in problem.modes:
-            violated = f"mode_{s} (recompute {mode!r} not allowed)"
-    for s in range(p, S):
-        if modes[s] != modes[s - p]:
-            violated = violated or f"mode_{s % p} (chunks of one rank share a recompute mode)"
-    if v > 1 and max(layers_per_stage) - min(layers_per_stage) > 1:
-        violated = violated or "chunk_lo/hi (interleaved chunks differ by at most one layer)"
-    for q in range(p):
-        if mem[q] > problem.capacity_bytes[q] * (1 + 1e-6):
-            violated = violated or f"memory_rank{q}"
-    return InnerSolution(layers_per_stage=tuple(layers_per_stage), modes=tuple(modes),
-                         objective_s=pipeline + tails[qe], pipeline_s=pipeline, bottleneck_rank=b,
-                         tail_s=tails[qe], tail_optimizer_s=tail_opt[qe], stages=tuple(stages),
-                         rank_memory_bytes=tuple(mem), feasible=not violated, violated=violated)
+            values = [0.0] * lp.solverModel.getNumCol()
+            for var in lp.variables():
+                values[var.index] = self.start.get(var.name, 0.0)
+            sol = highspy.HighsSolution()
+            sol.col_value = values
+            sol.value_valid = True
+            lp.solverModel.setSolution(sol)
+        lp.solverModel.run()
 
 
 def select_solver(time_limit_s: float, threads: int = 1, cutoff_s: float | None = None,
-                  prefer: str | None = None) -> pulp.LpSolver:
-    """HiGHS when installed, else CBC. HiGHS solved the benchmark ILPs faster in
-    `python benchmarks/plan_speed.py --solvers` (both are exact branch-and-cut; relative gap set to 0).
-    `cutoff_s`: prune every branch that cannot beat this objective (the search's incumbent)."""
-    if prefer != "CBC" and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+                  prefer: str | None = None, start: dict[str, float] | None = None) -> pulp.LpSolver:
+    """HiGHS when installed, else CBC; both exact branch-and-cut with relative gap 0.
+    `cutoff_s`: prune every branch that cannot beat this objective (the search's k-th best).
+    `start`: variable name → value of a feasible solution to start from."""
+    if prefer != "CBC" and _has_highs():
         extra = {"objective_bound": cutoff_s} if cutoff_s is not None else {}
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=1e-9, threads=threads, **extra)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=threads)
+        return _HiGHSWarm(start=start, msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=1e-9,
+                          threads=threads, **extra)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=threads,
+                             warmStart=bool(start))
+
+
+def start_values(problem: InnerProblem, sol: InnerSolution) -> dict[str, float]:
+    """The ILP's variables at a feasible `sol` (names as in `solve`), for a warm start."""
+    p, S, R = problem.num_ranks, problem.num_stages, len(problem.runs)
+    of = [ri for ri, r in enumerate(problem.runs) for _ in range(r.count)]
+    out: dict[str, float] = {}
+    cum = [0] * R
+    for st in sol.stages:
+        s = st.index
+        here = [0] * R
+        for i in range(st.first_layer, st.first_layer + st.num_layers):
+            here[of[i]] += 1
+        k = MODES.index(st.mode)
+        for r in range(R):
+            cum[r] += here[r]
+            out[f"y_{r}_{s}_{k}"] = float(here[r])
+            if s < S - 1:
+                out[f"F_{r}_{s}"] = float(cum[r])
+                out[f"g_{r}_{s}"] = float(cum[r] > 0)
+        if s < S - 1:
+            out[f"e_{of[st.first_layer + st.num_layers - 1]}_{s}"] = 1.0
+        out[f"t_{s}"] = st.time_s
+    for q in range(p):
+        out[f"z_{q}_{MODES.index(sol.modes[q])}"] = 1.0
+    rank_t = [sum(st.time_s for st in sol.stages if st.rank == q) for q in range(p)]
+    out["T"], out["E"] = max(rank_t), sol.tail_s
+    return out
 
 
 def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpSolver | None = None,
-          cutoff_s: float | None = None) -> InnerSolution | None:
+          cutoff_s: float | None = None, bound: Bound | None = None,
+          start: InnerSolution | None = None) -> InnerSolution | None:
     """The exact optimum of the inner problem; None when no cut/recompute assignment fits memory or, with
-    `cutoff_s`, when none beats that objective."""
+    `cutoff_s`, when none beats that objective. `bound` (valid inequalities) and `start` (a feasible
+    solution) only speed the proof up."""
     t0 = time.perf_counter()
     p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
     runs, R = problem.runs, len(problem.runs)
@@ -300,7 +211,16 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
                          for r in range(R) for s in mine for k in K)
         ws = pulp.lpSum(problem.workspace_bytes(MODES[k]) / unit * z[q, k] for k in K if k != 0)
         lp += mem + ws <= problem.capacity_bytes[q] / unit, f"memory_rank{q}"
-    solver = solver or select_solver(time_limit_s, cutoff_s=cutoff_s)
+    if bound is not None and bound.value_s < float("inf"):
+        slack = 1.0 - 1e-9  # float round-off of the bound must not cut the optimum
+        lp += T - bound.bottleneck_s * slack >= 0, "bound_T"
+        lp += E - bound.tail_s * slack >= 0, "bound_E"
+        lp += (m - 1.0 / v) * T + pulp.lpSum(t.values()) * (1.0 / v) + E >= bound.value_s * slack, "bound_obj"
+    warm = start_values(problem, start) if start is not None and start.feasible else None
+    if warm and solver is None and not _has_highs():
+        for var in lp.variables():
+            var.setInitialValue(warm.get(var.name, 0.0))
+    solver = solver or select_solver(time_limit_s, cutoff_s=cutoff_s, start=warm)
     lp.solve(solver)
     status = pulp.LpStatus[lp.status]
     if status != "Optimal" and lp.sol_status != pulp.LpSolutionIntegerFeasible:
@@ -328,6 +248,4 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
 
 
 def _with_status(sol: InnerSolution, status: str, gap: float, seconds: float) -> InnerSolution:
-    from dataclasses import replace
-
     return replace(sol, status=status, gap=gap, solve_time_s=seconds)

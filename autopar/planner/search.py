@@ -1,22 +1,31 @@
 """Exact search over the whole space: enumerate outer candidates, solve ILPs in lower-bound order.
 
-Branch and bound: every candidate gets a valid lower bound (`bound.lower_bound`) and candidates are
-solved cheapest-bound first. Once `top_k + 1` configurations are solved and the next bound is no lower
-than the worst of them, no unsolved candidate can enter the top `top_k + 1`, so the best is the exact
-optimum of the modelled step time over the space (gap 0) and the runner-ups are exact as well.
+Branch and bound over the outer candidates, with bounds refined lazily in a priority queue:
+  level 0  every candidate enters with the cheap bound (`bound.lower_bound`);
+  level 1  when popped, it gets the tight bound (`bound.tight_bound`) and a feasible incumbent
+           (`incumbent.incumbent`) and re-enters with the tight bound;
+  level 2  when popped again, its ILP (`ilp.solve`) is solved exactly, warm-started from the incumbent,
+           with the tight bound as valid inequalities and, as cutoff, the (top_k+1)-th best objective
+           known so far: the (top_k+1)-th smallest exact optimum or incumbent of distinct candidates.
+The search stops when the next key in the queue is no lower than that cutoff: no candidate left can
+enter the best top_k + 1, so the best is the exact optimum of the modelled step time over the space
+(gap 0) and the runner-ups are exact as well.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from dataclasses import dataclass
 
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
-from autopar.planner.bound import lower_bound
+from autopar.planner.bound import Bound, lower_bound, tight_bound
 from autopar.planner.costs import CostModel
-from autopar.planner.ilp import MODES, InnerProblem, InnerSolution, select_solver, solve
+from autopar.planner.ilp import select_solver, solve
+from autopar.planner.incumbent import incumbent
+from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate
 from autopar.planner.space import Candidate, enumerate_candidates, tp_degrees
 
 __all__ = ["Solved", "SearchResult", "search", "price", "recompute_label"]
@@ -64,33 +73,59 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
                                  global_batch_size=global_batch_size, options=options)
     modes = _modes(options)
-    queue = sorted(((lower_bound(pr), i, c, pr) for i, c in enumerate(cands)
-                    for pr in [costs.problem(c, modes)]), key=lambda x: (x[0], x[1]))
+    problems = [costs.problem(c, modes) for c in cands]
+    heap = [(lower_bound(pr), i, 0) for i, pr in enumerate(problems)]
+    heapq.heapify(heap)
     keep = options.top_k + 1
     top: list[Solved] = []
-    keys: list[float] = []
+    keys: list[float] = []  # exact optima of `top`, ascending
+    known: dict[int, float] = {}  # candidate → its exact optimum, else its incumbent's objective
+    ranked: list[float] = []  # sorted values of `known`; the keep-th bounds the keep-th best optimum
+    tight: dict[int, tuple[Bound, InnerSolution | None]] = {}
     solved, status, open_bound = 0, "optimal", float("inf")
-    solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC")
-    for lb, _, cand, pr in queue:
-        if lb == float("inf") or (len(top) >= keep and lb >= keys[keep - 1]):
+    solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC").replace("_HiGHSWarm", "HiGHS")
+
+    def learn(i: int, value: float) -> None:
+        if i in known:
+            ranked.remove(known[i])
+        known[i] = value
+        bisect.insort(ranked, value)
+
+    while heap:
+        key, i, level = heapq.heappop(heap)
+        cutoff = ranked[keep - 1] * (1 + 1e-9) if len(ranked) >= keep else float("inf")
+        if key == float("inf") or key > cutoff:
             break
+        if time.perf_counter() - t0 > options.time_limit_s and top:
+            status, open_bound = "time_limit", key
+            break
+        pr = problems[i]
+        if level == 0:
+            bnd = tight_bound(pr)
+            if bnd.value_s == float("inf"):
+                continue
+            inc = incumbent(pr, bnd)
+            tight[i] = (bnd, inc)
+            if inc is not None:
+                learn(i, inc.objective_s)
+            heapq.heappush(heap, (max(key, bnd.value_s), i, 1))
+            continue
+        bnd, inc = tight.pop(i)
         left = options.time_limit_s - (time.perf_counter() - t0)
-        if left <= 0 and top:
-            status, open_bound = "time_limit", lb
-            break
-        cutoff = keys[keep - 1] * (1 + 1e-9) if len(top) >= keep else None
-        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=cutoff)
+        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=cutoff if cutoff < float("inf") else None,
+                    bound=bnd, start=inc)
         solved += 1
         if sol is None:
             continue
         if sol.status != "optimal":
             status = "time_limit"
+        learn(i, sol.objective_s)
         at = bisect.bisect(keys, sol.objective_s)
         keys.insert(at, sol.objective_s)
-        top.insert(at, Solved(candidate=cand, solution=sol))
+        top.insert(at, Solved(candidate=cands[i], solution=sol))
         del keys[keep:], top[keep:]
     if not top:
-        raise InfeasiblePlanError(_why_infeasible(costs, [(c, pr) for _, _, c, pr in queue]))
+        raise InfeasiblePlanError(_why_infeasible(costs, list(zip(cands, problems, strict=True))))
     best = top[0]
     gap = 0.0 if status == "optimal" else max(0.0, (best.objective_s - open_bound) / best.objective_s)
     gap = max(gap, best.solution.gap)
@@ -98,16 +133,34 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
                         configs_considered=len(cands), ilps_solved=solved, solve_time_s=time.perf_counter() - t0)
 
 
-def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | None = None) -> Solved:
-    """The planner's objective for one given layout: its best stage cuts under `config.recompute`
-    on every stage. Raises InfeasiblePlanError naming what the layout violates."""
+def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | None = None,
+          stage_modes: tuple[str, ...] | None = None, layers_per_stage: tuple[int, ...] | None = None) -> Solved:
+    """The planner's objective for one given layout. By default its best stage cuts (an ILP) with
+    `config.recompute` on every stage; with `layers_per_stage` and `stage_modes` (a plan's own stages)
+    exactly those cuts and per-stage modes, evaluated without search. Raises InfeasiblePlanError naming
+    the constraint the layout violates."""
     _check_layout(costs, config)
     cand = Candidate.of(config)
+    if layers_per_stage is not None or stage_modes is not None:
+        if layers_per_stage is None or stage_modes is None:
+            raise InfeasiblePlanError("price a layout's own stages with both layers_per_stage and stage_modes")
+        pr = costs.problem(cand, tuple(sorted(set(stage_modes), key=MODES.index)))
+        try:
+            sol = evaluate(pr, tuple(layers_per_stage), tuple(stage_modes))
+        except ValueError as e:
+            raise InfeasiblePlanError(f"layout {config} with stages {layers_per_stage}: {e}") from None
+        if not sol.feasible:
+            raise InfeasiblePlanError(f"layout {config} with {layers_per_stage} layers per stage and recompute "
+                                      f"{stage_modes} violates constraint {sol.violated}")
+        return Solved(candidate=cand, solution=sol)
     pr = costs.problem(cand, (config.recompute,))
-    tl = options.time_limit_s if options else 60.0
-    sol = solve(pr, time_limit_s=tl)
+    bnd = tight_bound(pr)
+    sol = None
+    if bnd.value_s < float("inf"):
+        sol = solve(pr, time_limit_s=options.time_limit_s if options else 60.0, bound=bnd,
+                    start=incumbent(pr, bnd))
     if sol is None:
-        raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr))
+        raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr, bnd))
     return Solved(candidate=cand, solution=sol)
 
 
@@ -134,9 +187,11 @@ def _lean_need_bytes(costs: CostModel, pr: InnerProblem) -> float:
     return (lean + fixed) / pr.num_ranks
 
 
-def _why_layout_infeasible(costs: CostModel, c: Candidate, pr: InnerProblem) -> str:
+def _why_layout_infeasible(costs: CostModel, c: Candidate, pr: InnerProblem, bnd: Bound) -> str:
     need = _lean_need_bytes(costs, pr)
-    return (f"layout {c.config(pr.modes[0])} does not fit: constraint memory_rank* (per-device memory) is violated; "
+    row = f"memory_rank{bnd.infeasible_rank}" if bnd.infeasible_rank >= 0 else "memory_rank*"
+    return (f"layout {c.config(pr.modes[0])} does not fit: constraint {row} (per-device memory of pipeline rank "
+            f"{max(bnd.infeasible_rank, 0)}) is violated; "
             f"it needs at least {need / _GiB:.1f} GiB per device but {costs.device.name} offers "
             f"{costs.usable_bytes / _GiB:.1f} GiB after the reserve; raise tp/pp, the ZeRO stage or recompute")
 

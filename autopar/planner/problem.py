@@ -1,0 +1,175 @@
+"""The inner problem's data and its objective, shared by the bound, the incumbent heuristic and the ILP.
+
+After the outer search fixes tp, pp, dp, ZeRO stage, micro-batching, schedule, virtual stages and
+sequence parallelism, what remains is where to cut the layer sequence into S = p·v stages and which
+recompute mode each pipeline rank uses. `InnerProblem` holds that problem as numbers and names only (no
+torch), `evaluate` prices one cut vector and mode assignment with exactly the objective and constraints
+the ILP models (see `autopar.planner.ilp` for the math), so every other module can be tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MODES", "Run", "InnerProblem", "InnerSolution", "StageEval", "evaluate"]
+
+MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """`count` consecutive identical layers; every number is per layer, per micro-batch, per device."""
+
+    name: str
+    count: int
+    layer_names: tuple[str, ...]  # len == count
+    time_s: tuple[float, float, float]  # τ by mode (none, selective, full)
+    compute_s: tuple[float, float, float]  # of τ: forward + backward compute (no recompute, no comm)
+    recompute_s: tuple[float, float, float]  # of τ: recompute compute and its tensor-parallel comm
+    tp_comm_s: tuple[float, float, float]  # of τ: tensor-parallel comm of forward and backward
+    act_bytes: tuple[float, float, float]  # a by mode, per in-flight micro-batch
+    state_bytes: float  # σ
+    backward_s: float  # β
+    grad_sync_s: float  # γ
+    optimizer_s: float  # ω
+    send_s: tuple[float, float]  # π (intra-node, inter-node)
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or len(self.layer_names) != self.count:
+            raise ValueError(f"Run {self.name}: count={self.count} with {len(self.layer_names)} layer names")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerProblem:
+    runs: tuple[Run, ...]
+    num_ranks: int  # p
+    virtual_stages: int  # v
+    num_microbatches: int  # m
+    inflight: tuple[float, ...]  # φ per rank
+    capacity_bytes: tuple[float, ...]  # M per rank
+    inter_node: tuple[bool, ...]  # per boundary between stage s and s+1 (S−1 entries)
+    modes: tuple[str, ...] = MODES  # allowed recompute modes
+    grad_sync_latency_s: float = 0.0  # γ0: latency part of the gradient collectives (0 when dp = 1)
+
+    def __post_init__(self) -> None:
+        s = self.num_stages
+        if len(self.inflight) != self.num_ranks or len(self.capacity_bytes) != self.num_ranks:
+            raise ValueError("InnerProblem: inflight and capacity_bytes need one entry per pipeline rank")
+        if len(self.inter_node) != s - 1:
+            raise ValueError(f"InnerProblem: inter_node needs {s - 1} entries (one per stage boundary)")
+        if not self.modes or any(k not in MODES for k in self.modes):
+            raise ValueError(f"InnerProblem.modes={self.modes}; expected a non-empty subset of {MODES}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.virtual_stages
+
+    @property
+    def num_layers(self) -> int:
+        return sum(r.count for r in self.runs)
+
+    def workspace_bytes(self, mode: str) -> float:
+        k = MODES.index(mode)
+        return max(r.act_bytes[0] - r.act_bytes[k] for r in self.runs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEval:
+    index: int
+    rank: int
+    first_layer: int  # position in the layer sequence
+    num_layers: int
+    mode: str
+    time_s: float
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    memory_bytes: float  # model states + activations (+ workspace) of this stage
+    state_bytes: float
+    act_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerSolution:
+    """A cut vector and mode per stage, priced by `evaluate`; ILP status when it came from `solve`."""
+
+    layers_per_stage: tuple[int, ...]
+    modes: tuple[str, ...]
+    objective_s: float
+    pipeline_s: float  # (m − 1/v)·T + Σ t / v
+    bottleneck_rank: int
+    tail_s: float  # E
+    tail_optimizer_s: float  # of E: the optimizer step on the rank that sets E
+    stages: tuple[StageEval, ...]
+    rank_memory_bytes: tuple[float, ...]
+    feasible: bool
+    violated: str = ""  # name of a violated constraint, "" when feasible
+    status: str = "evaluated"
+    gap: float = 0.0
+    solve_time_s: float = 0.0
+
+
+def _layer_run(problem: InnerProblem) -> list[int]:
+    return [ri for ri, r in enumerate(problem.runs) for _ in range(r.count)]
+
+
+def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tuple[str, ...]) -> InnerSolution:
+    """Price one cut vector and recompute assignment with the ILP's objective, layer by layer."""
+    p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
+    if len(layers_per_stage) != S or len(modes) != S:
+        raise ValueError(f"need {S} stages, got {len(layers_per_stage)} cuts and {len(modes)} modes")
+    if sum(layers_per_stage) != problem.num_layers or min(layers_per_stage) < 1:
+        raise ValueError(f"cuts {layers_per_stage} must be ≥ 1 each and sum to {problem.num_layers} layers")
+    runs, of = problem.runs, _layer_run(problem)
+    stages, pos = [], 0
+    ranks_t = [0.0] * p
+    mem = [0.0] * p
+    used_modes: list[set[str]] = [set() for _ in range(p)]
+    tail_opt, tail_dp = [0.0] * p, [problem.grad_sync_latency_s] * p
+    for s, (n, mode) in enumerate(zip(layers_per_stage, modes, strict=False)):
+        k, q = MODES.index(mode), s % p
+        lay = [runs[of[i]] for i in range(pos, pos + n)]
+        comp = sum(r.compute_s[k] for r in lay)
+        rec = sum(r.recompute_s[k] for r in lay)
+        tpc = sum(r.tp_comm_s[k] for r in lay)
+        t = sum(r.time_s[k] for r in lay)
+        ppc = 0.0
+        if s < S - 1:
+            ppc += lay[-1].send_s[problem.inter_node[s]]
+        if s > 0:
+            ppc += runs[of[pos - 1]].send_s[problem.inter_node[s - 1]]
+        state = sum(r.state_bytes for r in lay)
+        act = sum(r.act_bytes[k] for r in lay) * problem.inflight[q]
+        ranks_t[q] += t + ppc
+        mem[q] += state + act
+        used_modes[q].add(mode)
+        tail_opt[q] += sum(r.optimizer_s for r in lay)
+        tail_dp[q] += sum(r.grad_sync_s - r.backward_s for r in lay)
+        stages.append(StageEval(index=s, rank=q, first_layer=pos, num_layers=n, mode=mode, time_s=t + ppc,
+                                compute_s=comp, recompute_s=rec, tp_comm_s=tpc, pp_comm_s=ppc,
+                                memory_bytes=state + act, state_bytes=state, act_bytes=act))
+        pos += n
+    for q in range(p):
+        mem[q] += sum(problem.workspace_bytes(k) for k in used_modes[q])
+    b = max(range(p), key=lambda q: ranks_t[q])
+    T = ranks_t[b]
+    pipeline = (m - 1.0 / v) * T + sum(st.time_s for st in stages) / v
+    tails = [max(tail_opt[q], tail_opt[q] + tail_dp[q]) for q in range(p)]
+    qe = max(range(p), key=lambda q: tails[q])
+    violated = ""
+    for s, mode in enumerate(modes):
+        if mode not in problem.modes:
+            violated = f"mode_{s} (recompute {mode!r} not allowed)"
+    for s in range(p, S):
+        if modes[s] != modes[s - p]:
+            violated = violated or f"mode_{s % p} (chunks of one rank share a recompute mode)"
+    if v > 1 and max(layers_per_stage) - min(layers_per_stage) > 1:
+        violated = violated or "chunk_lo/hi (interleaved chunks differ by at most one layer)"
+    for q in range(p):
+        if mem[q] > problem.capacity_bytes[q] * (1 + 1e-6):
+            violated = violated or f"memory_rank{q}"
+    return InnerSolution(layers_per_stage=tuple(layers_per_stage), modes=tuple(modes),
+                         objective_s=pipeline + tails[qe], pipeline_s=pipeline, bottleneck_rank=b,
+                         tail_s=tails[qe], tail_optimizer_s=tail_opt[qe], stages=tuple(stages),
+                         rank_memory_bytes=tuple(mem), feasible=not violated, violated=violated)
