@@ -1,0 +1,115 @@
+"""Calibration: scaling a profile scales predictions exactly; the fitted factors are the ratio of sums;
+runs from another machine or priced on another profile are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar.calibrate import calibrate, fit_calibration, scale_profile
+from autopar.cluster import Cluster, cpu_slowdown
+from autopar.config import ParallelConfig
+from autopar.errors import ProfileMismatchError
+from autopar.plan import BREAKDOWN_KEYS
+from autopar.record import RankTiming, build_record
+from cost_models.profile import CollectiveSample, ElementwiseSample, GemmSample, MachineInfo, Profile
+
+
+def _profile() -> Profile:
+    import socket
+
+    import torch
+
+    gemm = tuple(GemmSample(m=n, n=n, k=n, dtype=dt, time_s=2.0 * n**3 / 5e10, layout="nn")
+                 for n in (64, 256, 1024) for dt in ("float32", "bfloat16"))
+    elem = tuple(ElementwiseSample(op=op, dtype=dt, n_bytes=b, time_s=2e-6 + b / 1e10)
+                 for op in ("add", "sum") for dt in ("float32", "bfloat16") for b in (2**12, 2**20, 2**26))
+    colls = tuple(CollectiveSample(op=op, group_size=k, n_bytes=b, time_s=5e-5 * k + b / 1e9)
+                  for op in ("all_reduce", "all_gather", "reduce_scatter") for k in (2, 4)
+                  for b in (2**10, 2**20, 2**25))
+    colls += tuple(CollectiveSample(op="p2p", group_size=2, n_bytes=b, time_s=2e-5 + b / 2e9) for b in (2**10, 2**24))
+    return Profile(machine=MachineInfo(hostname=socket.gethostname(), platform="test", processor="test",
+                                       cpu_count=2, ram_bytes=16 * 2**30),
+                   device_name="cpu", device_kind="cpu", device_count=4, torch_version=torch.__version__,
+                   created="2026-01-01T00:00:00+00:00", backend="gloo", threads_per_process=2,
+                   launch_overhead_s=5e-6, gemm=gemm, elementwise=elem, collectives=colls)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    import torch
+
+    model, x = autopar.zoo.build("gpt-tiny", seq_len=64, device="meta", dtype=torch.float32, dropout=0.0)
+    return autopar.capture(model, x)
+
+
+def test_cpu_slowdown_is_cores_per_process():
+    # profiled with 2 threads on 2 cores; torchrun runs 1 thread per process
+    assert cpu_slowdown(nproc=1, cpu_count=2, profiled_threads=2, run_threads=2) == 1.0
+    assert cpu_slowdown(nproc=2, cpu_count=2, profiled_threads=2, run_threads=1) == 2.0
+    assert cpu_slowdown(nproc=8, cpu_count=2, profiled_threads=2, run_threads=1) == 8.0
+    assert cpu_slowdown(nproc=4, cpu_count=16, profiled_threads=16, run_threads=4) == 4.0
+
+
+def test_scaled_profile_scales_every_prediction(graph):
+    prof = _profile()
+    cfg = ParallelConfig(tp=2, dp=2, micro_batch_size=2, num_microbatches=1)
+    base = autopar.estimate(graph, Cluster.local(nproc=4, profile=prof), cfg, global_batch_size=4)
+    k_c, k_2 = 1.7, 0.6
+    scaled = scale_profile(prof, compute=k_c, comm={2: k_2})
+    est = autopar.estimate(graph, Cluster.local(nproc=4, profile=scaled), cfg, global_batch_size=4)
+    b0, b1 = base.breakdown, est.breakdown
+    assert b1["compute"] == pytest.approx(k_c * b0["compute"], rel=1e-9)
+    assert b1["optimizer"] == pytest.approx(k_c * b0["optimizer"], rel=1e-9)
+    assert b0["tp_comm"] > 0 and b1["tp_comm"] == pytest.approx(k_2 * b0["tp_comm"], rel=1e-9)
+    # nothing but times changed
+    assert [(g.m, g.n, g.k) for g in scaled.gemm] == [(g.m, g.n, g.k) for g in prof.gemm]
+    assert [c.time_s for c in scaled.collectives if c.group_size == 4] == \
+        [c.time_s for c in prof.collectives if c.group_size == 4]
+
+
+def _record(plan, measured: dict[str, float], hostname: str | None = None):
+    import socket
+
+    import torch
+
+    ranks = [RankTiming(rank=r, pp_rank=0, dp_rank=r % plan.config.dp, tp_rank=0,
+                        step_s=(sum(measured.values()),) * 3,
+                        components_s={k: (measured.get(k, 0.0),) * 3 for k in BREAKDOWN_KEYS})
+             for r in range(plan.world_size)]
+    return build_record(plan, ranks, hostname=hostname or socket.gethostname(), device_name="cpu",
+                        torch_version=torch.__version__, backend="gloo", threads_per_process=1,
+                        created="2026-01-01T00:00:00+00:00", warmup_steps=1)
+
+
+def test_fit_is_ratio_of_sums_and_refits_to_the_measurement(graph):
+    prof = _profile()
+    plans = [autopar.plan(graph, Cluster.local(nproc=2, profile=prof), global_batch_size=4,
+                          options=autopar.PlannerOptions(tp=tp, dp=dp, zero_stage=0, sequence_parallel=False, top_k=0))
+             for tp, dp in ((2, 1), (1, 2))]
+    measured = [{"compute": c, "optimizer": 0.01, "tp_comm": t, "dp_comm": 0.0} for c, t in ((0.30, 0.02), (0.20, 0.0))]
+    records = [_record(p, m) for p, m in zip(plans, measured, strict=True)]
+    cal = fit_calibration(records)
+    pred = sum(p.estimate.breakdown[k] for p in plans for k in ("compute", "recompute", "optimizer"))
+    meas = sum(m["compute"] + m["optimizer"] for m in measured)
+    assert cal.compute_factor == pytest.approx(meas / pred)
+    assert cal.comm_factors == {2: pytest.approx(0.02 / plans[0].estimate.breakdown["tp_comm"])}
+    new_prof, _ = calibrate(records, prof)
+    est = autopar.estimate(graph, Cluster.local(nproc=2, profile=new_prof), plans[0].config, global_batch_size=4)
+    assert est.breakdown["tp_comm"] == pytest.approx(0.02, rel=1e-6)
+    total = est.breakdown["compute"] + est.breakdown["optimizer"]
+    assert total == pytest.approx(cal.compute_factor * sum(plans[0].estimate.breakdown[k]
+                                                           for k in ("compute", "optimizer")), rel=1e-6)
+
+
+def test_refuses_runs_of_another_machine_or_profile(graph):
+    prof = _profile()
+    plan = autopar.plan(graph, Cluster.local(nproc=2, profile=prof), global_batch_size=4,
+                        options=autopar.PlannerOptions(dp=2, zero_stage=0, top_k=0))
+    with pytest.raises(ProfileMismatchError, match="machine 'elsewhere'"):
+        calibrate([_record(plan, {"compute": 0.1}, hostname="elsewhere")], prof)
+    other = dataclasses.replace(prof, launch_overhead_s=9e-6)
+    with pytest.raises(ProfileMismatchError, match="made with another profile"):
+        calibrate([_record(plan, {"compute": 0.1})], other)
