@@ -67,3 +67,24 @@ def test_negative_inputs_are_rejected():
         ComputeModel(A100).op_time_s(-1.0, 0.0)
     with pytest.raises(KeyError, match="no peak FLOP/s for dtype"):
         ComputeModel(catalog.device("v100-sxm2-32gb")).op_time_s(1e9, 0.0, "bfloat16")
+
+
+def test_optrace_records_gemm_shapes_layouts_and_free_views():
+    import torch
+
+    from cost_models.optrace import predict_ops_time_s, trace_ops
+
+    lin = torch.nn.Linear(32, 48)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    grad = torch.randn(4, 8, 48)
+    ops = trace_ops(lambda: lin(x).backward(grad))
+    gemms = sorted((o.name, o.gemm_mnk, o.gemm_layout) for o in ops if o.gemm_mnk)
+    # forward x·Wᵀ (addmm, weight transposed), input grad g·W, weight grad gᵀ·x
+    assert gemms == [("addmm", (32, 48, 32), "nt"), ("mm", (32, 32, 48), "nn"), ("mm", (48, 32, 32), "tn")]
+    assert any(o.is_view for o in ops) and all(o.flops == 0 for o in ops if o.is_view)
+    addmm = next(o for o in ops if o.name == "addmm")
+    assert addmm.flops == 2 * 32 * 48 * 32
+    cm = ComputeModel(A100)
+    expected = sum(cm.gemm_time_s(*o.gemm_mnk, dtype="float32", layout=o.gemm_layout) if o.gemm_mnk else
+                   cm.op_time_s(o.flops, o.bytes_moved, "float32") for o in ops if not o.is_view)
+    assert predict_ops_time_s(ops, cm, "float32") == pytest.approx(expected)
