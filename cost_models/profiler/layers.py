@@ -50,11 +50,11 @@ def _backward_s(case: LayerCase, device: torch.device, reps: int) -> float:
 def measure_layer(case: LayerCase, device: torch.device, *, quick: bool) -> dict[str, float]:
     """{layer_key(sig, "fwd", b): s, layer_key(sig, "bwd", b): s}; backward alone, forward re-run untimed."""
     trials = 3 if quick else 5
-    fwd = time_callable(case.forward, device, trial_s=0.05, trials=trials, max_reps=50)
+    fwd = time_callable(case.forward, device, trial_s=0.02 if quick else 0.05, trials=trials, max_reps=50)
     tensors, _ = _grad_outputs(case.forward())
     out = {layer_key(case.signature, "fwd", case.micro_batch): fwd}
     if tensors:
-        reps = max(1, min(20, int(0.1 / max(fwd, 1e-6))))
+        reps = max(1, min(20, int((0.04 if quick else 0.1) / max(fwd, 1e-6))))
         _backward_s(case, device, 1)  # warm-up
         out[layer_key(case.signature, "bwd", case.micro_batch)] = statistics.median(
             _backward_s(case, device, reps) for _ in range(trials))
