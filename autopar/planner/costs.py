@@ -78,7 +78,16 @@ class CostModel:
         self.dtype = graph.dtype
         self.elem = _DTYPE_BYTES.get(graph.dtype, 2)
         self.runs = group_runs(graph.layers)
+        # Thousands of candidates share these pieces; caching them keeps pricing all of them cheap.
         self._time = lru_cache(maxsize=None)(self._run_times)
+        self._local_run = lru_cache(maxsize=None)(lambda ri, tp: self.local_params(self.runs[ri][0], tp))
+        self._state_run = lru_cache(maxsize=None)(self._run_states)
+        self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
+        self._sync = lru_cache(maxsize=None)(self._grad_sync_key)
+        self._inflight = lru_cache(maxsize=None)(
+            lambda sched, pp, m, v: tuple(memory.inflight_microbatches(sched, pp, m, q, v) for q in range(pp)))
+        self._ranks = lru_cache(maxsize=None)(self._rank_memory_key)
+        self._inter = lru_cache(maxsize=None)(self._inter_node_key)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile=None, memory_reserve_fraction: float = 0.1
@@ -144,6 +153,8 @@ class CostModel:
             for k in MODES)
         send_bytes = layer.boundary_bytes * mbs / (tp if sp else 1)
         return {"compute": fwd + bwd, "backward": bwd, "tp_comm": 2 * tp_fwd, "recompute": recompute, "act": acts,
+                "names": tuple(la.name for la in self.runs[ri]),
+                "time": tuple(fwd + bwd + 2 * tp_fwd + r for r in recompute),
                 "send": (self.comm.p2p_time_s(send_bytes, False), self.comm.p2p_time_s(send_bytes, True))}
 
     # ---- per candidate ----
@@ -153,72 +164,90 @@ class CostModel:
         return memory.model_state_bytes(self.local_params(layer, c.tp), zero_stage=c.zero_stage, dp=c.dp,
                                         weight_bytes=w, grad_bytes=w, optimizer_bytes=opt)
 
+    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int) -> float:
+        w = self.elem
+        opt = 12 if w == 2 else 8
+        return memory.model_state_bytes(self._local_run(ri, tp), zero_stage=zero_stage, dp=dp, weight_bytes=w,
+                                        grad_bytes=w, optimizer_bytes=opt).total_bytes
+
+    def _run_optimizer_s(self, ri: int, tp: int, shards: int) -> float:
+        local = self._local_run(ri, tp) / shards
+        return self.compute.op_time_s(ADAM_FLOPS_PER_PARAM * local, ADAM_BYTES_PER_PARAM * local, "float32")
+
     def _grad_sync(self, c: Candidate) -> tuple[float, float]:
+        return self._sync(c.tp, c.pp, c.dp, c.zero_stage == 3)
+
+    def _grad_sync_key(self, tp: int, pp: int, dp: int, zero3: bool) -> tuple[float, float]:
         """(seconds per gradient byte, latency seconds) of the data-parallel reduction, linearised around the
         average rank's gradient volume (exact where the collective's α-β cost is affine)."""
-        if c.dp == 1:
+        if dp == 1:
             return 0.0, 0.0
-        rpn = math.gcd(c.dp, max(1, self.devices_per_node // c.tp))
-        total = sum(self.local_params(la, c.tp) for la in self.graph.layers) * self.elem / c.pp
-        factor = ZERO3_COMM_FACTOR if c.zero_stage == 3 else 1.0
+        rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
+        total = sum(len(g) * self._local_run(ri, tp) for ri, g in enumerate(self.runs)) * self.elem / pp
+        factor = ZERO3_COMM_FACTOR if zero3 else 1.0
 
         def t(n: float) -> float:
-            return factor * self.comm.all_reduce_time_s(n, c.dp, rpn)
+            return factor * self.comm.all_reduce_time_s(n, dp, rpn)
 
         slope = (t(total) - t(total / 2)) / (total / 2) if total > 0 else 0.0
         return slope, max(0.0, t(total) - slope * total)
 
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
         slope, latency = self._grad_sync(c)
+        shards = c.dp if c.zero_stage >= 1 else 1
         runs = []
         for ri, group in enumerate(self.runs):
             layer = group[0]
             tm = self._time(ri, c.tp, c.sequence_parallel, c.micro_batch_size)
             rec = tm["recompute"]
-            local = self.local_params(layer, c.tp) / (c.dp if c.zero_stage >= 1 else 1)
-            opt_s = self.compute.op_time_s(ADAM_FLOPS_PER_PARAM * local, ADAM_BYTES_PER_PARAM * local, "float32")
             runs.append(Run(
-                name=layer.name, count=len(group), layer_names=tuple(la.name for la in group),
-                time_s=tuple(tm["compute"] + tm["tp_comm"] + r for r in rec), compute_s=(tm["compute"],) * 3,
+                name=layer.name, count=len(group), layer_names=tm["names"],
+                time_s=tm["time"], compute_s=(tm["compute"],) * 3,
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
-                state_bytes=self._states(layer, c).total_bytes, backward_s=tm["backward"],
-                grad_sync_s=slope * self.local_params(layer, c.tp) * self.elem, optimizer_s=opt_s, send_s=tm["send"]))
+                state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp), backward_s=tm["backward"],
+                grad_sync_s=slope * self._local_run(ri, c.tp) * self.elem,
+                optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"]))
         ranks = self.rank_memory(c)
-        inflight = tuple(memory.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, q, c.virtual_stages)
-                         for q in range(c.pp))
         return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,
-                            num_microbatches=c.num_microbatches, inflight=inflight,
+                            num_microbatches=c.num_microbatches,
+                            inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
                             modes=modes, grad_sync_latency_s=latency)
 
-    def rank_memory(self, c: Candidate) -> list[RankMemory]:
+    def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
+        return self._ranks(c.tp, c.pp, c.dp, c.zero_stage == 3, c.schedule, c.num_microbatches, c.virtual_stages,
+                           c.micro_batch_size)
+
+    def _rank_memory_key(self, tp: int, pp: int, dp: int, zero3: bool, schedule: str, m: int, v: int,
+                         mbs: int) -> tuple[RankMemory, ...]:
         g = self.graph
-        zero3 = 0.0
-        if c.zero_stage == 3 and c.dp > 1:
-            largest = max(self.local_params(la, c.tp) for la in g.layers) * self.elem
-            zero3 = memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest)
+        zero3_bytes = 0.0
+        if zero3 and dp > 1:
+            largest = max(self._local_run(ri, tp) for ri in range(len(self.runs))) * self.elem
+            zero3_bytes = memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest)
         logits = 0.0
         if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
-            last_inflight = memory.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, c.pp - 1,
-                                                         c.virtual_stages)
-            logits = last_inflight * memory.logits_bytes(micro_batch=c.micro_batch_size, seq_len=g.seq_len,
-                                                         vocab=g.vocab_size, tp=c.tp, dtype_bytes=self.elem)
+            last_inflight = self._inflight(schedule, pp, m, v)[pp - 1]
+            logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
+                                                         tp=tp, dtype_bytes=self.elem)
         out = []
-        for q in range(c.pp):
-            lg = logits if q == c.pp - 1 else 0.0
-            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3,
-                                  capacity_bytes=self.usable_bytes - lg - zero3))
-        return out
+        for q in range(pp):
+            lg = logits if q == pp - 1 else 0.0
+            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
+                                  capacity_bytes=self.usable_bytes - lg - zero3_bytes))
+        return tuple(out)
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
         """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""
-        block, dpn = c.dp * c.tp, self.devices_per_node
-        S = c.pp * c.virtual_stages
+        return self._inter(c.pp, c.virtual_stages, c.dp * c.tp)
+
+    def _inter_node_key(self, pp: int, v: int, block: int) -> tuple[bool, ...]:
+        dpn = self.devices_per_node
 
         def crosses(a: int, b: int) -> bool:
             return any((a * block + j) // dpn != (b * block + j) // dpn for j in range(min(block, dpn)))
 
-        return tuple(crosses(s % c.pp, (s + 1) % c.pp) for s in range(S - 1))
+        return tuple(crosses(s % pp, (s + 1) % pp) for s in range(pp * v - 1))
 
     def memory_breakdown(self, c: Candidate, layer_names_by_rank: list[list[str]], act_bytes_by_rank: list[float],
                          workspace_by_rank: list[float]) -> list[dict[str, int]]:

@@ -9,7 +9,7 @@ Construction: rank q gets the N_q layers of the bound (v = 1: stage q holds N_q 
 of its chunks hold one layer more, tried as its first and as its last chunks). For fixed cuts the
 objective is minimised by giving every rank the fastest recompute mode that fits its own memory (each
 rank's time only grows with a slower mode and the tail does not depend on modes), so that is the
-mode assignment; we also try the bound's counts shifted by one layer between neighbouring ranks.
+mode assignment; with v = 1 we also try the counts shifted by one layer between neighbouring ranks.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def incumbent(pr: InnerProblem, bound: Bound) -> InnerSolution | None:
         return None
     best: InnerSolution | None = None
     tried: set[tuple[int, ...]] = set()
-    for counts in [bound.counts, *(_neighbours(bound.counts) if pr.num_ranks <= 16 else [])]:
+    for counts in [bound.counts, *(_neighbours(bound.counts) if pr.virtual_stages == 1 else [])]:
         for big_first in ((True, False) if pr.virtual_stages > 1 else (True,)):
             cuts = _cuts(pr, counts, big_first)
             if cuts is None or cuts in tried:

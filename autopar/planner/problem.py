@@ -10,6 +10,7 @@ the ILP models (see `autopar.planner.ilp` for the math), so every other module c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["MODES", "Run", "InnerProblem", "InnerSolution", "StageEval", "evaluate"]
 
@@ -69,8 +70,11 @@ class InnerProblem:
         return sum(r.count for r in self.runs)
 
     def workspace_bytes(self, mode: str) -> float:
-        k = MODES.index(mode)
-        return max(r.act_bytes[0] - r.act_bytes[k] for r in self.runs)
+        return self._workspace[MODES.index(mode)]
+
+    @cached_property
+    def _workspace(self) -> tuple[float, ...]:
+        return tuple(max(r.act_bytes[0] - r.act_bytes[k] for r in self.runs) for k in range(len(MODES)))
 
 
 @dataclass(frozen=True, kw_only=True)
