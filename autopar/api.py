@@ -1,7 +1,7 @@
 """The public verbs, each a short composition of typed stages (design.md §1):
 
     plan:      model ─capture→ ModelGraph ─CostModel→ numbers ─search (ILP)→ SearchResult ─build_plan→ Plan
-    estimate:  model ─capture→ ModelGraph ─CostModel→ numbers ─price (ILP, one layout)→ Estimate
+    estimate:  model ─capture→ ModelGraph ─CostModel→ numbers ─price (ILP, one layout; or its given stages)→ Estimate
     parallelize: model ─capture→ ModelGraph ─(plan on rank 0, broadcast)→ Plan ─codegen→ ParallelModel
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 from autopar.capture.graph import ModelGraph
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError
-from autopar.plan import Estimate, Plan
+from autopar.plan import Estimate, Plan, StagePlan
 from autopar.planner.assemble import build_estimate, build_plan
 from autopar.planner.costs import CostModel
 from autopar.planner.search import price, search
@@ -45,16 +45,29 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, globa
 
 
 def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs: tuple | None = None,
-             global_batch_size: int | None = None, profile: Any = None,
-             options: PlannerOptions | None = None) -> Estimate:
-    """Price one given layout with exactly the planner's objective (its best stage cuts, `config.recompute`
-    on every stage). Raises InfeasiblePlanError naming the constraint the layout violates."""
+             global_batch_size: int | None = None, profile: Any = None, options: PlannerOptions | None = None,
+             stages: tuple[StagePlan, ...] | None = None) -> Estimate:
+    """Price one given layout with exactly the planner's objective.
+
+    Without `stages`: the layout's best stage cuts (an ILP) with `config.recompute` on every stage.
+    With `stages` (a plan's own `plan.stages`): exactly those cuts and per-stage recompute modes, so
+    `estimate(graph, cluster, plan.config, stages=plan.stages)` reproduces `plan.estimate` even when the
+    plan mixes recompute modes across stages. Raises InfeasiblePlanError naming the violated constraint."""
     if global_batch_size is not None and global_batch_size != config.global_batch_size:
         raise AutoparError(f"config {config} has dp·mbs·m = {config.global_batch_size}, not the global batch "
                            f"{global_batch_size}; adjust micro_batch_size or num_microbatches")
     options = options or PlannerOptions()
     costs = CostModel.for_cluster(_graph(model, example_inputs), cluster, profile, options.memory_reserve_fraction)
-    return build_estimate(price(costs, config, options), costs)
+    if stages is None:
+        return build_estimate(price(costs, config, options), costs)
+    ordered = sorted(stages, key=lambda st: st.index)
+    names = [n for st in ordered for n in st.layers]
+    expected = [la.name for la in costs.graph.layers]
+    if names != expected:
+        raise AutoparError(f"stages hold layers {names[:3]}… but {costs.graph.model_name} has {expected[:3]}…; "
+                           f"pass the stages of a plan made for this model")
+    return build_estimate(price(costs, config, options, stage_modes=tuple(st.recompute for st in ordered),
+                                layers_per_stage=tuple(len(st.layers) for st in ordered)), costs)
 
 
 def _plan_everywhere(graph: ModelGraph, cluster: Any, global_batch_size: int | None, profile: Any,

@@ -59,8 +59,10 @@ class SolverInfo:
     status: str  # "optimal" | "time_limit" | ...
     gap: float  # relative optimality gap, 0.0 when proved optimal
     solver: str  # e.g. "HiGHS", "CBC"
-    solve_time_s: float
+    solve_time_s: float  # wall time of the whole search
     configs_considered: int
+    ilps_solved: int = 0  # stage-cut ILPs the search had to solve (the rest were pruned by bounds)
+    ilp_time_s: float = 0.0  # of solve_time_s: inside the ILP solver (model building included)
 
 
 @dataclass(frozen=True, kw_only=True)

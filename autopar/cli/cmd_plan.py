@@ -137,7 +137,8 @@ def _explain(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster or plan.cluster_name, args.nodes or _nodes(plan), None, None)
     est, reason = None, None
     try:
-        est = autopar.estimate(_graph(args.model or plan.model_name, plan.seq_len), cluster, alt)
+        own = plan.stages if alt == plan.config else None  # the plan itself: price its own stages exactly
+        est = autopar.estimate(_graph(args.model or plan.model_name, plan.seq_len), cluster, alt, stages=own)
     except AutoparError as e:
         reason = str(e)
     if args.json:

@@ -86,5 +86,6 @@ def build_plan(result: SearchResult, costs: CostModel, *, cluster_name: str, clu
                 cluster_name=cluster_name, cluster_fingerprint=cluster_fingerprint,
                 global_batch_size=global_batch_size, seq_len=costs.graph.seq_len,
                 solver=SolverInfo(status=result.status, gap=result.gap, solver=result.solver,
-                                  solve_time_s=result.solve_time_s, configs_considered=result.configs_considered),
+                                  solve_time_s=result.solve_time_s, configs_considered=result.configs_considered,
+                                  ilps_solved=result.ilps_solved, ilp_time_s=result.ilp_time_s),
                 alternatives=tuple((a.config, build_estimate(a, costs)) for a in result.alternatives))

@@ -313,9 +313,13 @@ def tight_bound(pr: InnerProblem) -> Bound:
             return Bound(value_s=_INF, bottleneck_s=_INF, work_s=_INF, tail_s=_INF, infeasible_rank=-1)
         T = max(T, T_r)
         work = max(work, _minsum(Fr, lo_r, hi_r, r.count))
+    ks = [MODES.index(k) for k in pr.modes]
+    T = max(T, work / p, max(min(r.time_s[k] for k in ks) for r in pr.runs))  # never weaker than the cheap one
     G, _, _ = _table(w, every, omega)
     D, _, _ = _table(w, every, delta)
     E, _ = _minmax(_envelope(G + np.maximum(0.0, D + pr.grad_sync_latency_s), lo, hi), lo, hi, L)
+    opt, dsum = float(omega.sum()), float(delta.sum())
+    E = max(E, opt / p, (opt + dsum) / p + pr.grad_sync_latency_s)
     value = (m - 1.0 / v) * T + work / v + E
     modes = tuple(MODES[int(mode_at[q, counts[q]])] if mode_at[q, counts[q]] >= 0 else pr.modes[0]
                   for q in range(p))

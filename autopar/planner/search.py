@@ -57,6 +57,7 @@ class SearchResult:
     configs_considered: int  # outer candidates enumerated (each with its own stage-cut ILP)
     ilps_solved: int
     solve_time_s: float  # wall time of the whole search
+    ilp_time_s: float = 0.0  # of which inside `ilp.solve`
 
 
 def recompute_label(modes: tuple[str, ...]) -> str:
@@ -82,7 +83,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     known: dict[int, float] = {}  # candidate → its exact optimum, else its incumbent's objective
     ranked: list[float] = []  # sorted values of `known`; the keep-th bounds the keep-th best optimum
     tight: dict[int, tuple[Bound, InnerSolution | None]] = {}
-    solved, status, open_bound = 0, "optimal", float("inf")
+    solved, status, open_bound, ilp_time = 0, "optimal", float("inf"), 0.0
     solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC").replace("_HiGHSWarm", "HiGHS")
 
     def learn(i: int, value: float) -> None:
@@ -112,8 +113,10 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
             continue
         bnd, inc = tight.pop(i)
         left = options.time_limit_s - (time.perf_counter() - t0)
+        t_ilp = time.perf_counter()
         sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=cutoff if cutoff < float("inf") else None,
                     bound=bnd, start=inc)
+        ilp_time += time.perf_counter() - t_ilp
         solved += 1
         if sol is None:
             continue
@@ -130,7 +133,8 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     gap = 0.0 if status == "optimal" else max(0.0, (best.objective_s - open_bound) / best.objective_s)
     gap = max(gap, best.solution.gap)
     return SearchResult(best=best, alternatives=tuple(top[1:]), status=status, gap=gap, solver=solver_name,
-                        configs_considered=len(cands), ilps_solved=solved, solve_time_s=time.perf_counter() - t0)
+                        configs_considered=len(cands), ilps_solved=solved, solve_time_s=time.perf_counter() - t0,
+                        ilp_time_s=ilp_time)
 
 
 def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | None = None,
