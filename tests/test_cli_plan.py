@@ -44,6 +44,60 @@ def test_diff_and_explain(plans, capsys) -> None:
     assert main(["explain", str(a), "--config", "tp=3"]) == 1  # 3 does not divide the node: one-line error
 
 
+def test_explain_of_the_plans_own_config_reproduces_its_step_time(plans, capsys) -> None:
+    a, _ = plans
+    pa = Plan.load(a)
+    assert main(["explain", str(a), "--config", str(pa.config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["alternative"]["estimate"]["step_time_s"] == pytest.approx(pa.estimate.step_time_s, rel=1e-12)
+
+
+def test_timeline_writes_a_png(plans, tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    a, _ = plans
+    out = tmp_path / "step.png"
+    assert main(["show", str(a), "--timeline", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert f"timeline        {out}" in capsys.readouterr().out
+
+
+SMALL_CLUSTER = """
+name = "small-mem"
+nodes = 1
+devices_per_node = 2
+[device]
+name = "tiny-gpu"
+kind = "gpu"
+memory_GiB = 0.25
+memory_bandwidth_GBps = 1000
+peak_TFLOPs = { bfloat16 = 100, float32 = 20 }
+source = "test fixture"
+[intra_node]
+bandwidth_GBps = 100
+latency_us = 3
+[inter_node]
+bandwidth_GBps = 10
+latency_us = 6
+"""
+
+
+def test_explain_names_the_constraint_an_infeasible_layout_violates(tmp_path, capsys) -> None:
+    """gpt-tiny at 512 tokens fits a 0.25 GiB device with micro-batches of 8, not as one micro-batch of 32."""
+    cluster = tmp_path / "small.toml"
+    cluster.write_text(SMALL_CLUSTER)
+    plan = tmp_path / "p.json"
+    assert main(["plan", "gpt-tiny", "--cluster", str(cluster), "--global-batch-size", "64", "--seq-len", "512",
+                 "--out", str(plan)]) == 0
+    capsys.readouterr()
+    cfg = "tp=1,pp=1,dp=2,zero=0,mbs=32,recompute=none"
+    assert main(["explain", str(plan), "--cluster", str(cluster), "--config", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "not possible" in out and "memory_rank0" in out and "GiB per device" in out
+    assert main(["explain", str(plan), "--cluster", str(cluster), "--config", cfg, "--json"]) == 0
+    violates = json.loads(capsys.readouterr().out)["alternative"]["violates"]
+    assert "constraint memory_rank0" in violates
+
+
 def test_errors_exit_1_and_usage_errors_exit_2(capsys) -> None:
     assert main(["plan", "gpt-tiny", "--cluster", "no-such-cluster", "--global-batch-size", "8"]) == 1
     err = capsys.readouterr().err

@@ -118,7 +118,9 @@ def test_estimate_prices_a_layout_with_the_planners_objective() -> None:
     graph, cluster = gpt_graph(layers=8), fake_cluster(nodes=2, memory_gib=24)
     plan = autopar.plan(graph, cluster, global_batch_size=64)
     cfg = ParallelConfig.parse(str(plan.config))
-    if len({s.recompute for s in plan.stages}) == 1:
+    est = autopar.estimate(graph, cluster, cfg, stages=plan.stages)  # the plan's own cuts and modes
+    assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
+    if len({s.recompute for s in plan.stages}) == 1:  # one mode everywhere: re-optimised cuts tie
         est = autopar.estimate(graph, cluster, cfg)
         assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
     for alt_cfg, alt_est in plan.alternatives:
@@ -174,3 +176,22 @@ def test_estimate_of_an_impossible_layout_names_the_constraint() -> None:
                          ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8))
     with pytest.raises(InfeasiblePlanError, match="devices"):
         autopar.estimate(gpt_graph(), fake_cluster(), ParallelConfig(tp=2, pp=1, dp=2))
+
+
+def test_gpt3_175b_on_1024_a100s_follows_published_practice() -> None:
+    """Narayanan et al. 2021 (Megatron-LM, Table 1 / §5.1) train GPT-3 175B on 1024 A100-80GB with global batch
+    1536 and sequence 2048 as tp=8 inside a node, pp=16, dp=8, interleaved 1F1B. The planner must keep TP
+    inside a node, pipeline across nodes, and predict at least the tokens/s it predicts for that layout
+    (with the best of v = 2, 3, 4 chunks and with/without sequence parallelism, m = 192 micro-batches of 1)."""
+    net, x = autopar.zoo.build("gpt3-175b", seq_len=2048)
+    graph = autopar.capture(net, x)
+    cluster = Cluster.preset("dgx-a100-80gb", nodes=128)
+    plan = autopar.plan(graph, cluster, global_batch_size=1536, options=PlannerOptions(top_k=0))
+    c = plan.config
+    assert c.tp <= cluster.devices_per_node and cluster.devices_per_node % c.tp == 0 and c.pp > 1
+    assert plan.solver.status == "optimal" and plan.solver.gap == 0.0
+    published = [autopar.estimate(graph, cluster, ParallelConfig(
+        tp=8, pp=16, dp=8, micro_batch_size=1, num_microbatches=192, schedule="interleaved_1f1b", virtual_stages=v,
+        sequence_parallel=sp)) for v in (2, 3, 4) for sp in (False, True)]
+    assert plan.estimate.tokens_per_s >= max(e.tokens_per_s for e in published) * (1 - 1e-12)
+    assert plan.estimate.peak_memory_bytes <= cluster.device.memory_bytes * 0.9

@@ -60,8 +60,9 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
             lines.append(f"  {i}. {fmt_s(ae.step_time_s):>10} (+{ae.step_time_s / e.step_time_s - 1:6.2%})  {ac}")
     if plan.solver:
         s = plan.solver
+        ilps = f", {s.ilps_solved} ILPs solved ({s.ilp_time_s:.2f} s)" if s.ilps_solved else ""
         lines += ["", f"solver          {s.solver}: {s.status}, gap {s.gap:.2g}, {s.configs_considered} layouts "
-                      f"considered, {s.solve_time_s:.2f} s"]
+                      f"considered{ilps}, {s.solve_time_s:.2f} s"]
     lines.append(f"fingerprints    model {plan.graph_fingerprint}, cluster {plan.cluster_fingerprint}")
     return "\n".join(lines)
 
