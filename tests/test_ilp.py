@@ -133,3 +133,20 @@ def test_evaluate_names_the_violated_memory_row() -> None:
     ev = evaluate(tight, cuts, ("none",) * S)
     assert not ev.feasible and ev.violated.startswith("memory_rank")
     assert solve(tight) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cbc_fallback_with_bound_rows_and_warm_start_matches_brute_force(seed: int, monkeypatch) -> None:
+    """Without HiGHS the solver is CBC, warm-started through pulp's initial values."""
+    from autopar.planner import ilp
+    from autopar.planner.bound import tight_bound
+    from autopar.planner.incumbent import incumbent
+
+    monkeypatch.setattr(ilp, "_has_highs", lambda: False)
+    pr = random_problem(seed)
+    bnd = tight_bound(pr)
+    sol = ilp.solve(pr, time_limit_s=30, bound=bnd, start=incumbent(pr, bnd))
+    best = brute_force(pr)
+    assert (sol is None) == (best is None)
+    if best is not None:
+        assert sol.status == "optimal" and sol.objective_s == pytest.approx(best, rel=1e-7)
