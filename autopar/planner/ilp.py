@@ -6,7 +6,8 @@ S = p·v contiguous stages (stage s runs on pipeline rank s mod p) and which rec
 rank uses (with v = 1 a rank is a stage; with interleaving its v chunks share the mode, and all chunks
 hold ⌊L/S⌋ or ⌈L/S⌉ layers, as Megatron-LM's interleaved schedule wants equal chunks — both rules also
 remove the symmetric solutions that would otherwise make the ILP slow). This module takes numbers and
-names only (no torch), so tests can check it against brute force.
+names only (no torch; the data classes and `evaluate` live in `autopar.planner.problem`), so tests can
+check it against brute force.
 
 Data. The layer sequence is a list of *runs*: run r is n_r consecutive identical layers (equal
 signatures), so a cut inside a run only matters through how many of its layers fall on each side.
