@@ -95,10 +95,13 @@ def test_fit_is_ratio_of_sums_and_refits_to_the_measurement(graph):
     pred = sum(p.estimate.breakdown[k] for p in plans for k in ("compute", "recompute", "optimizer"))
     meas = sum(m["compute"] + m["optimizer"] for m in measured)
     assert cal.compute_factor == pytest.approx(meas / pred)
-    assert cal.comm_factors == {2: pytest.approx(0.02 / plans[0].estimate.breakdown["tp_comm"])}
+    # Both runs talk over groups of 2 (tp=2, then dp=2): one factor, the ratio of their summed comm times.
+    comm_pred = plans[0].estimate.breakdown["tp_comm"] + plans[1].estimate.breakdown["dp_comm"]
+    assert cal.comm_factors == {2: pytest.approx((0.02 + 0.0) / comm_pred)}
     new_prof, _ = calibrate(records, prof)
     est = autopar.estimate(graph, Cluster.local(nproc=2, profile=new_prof), plans[0].config, global_batch_size=4)
-    assert est.breakdown["tp_comm"] == pytest.approx(0.02, rel=1e-6)
+    assert est.breakdown["tp_comm"] == pytest.approx(cal.comm_factors[2] * plans[0].estimate.breakdown["tp_comm"],
+                                                     rel=1e-6)
     total = est.breakdown["compute"] + est.breakdown["optimizer"]
     assert total == pytest.approx(cal.compute_factor * sum(plans[0].estimate.breakdown[k]
                                                            for k in ("compute", "optimizer")), rel=1e-6)

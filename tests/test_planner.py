@@ -74,9 +74,10 @@ def test_ample_memory_gives_plain_data_parallelism() -> None:
                         global_batch_size=64)
     c = plan.config
     assert (c.tp, c.pp, c.dp) == (1, 1, 16)
-    # ZeRO-1 moves the same bytes as an all-reduce (reduce-scatter + all-gather) and shards the optimizer
-    # step, so it ties or wins; nothing that costs time (ZeRO-3 gathers, recompute) is chosen.
-    assert c.zero_stage in (0, 1) and c.recompute == "none" and not c.sequence_parallel
+    # ZeRO-2 moves one all-reduce's worth (reduce-scatter + all-gather), shards the optimizer step and, run
+    # by FSDP2 over NCCL, hides the reduction behind backward, so it ties or beats ZeRO-0; nothing that costs
+    # time (ZeRO-3's extra gathers, recompute, ZeRO-1's extra broadcast) is chosen.
+    assert c.zero_stage in (0, 2) and c.recompute == "none" and not c.sequence_parallel
     assert plan.solver.status == "optimal" and plan.solver.gap == 0.0
 
 

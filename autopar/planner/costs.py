@@ -5,8 +5,11 @@ each run of identical layers into a `Run` (time by recompute mode, activation an
 gradient-sync, optimizer and p2p time) and each pipeline rank into its in-flight micro-batches and
 memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and micro-batch b:
 
-  forward FLOPs   b·(F − F_tp + F_tp/t)           F_tp: the part inside TP patterns (LayerSpec)
-  backward FLOPs  b·B·(1 − f + f/t), f = F_tp/F  (backward splits like forward)
+  pass time       the sum of the pass's kernels (LayerSpec.kernels_forward / kernels_backward, a KernelMix):
+                  GEMM and attention work b·(W − W_tp + W_tp/t), memory-bound traffic likewise (all of it ÷ t
+                  with SP, which shards norms, dropouts and residuals along the sequence: Korthikanti et al.
+                  2022 §4.2.2), priced by ComputeModel.kernels_time_s; graphs without kernel mixes fall back
+                  to one roofline over the layer's FLOPs and bytes
   TP comm         per TPPattern one all-reduce of b·payload in forward and one in backward (Megatron-LM,
                   Shoeybi et al. 2019 §3); with SP an all-gather + reduce-scatter of the same volume
                   (Korthikanti et al. 2022 §4.2.2), over t ranks inside one node
@@ -22,7 +25,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
 from autopar.planner.ilp import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
 from cost_models import memory
@@ -31,15 +34,27 @@ from cost_models.compute import ComputeModel
 
 __all__ = ["CostModel", "RankMemory", "group_runs"]
 
-# Bytes an Adam step reads and writes per parameter: grad (2) + fp32 master, momentum, variance read and
-# written (3·4·2) + the new 16-bit weight (2) = 28 (states as in Rajbhandari et al. 2020 §3.1); the
-# update is memory-bound, so bandwidth sets its time.
-ADAM_BYTES_PER_PARAM = 28
-ADAM_FLOPS_PER_PARAM = 12  # moment updates, bias correction, sqrt, divide: ~a dozen FLOPs per element
-# ZeRO-3 moves 1.5× the bytes of plain data parallelism: all-gather in forward and in backward plus a
-# reduce-scatter (Rajbhandari et al. 2020 §7.2.2); ZeRO-0/1/2 move one all-reduce's worth.
-ZERO3_COMM_FACTOR = 1.5
+# Bytes an AdamW step streams per parameter (fp32 states): PyTorch's multi-tensor AdamW
+# (torch/optim/adamw.py, _multi_tensor_adam) runs nine memory-bound passes over the parameter list —
+# decay (r+w param, 8 B), lerp of the first moment (grad + m in, m out, 12 B), scale and addcmul of the
+# second moment (8 + 12 B), sqrt, divide and add-eps on a temporary (3 × 8 B) and the addcdiv update
+# (m, temporary, param in, param out, 16 B) — 80 B in all. Measured on this machine: a gpt-tiny step
+# (1.1 M parameters) took 11 ms ≈ 88 MB at the profile's ~8 GB/s streaming rate
+# (`python benchmarks/predict_vs_measure.py`, optimizer component).
+ADAM_BYTES_PER_PARAM = 80
+# Bytes on the wire per gradient byte, relative to one all-reduce, for what autopar's codegen runs
+# (autopar/codegen/data_parallel.py): ZeRO-0 all-reduces gradients; ZeRO-1 all-reduces them and then
+# broadcasts every updated shard from its owner (one all-gather's worth more: 1.5×); ZeRO-2 reduce-
+# scatters gradients and all-gathers parameters (one all-reduce's worth, Rajbhandari et al. 2020 §7.2.1);
+# ZeRO-3 all-gathers parameters in forward and again in backward plus the reduce-scatter (1.5×, §7.2.2).
+ZERO_COMM_FACTOR = {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _has_kernels(layer: LayerSpec) -> bool:
+    """Whether capture recorded the layer's kernels (graphs written by hand or by older versions may not)."""
+    k = layer.kernels_forward
+    return k.gemm_count + k.attention_count + k.memory_count > 0
 
 
 def group_runs(layers: tuple[LayerSpec, ...]) -> list[list[LayerSpec]]:
@@ -66,8 +81,13 @@ class CostModel:
     """Prices a graph on one cluster; results are cached per (tp, sp, micro-batch) and per layout."""
 
     def __init__(self, graph: ModelGraph, *, device, devices_per_node: int, nodes: int, intra_node, inter_node,
-                 profile=None, memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION) -> None:
+                 profile=None, memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
+                 backend: str = "nccl") -> None:
         self.graph = graph
+        # Gradient reduction overlaps backward only where communication runs beside compute (NCCL on its
+        # own CUDA stream) and the runtime issues it during backward: FSDP2 (ZeRO-2/3) does, autopar's
+        # ZeRO-0/1 reduce after backward; gloo on CPU shares the cores with compute.
+        self.backend = backend
         self.device = device
         self.devices_per_node = devices_per_node
         self.nodes = nodes
@@ -95,7 +115,7 @@ class CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
-                   memory_reserve_fraction=memory_reserve_fraction)
+                   memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"))
 
     @property
     def world_size(self) -> int:
@@ -123,10 +143,15 @@ class CostModel:
         share = 1.0 - f + f / tp
         fp = self.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
-        act_traffic = max(0.0, layer.bytes_read + layer.bytes_written - layer.param_bytes) * mbs * share
-        fwd = self.compute.op_time_s(mbs * layer.forward_flops * share, param_bytes + act_traffic, self.dtype)
-        # Backward reads weights and activations and writes both gradients: twice the forward traffic.
-        bwd = self.compute.op_time_s(mbs * layer.backward_flops * share, 2 * (param_bytes + act_traffic), self.dtype)
+        if _has_kernels(layer):
+            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs)
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs)
+        else:
+            act_traffic = max(0.0, layer.bytes_read + layer.bytes_written - layer.param_bytes) * mbs * share
+            fwd = self.compute.op_time_s(mbs * layer.forward_flops * share, param_bytes + act_traffic, self.dtype)
+            # Backward reads weights and activations and writes both gradients: twice the forward traffic.
+            bwd = self.compute.op_time_s(mbs * layer.backward_flops * share, 2 * (param_bytes + act_traffic),
+                                         self.dtype)
         tp_fwd = 0.0
         if tp > 1:
             rpn = tp
@@ -143,7 +168,13 @@ class CostModel:
                     width = pat.num_heads * (pat.head_dim or (self.graph.hidden_size or 0) // pat.num_heads)
                     core_flops += 4.0 * mbs * self.graph.seq_len ** 2 * width / tp
         core_bytes = layer.saved_activation_bytes_attention_core * mbs / tp
-        sel = self.compute.op_time_s(core_flops, core_bytes, self.dtype) if core_flops or core_bytes else 0.0
+        if _has_kernels(layer) and (core_flops or core_bytes):
+            kf = layer.kernels_forward
+            sel = self.compute.kernels_time_s(
+                gemm_flops=0.0, gemm_count=0, attention_flops=core_flops, attention_count=kf.attention_count,
+                memory_bytes=2 * core_bytes, memory_count=max(1, kf.attention_count), dtype=self.dtype)
+        else:
+            sel = self.compute.op_time_s(core_flops, core_bytes, self.dtype) if core_flops or core_bytes else 0.0
         recompute = (0.0, sel, fwd + tp_fwd)
         acts = tuple(memory.layer_activation_bytes(
             saved_bytes=layer.saved_activation_bytes, tp_sharded_bytes=layer.saved_activation_bytes_tp_sharded,
@@ -156,6 +187,19 @@ class CostModel:
                 "names": tuple(la.name for la in self.runs[ri]),
                 "time": tuple(fwd + bwd + 2 * tp_fwd + r for r in recompute),
                 "send": (self.comm.p2p_time_s(send_bytes, False), self.comm.p2p_time_s(send_bytes, True))}
+
+    def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int) -> float:
+        """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`."""
+
+        def work(total: float, sharded: float, all_sharded: bool = False) -> float:
+            return mbs * (total / tp if all_sharded else total - sharded + sharded / tp)
+
+        return self.compute.kernels_time_s(
+            gemm_flops=work(mix.gemm_flops, mix.gemm_flops_tp_sharded), gemm_count=mix.gemm_count,
+            attention_flops=work(mix.attention_flops, mix.attention_flops_tp_sharded),
+            attention_count=mix.attention_count,
+            memory_bytes=work(mix.memory_bytes, mix.memory_bytes_tp_sharded, all_sharded=sp and tp > 1),
+            memory_count=mix.memory_count, dtype=self.dtype)
 
     # ---- per candidate ----
     def _states(self, layer: LayerSpec, c: Candidate):
@@ -172,19 +216,19 @@ class CostModel:
 
     def _run_optimizer_s(self, ri: int, tp: int, shards: int) -> float:
         local = self._local_run(ri, tp) / shards
-        return self.compute.op_time_s(ADAM_FLOPS_PER_PARAM * local, ADAM_BYTES_PER_PARAM * local, "float32")
+        return self.compute.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
 
     def _grad_sync(self, c: Candidate) -> tuple[float, float]:
-        return self._sync(c.tp, c.pp, c.dp, c.zero_stage == 3)
+        return self._sync(c.tp, c.pp, c.dp, c.zero_stage)
 
-    def _grad_sync_key(self, tp: int, pp: int, dp: int, zero3: bool) -> tuple[float, float]:
+    def _grad_sync_key(self, tp: int, pp: int, dp: int, zero_stage: int) -> tuple[float, float]:
         """(seconds per gradient byte, latency seconds) of the data-parallel reduction, linearised around the
         average rank's gradient volume (exact where the collective's α-β cost is affine)."""
         if dp == 1:
             return 0.0, 0.0
         rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
         total = sum(len(g) * self._local_run(ri, tp) for ri, g in enumerate(self.runs)) * self.elem / pp
-        factor = ZERO3_COMM_FACTOR if zero3 else 1.0
+        factor = ZERO_COMM_FACTOR[zero_stage]
 
         def t(n: float) -> float:
             return factor * self.comm.all_reduce_time_s(n, dp, rpn)
@@ -195,6 +239,7 @@ class CostModel:
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
         slope, latency = self._grad_sync(c)
         shards = c.dp if c.zero_stage >= 1 else 1
+        overlaps = self.backend == "nccl" and c.zero_stage >= 2  # see __init__: which reductions hide
         runs = []
         for ri, group in enumerate(self.runs):
             layer = group[0]
@@ -204,7 +249,8 @@ class CostModel:
                 name=layer.name, count=len(group), layer_names=tm["names"],
                 time_s=tm["time"], compute_s=(tm["compute"],) * 3,
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
-                state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp), backward_s=tm["backward"],
+                state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
+                backward_s=tm["backward"] if overlaps else 0.0,
                 grad_sync_s=slope * self._local_run(ri, c.tp) * self.elem,
                 optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"]))
         ranks = self.rank_memory(c)
