@@ -8,8 +8,12 @@ fill and drain); with W½ = P · eff_max · t_ramp it is exactly a fixed ramp ti
 GEMM shapes are also rounded up to the tensor-core tile (tile quantization).
 
 With a measured `Profile` (same device), measurement wins: a layer time stored under `key`, then the
-GEMM and elementwise tables (time against work / bytes, log-log interpolated, made monotone), whose
-times already include the launch floor.
+GEMM, batched-matmul (attention) and elementwise tables (time against work / bytes, log-log
+interpolated, made monotone), whose times already include the launch floor.
+
+A layer pass is a sequence of kernels, so its time is the sum of their times (`kernels_time_s`): GEMMs
+against weights, attention kernels (a fused flash kernel on GPU, batched matmuls on CPU) and
+memory-bound kernels (norms, activations, residual adds), each priced at its own size.
 """
 
 from __future__ import annotations
@@ -19,9 +23,14 @@ import math
 import numpy as np
 
 from cost_models.hardware import DeviceSpec
-from cost_models.profile import Profile
+from cost_models.profile import GemmSample, Profile
 
-__all__ = ["ComputeModel", "GPU_GEMM_EFF_MAX", "GPU_GEMM_RAMP_S", "GPU_MEM_EFF", "GPU_LAUNCH_S", "GPU_TILE"]
+__all__ = ["ComputeModel", "GPU_GEMM_EFF_MAX", "GPU_GEMM_RAMP_S", "GPU_MEM_EFF", "GPU_LAUNCH_S", "GPU_TILE",
+           "GPU_ATTENTION_EFF_MAX", "MEMORY_KINDS"]
+
+MEMORY_KINDS = ("elementwise", "reduction", "transcendental", "copy")
+# which measured elementwise table (profiler.kernels.measure_elementwise) prices each memory-bound kind
+_TABLE_OP = {"elementwise": "add", "reduction": "sum", "transcendental": "exp", "copy": "transpose_copy"}
 
 # Large bf16/fp16 GEMMs through cuBLAS reach ~80% of the dense tensor-core peak: ~250 TFLOP/s of 312 on
 # A100 (Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware", GEMM sweeps)
@@ -37,6 +46,10 @@ GPU_MEM_EFF = 0.85
 # Host-side launch floor of one eager PyTorch op on CUDA (dispatch + cudaLaunchKernel), ~4–10 µs;
 # profiles replace it with launch_overhead_s measured on the machine.
 GPU_LAUNCH_S = 5e-6
+# Fused attention reaches a lower fraction of peak than a GEMM: FlashAttention-2 (Dao 2023, arXiv:2307.08691,
+# abstract and §4.1) runs at 50–73% of the A100's theoretical bf16 FLOP/s, the forward pass at the top of
+# that range and the backward pass lower; 0.60 lies inside the range for both passes.
+GPU_ATTENTION_EFF_MAX = 0.60
 # Tensor-core GEMM tiles: M and N are padded to multiples of 128 (NVIDIA Deep Learning Performance
 # Guide, "Matrix Multiplication Background": tile and wave quantization).
 GPU_TILE = 128
@@ -82,22 +95,41 @@ class ComputeModel:
         w_half = self.device.peak_flops_for(dtype) * self.eff_max * self.ramp_s
         return self.eff_max * flops / (flops + w_half) if flops > 0 else 0.0
 
-    def _compute_s(self, flops: float, dtype: str, layout: str | None = None) -> float:
+    def _compute_s(self, flops: float, dtype: str, layout: str | None = None, *, attention: bool = False) -> float:
+        """One matmul kernel of `flops`: the profile's table (batched matmuls for attention, when measured),
+        else the roofline with eff(W), capped at GPU_ATTENTION_EFF_MAX for a fused GPU attention kernel."""
         if flops <= 0:
             return 0.0
-        samples = self.profile.gemm_samples(dtype, layout) if self.profile else []
+        samples = []
+        if self.profile is not None:
+            batched = self.profile.gemm_samples(dtype, layout, batched=True) if attention else []
+            if batched:  # shape unknown: the typical rate of measured attention matmuls of similar work
+                return flops / _work_rate(batched, flops)
+            samples = self.profile.gemm_samples(dtype, layout)
         if samples:
             best = max(s.flops_per_s for s in samples)
             return _monotone_interp([s.flops for s in samples], [s.time_s for s in samples], flops, best)
-        return flops / (self.device.peak_flops_for(dtype) * self.efficiency(flops, dtype))
+        eff = self.efficiency(flops, dtype)
+        if attention and self.device.kind == "gpu":
+            eff *= GPU_ATTENTION_EFF_MAX / self.eff_max
+        return flops / (self.device.peak_flops_for(dtype) * eff)
 
-    def _memory_s(self, bytes_moved: float, dtype: str, kind: str = "elementwise") -> float:
+    def _memory_s(self, bytes_moved: float, dtype: str, kind: str = "elementwise",
+                  tensor_bytes: float | None = None) -> float:
+        """Memory-bound time. With the largest tensor's size known (and recorded in the table), the
+        measured rate at that tensor size prices the traffic: the rate depends on where that tensor lives
+        (cache, reused heap, fresh mapping), the time on how many bytes move. Else the table's time at
+        the same traffic."""
         if bytes_moved <= 0:
             return 0.0
         rows = list(self.profile.elementwise) if self.profile else []
         rows = [r for r in rows if r.dtype == dtype] or rows
-        table_op = {"reduction": "sum", "transcendental": "exp"}.get(kind, "add")
-        rows = [r for r in rows if r.op == table_op] or rows
+        rows = [r for r in rows if r.op == _TABLE_OP[kind]] or [r for r in rows if r.op == "add"] or rows
+        if rows and tensor_bytes and all(r.tensor_bytes > 0 for r in rows):
+            order = sorted(rows, key=lambda r: r.tensor_bytes)
+            log_rate = np.interp(math.log(tensor_bytes), [math.log(r.tensor_bytes) for r in order],
+                                 [math.log(r.bytes_per_s) for r in order])
+            return max(bytes_moved / math.exp(log_rate), min(r.time_s for r in rows))
         if rows:
             best = max(r.bytes_per_s for r in rows)
             return _monotone_interp([r.n_bytes for r in rows], [r.time_s for r in rows], bytes_moved, best)
@@ -108,20 +140,23 @@ class ComputeModel:
 
     # ---- public API ----
     def op_time_s(self, flops: float, bytes_moved: float, dtype: str = "bfloat16", key: str | None = None,
-                  kind: str = "elementwise") -> float:
+                  kind: str = "elementwise", tensor_bytes: float | None = None) -> float:
         """Seconds for an op or a layer doing `flops` and moving `bytes_moved` (read + written).
 
         `key` names a measured entry in profile.layer_times (e.g. layer_key(sig, "fwd", 2, 1)), used as is.
-        `kind` ("elementwise" | "reduction" | "transcendental") picks which measured memory table prices the
-        bytes: a CPU spends more per byte on exp/softmax/GELU than on an add.
+        `kind` (one of MEMORY_KINDS) picks which measured memory table prices the bytes: a CPU spends more
+        per byte on exp/softmax/GELU or on a transposing copy than on an add. `tensor_bytes`, the op's
+        largest tensor, picks the measured rate by size (see `_memory_s`).
         """
         if flops < 0 or bytes_moved < 0:
             raise ValueError(f"op_time_s: flops={flops} and bytes_moved={bytes_moved} must be non-negative")
+        if kind not in MEMORY_KINDS:
+            raise ValueError(f"op_time_s: kind={kind!r}; expected one of {MEMORY_KINDS}")
         if key is not None and self.profile is not None and key in self.profile.layer_times:
             return self.profile.layer_times[key]
         if flops == 0 and bytes_moved == 0:
             return 0.0
-        roof = max(self._compute_s(flops, dtype), self._memory_s(bytes_moved, dtype, kind))
+        roof = max(self._compute_s(flops, dtype), self._memory_s(bytes_moved, dtype, kind, tensor_bytes))
         if self._measured_tables(dtype):  # measured times already include the launch floor
             return max(roof, self.launch_s)
         return roof + self.launch_s
@@ -142,6 +177,81 @@ class ComputeModel:
         bytes_moved = _dtype_bytes(dtype) * (m * k + k * n + m * n)
         roof = max(self._compute_s(flops, dtype, layout), self._memory_s(bytes_moved, dtype))
         return max(roof, self.launch_s) if self._measured_tables(dtype) else roof + self.launch_s
+
+    def batched_gemm_time_s(self, batch: int, m: int, n: int, k: int, dtype: str = "bfloat16",
+                            layout: str = "nn") -> float:
+        """Seconds for torch.bmm of `batch` products (m×k)·(k×n) (eager attention's QKᵀ, PV and their
+        gradients): the profile's batched-matmul table at the same per-matrix shape and layout (time scaled
+        by the batch), else its FLOP rate interpolated between the nearest measured shapes (`_shape_rate`),
+        else one GEMM kernel doing all the work (the tile-padded roofline)."""
+        if min(batch, m, n, k) <= 0:
+            raise ValueError(f"batched_gemm_time_s: batch={batch}, m={m}, n={n}, k={k} must be positive")
+        rows = self.profile.gemm_samples(dtype, layout, batched=True) if self.profile is not None else []
+        if rows:
+            for s in rows:
+                if (s.m, s.n, s.k, s.layout) == (m, n, k, layout):
+                    return s.time_s * batch / s.batch
+            return max(batch * 2.0 * m * n * k / _shape_rate(rows, m, n, k), self.launch_s)
+        pad_m = math.ceil(m / self.tile) * self.tile
+        pad_n = math.ceil(n / self.tile) * self.tile
+        flops = 2.0 * batch * pad_m * pad_n * k
+        bytes_moved = _dtype_bytes(dtype) * batch * (m * k + k * n + m * n)
+        roof = max(self._compute_s(flops, dtype, layout), self._memory_s(bytes_moved, dtype))
+        return max(roof, self.launch_s) if self._measured_tables(dtype) else roof + self.launch_s
+
+    def kernels_time_s(self, *, gemm_flops: float, gemm_count: int, attention_flops: float, attention_count: int,
+                       memory_bytes: float, memory_count: int, dtype: str = "bfloat16") -> float:
+        """Seconds for one layer pass as the sum of its kernels (a capture KernelMix, in numbers):
+
+            gemm_count × t_gemm(gemm_flops / gemm_count) + attention_count × t_attn(attention_flops /
+            attention_count) + memory_count × t_mem(memory_bytes / memory_count)
+
+        t_gemm: the GEMM table or the roofline with eff(W) and the launch floor; t_attn: the batched-matmul
+        table (CPU) or the roofline at GPU_ATTENTION_EFF_MAX (fused flash attention); t_mem: the elementwise
+        table or bandwidth × efficiency. Every kernel costs at least the launch floor. Work is spread
+        evenly over a group's kernels, which prices a mix of sizes at their mean size.
+        """
+        parts = {"gemm": (gemm_flops, gemm_count), "attention": (attention_flops, attention_count),
+                 "memory": (memory_bytes, memory_count)}
+        for name, (work, count) in parts.items():
+            if work < 0 or count < 0 or (work > 0 and count == 0):
+                raise ValueError(f"kernels_time_s: {name} work={work} over count={count}; work must be "
+                                 "non-negative and spread over at least one kernel")
+        measured = self._measured_tables(dtype)
+
+        def kernel_s(work_s: float) -> float:
+            return max(work_s, self.launch_s) if measured else work_s + self.launch_s
+
+        total = 0.0
+        if gemm_count:
+            total += gemm_count * kernel_s(self._compute_s(gemm_flops / gemm_count, dtype))
+        if attention_count:
+            total += attention_count * kernel_s(self._compute_s(attention_flops / attention_count, dtype,
+                                                                attention=True))
+        if memory_count:
+            total += memory_count * kernel_s(self._memory_s(memory_bytes / memory_count, dtype))
+        return total
+
+
+def _shape_rate(rows: list[GemmSample], m: int, n: int, k: int) -> float:
+    """FLOP/s at shape (m, n, k) from measured shapes: a weighted geometric mean of their rates with
+    weights 1/d⁴, d the distance in (log2 m, log2 n, log2 k). Work alone does not set a small matmul's
+    rate: (s, s, 64) writes an s×s result while (s, 64, s) reads it, at equal FLOPs and very different
+    speeds, so neighbours are found in shape space; the 4th power keeps it local (to the shapes one
+    doubling away), and the midpoint of two measured shapes gets the geometric mean of their rates."""
+    target = np.log2([m, n, k])
+    dist = np.array([np.linalg.norm(np.log2([s.m, s.n, s.k]) - target) for s in rows])
+    weights = 1.0 / np.maximum(dist, 1e-9) ** 4
+    log_rates = np.log([s.flops_per_s for s in rows])
+    return float(np.exp(np.sum(weights * log_rates) / np.sum(weights)))
+
+
+def _work_rate(rows: list[GemmSample], flops: float) -> float:
+    """Geometric mean FLOP/s of the samples whose work is within ×4 of `flops` (else the nearest in log
+    work): without the shape, every measured shape and layout of that size is equally likely."""
+    dist = np.abs(np.log([s.flops / flops for s in rows]))
+    near = dist <= math.log(4.0) if np.any(dist <= math.log(4.0)) else dist == dist.min()
+    return float(np.exp(np.mean(np.log([s.flops_per_s for s, keep in zip(rows, near, strict=True) if keep]))))
 
 
 def _dtype_bytes(dtype: str) -> int:

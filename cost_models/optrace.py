@@ -1,9 +1,11 @@
 """Record the aten ops a callable runs (FLOPs, bytes, GEMM shapes) and price them op by op.
 
 This is how a layer's time is predicted from kernel measurements alone, without timing the layer:
-every op is a GEMM (priced by `ComputeModel.gemm_time_s` on its shape), a view (free: its output
-aliases an input) or a memory-bound kernel (priced by `op_time_s` on FLOPs and bytes in + out).
-FLOPs come from torch.utils.flop_counter's registry, the counts FlopCounterMode uses.
+every op is a GEMM (priced by `ComputeModel.gemm_time_s` on its shape), a batched matmul (attention's
+bmm, `batched_gemm_time_s`), a view (free: its output aliases an input) or a memory-bound kernel
+(priced by `op_time_s` on FLOPs and bytes in + out, in the measured table of its kind: plain
+elementwise, reduction, transcendental, or a copy out of a strided view). FLOPs come from
+torch.utils.flop_counter's registry, the counts FlopCounterMode uses.
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from torch.utils.flop_counter import flop_registry
 
 from cost_models.compute import ComputeModel
 
-__all__ = ["OpRecord", "trace_ops", "predict_ops_time_s"]
+__all__ = ["OpRecord", "trace_ops", "predict_op_time_s", "predict_ops_time_s"]
 
 _GEMMS = {"mm", "addmm"}
+_BATCHED_GEMMS = {"bmm", "baddbmm"}
+_COPIES = {"clone", "copy_", "_to_copy", "contiguous"}
+# Out-of-place ops that ATen runs as two passes over the output: masked_fill clones its input, then
+# fills in place (aten/src/ATen/native/TensorAdvancedIndexing.cpp, masked_fill → clone + masked_fill_).
+_PASSES = {"masked_fill": 2}
 # ops whose per-element cost is an exp/erf/rsqrt rather than a load and a store
 _TRANSCENDENTAL = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data", "gelu",
                    "gelu_backward", "silu", "silu_backward", "exp", "tanh", "tanh_backward", "sigmoid",
@@ -34,10 +41,22 @@ class OpRecord:
     name: str  # aten overload packet, e.g. "mm"
     flops: float
     bytes_moved: int  # tensor inputs + outputs
-    gemm_mnk: tuple[int, int, int] | None  # for mm / addmm
+    gemm_mnk: tuple[int, int, int] | None  # for mm / addmm, and per matrix for bmm / baddbmm
     gemm_layout: str = "nn"  # "t" for an operand stored transposed (column-major)
     is_view: bool  # output aliases an input: no kernel runs
     is_reduction: bool = False  # the largest input is ≥ 4× the largest output (sums, norms' statistics)
+    gemm_batch: int = 1  # matrices in a bmm / baddbmm
+    is_strided_copy: bool = False  # a copy whose source is not contiguous (a transpose made contiguous)
+    tensor_bytes: int = 0  # the largest tensor it reads or writes (sets its cache / allocator regime)
+
+    @property
+    def kind(self) -> str:
+        """The memory-bound class (ComputeModel.MEMORY_KINDS) that prices a non-GEMM kernel."""
+        if self.name in _TRANSCENDENTAL:
+            return "transcendental"
+        if self.is_strided_copy:
+            return "copy"
+        return "reduction" if self.is_reduction else "elementwise"
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -45,7 +64,8 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 
 def _layout_char(t: torch.Tensor) -> str:
-    return "t" if t.dim() == 2 and t.stride(0) == 1 and t.shape[1] > 1 else "n"
+    """'t' when the matrix (the last two dims) is stored column-major, as a transposed view is."""
+    return "t" if t.dim() >= 2 and t.stride(-2) == 1 and t.shape[-1] > 1 else "n"
 
 
 class _Recorder(TorchDispatchMode):
@@ -63,17 +83,21 @@ class _Recorder(TorchDispatchMode):
         is_view = (not func._schema.is_mutable and bool(outs)
                    and all(t.untyped_storage().data_ptr() in in_ptrs for t in outs))
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
-        mnk, layout = None, "nn"
+        mnk, layout, batch = None, "nn", 1
         name = packet.__name__
-        if name in _GEMMS:
-            a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
-            mnk = (a.shape[0], b.shape[1], a.shape[1])
+        if name in _GEMMS or name in _BATCHED_GEMMS:
+            a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+            mnk = (a.shape[-2], b.shape[-1], a.shape[-1])
             layout = _layout_char(a) + _layout_char(b)
-        moved = sum(t.numel() * t.element_size() for t in ins + outs)
+            batch = a.shape[0] if name in _BATCHED_GEMMS else 1
+        moved = _PASSES.get(name, 1) * sum(t.numel() * t.element_size() for t in ins + outs)
+        largest = max((t.numel() * t.element_size() for t in ins + outs), default=0)
         biggest_in = max((t.numel() for t in ins), default=0)
         reduction = bool(outs) and biggest_in >= 4 * max(t.numel() for t in outs) and mnk is None
+        strided = name in _COPIES and not is_view and any(not t.is_contiguous() for t in ins)
         self.ops.append(OpRecord(name=name, flops=flops, bytes_moved=moved, gemm_mnk=mnk, gemm_layout=layout,
-                                 is_view=is_view, is_reduction=reduction))
+                                 is_view=is_view, is_reduction=reduction, gemm_batch=batch,
+                                 is_strided_copy=strided, tensor_bytes=largest))
         return out
 
 
@@ -85,16 +109,17 @@ def trace_ops(fn: Callable[[], Any]) -> list[OpRecord]:
     return rec.ops
 
 
+def predict_op_time_s(op: OpRecord, cm: ComputeModel, dtype: str) -> float:
+    """One op: a GEMM by shape, a bmm by per-matrix shape, a view free, anything else by its kind's table."""
+    if op.is_view:
+        return 0.0
+    if op.gemm_mnk is not None and op.name in _BATCHED_GEMMS:
+        return cm.batched_gemm_time_s(op.gemm_batch, *op.gemm_mnk, dtype=dtype, layout=op.gemm_layout)
+    if op.gemm_mnk is not None:
+        return cm.gemm_time_s(*op.gemm_mnk, dtype=dtype, layout=op.gemm_layout)
+    return cm.op_time_s(op.flops, op.bytes_moved, dtype, kind=op.kind, tensor_bytes=op.tensor_bytes or None)
+
+
 def predict_ops_time_s(ops: list[OpRecord], cm: ComputeModel, dtype: str) -> float:
-    """Σ of per-op predictions: GEMMs by shape, views free, everything else by roofline."""
-    total = 0.0
-    for op in ops:
-        if op.is_view:
-            continue
-        if op.gemm_mnk is not None:
-            total += cm.gemm_time_s(*op.gemm_mnk, dtype=dtype, layout=op.gemm_layout)
-        else:
-            kind = "transcendental" if op.name in _TRANSCENDENTAL else \
-                "reduction" if op.is_reduction else "elementwise"
-            total += cm.op_time_s(op.flops, op.bytes_moved, dtype, kind=kind)
-    return total
+    """Σ of per-op predictions (`predict_op_time_s`)."""
+    return sum(predict_op_time_s(op, cm, dtype) for op in ops)

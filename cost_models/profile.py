@@ -69,7 +69,11 @@ class MachineInfo:
 @dataclass(frozen=True, kw_only=True)
 class GemmSample:
     """One timed (m×k)·(k×n) matmul; layout says which operands are transposed views ("nn", "nt", "tn"),
-    as a linear layer's forward (x·Wᵀ), input-gradient (g·W) and weight-gradient (gᵀ·x) GEMMs are."""
+    as a linear layer's forward (x·Wᵀ), input-gradient (g·W) and weight-gradient (gᵀ·x) GEMMs are.
+
+    batch > 1 is a batched matmul (torch.bmm of `batch` independent products, as eager attention runs
+    QKᵀ and PV per head); time_s is for the whole batch. Files without the field are plain GEMMs.
+    """
 
     m: int
     n: int
@@ -77,10 +81,16 @@ class GemmSample:
     dtype: str
     time_s: float
     layout: str = "nn"
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.m, self.n, self.k, self.batch) < 1 or not self.time_s > 0:
+            raise ValueError(f"GemmSample {self.batch}x{self.m}x{self.n}x{self.k}: sizes must be ≥ 1 and "
+                             f"time_s={self.time_s} positive")
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k
+        return 2.0 * self.batch * self.m * self.n * self.k
 
     @property
     def flops_per_s(self) -> float:
@@ -89,12 +99,15 @@ class GemmSample:
 
 @dataclass(frozen=True, kw_only=True)
 class ElementwiseSample:
-    """One timed elementwise op; n_bytes counts every byte read and written."""
+    """One timed elementwise op; n_bytes counts every byte read and written, tensor_bytes is the size of
+    its largest tensor (0 in files written before it was recorded), which sets the cache and allocator
+    regime the op runs in."""
 
     op: str
     dtype: str
     n_bytes: int
     time_s: float
+    tensor_bytes: int = 0
 
     @property
     def bytes_per_s(self) -> float:
@@ -153,9 +166,10 @@ class Profile:
             raise ValueError(f"Profile.layer_times has non-positive times: {bad}")
 
     # ---- queries used by the cost models ----
-    def gemm_samples(self, dtype: str, layout: str | None = None) -> list[GemmSample]:
-        """Samples of `dtype`; of `layout` too when given and measured (else every layout)."""
-        rows = [g for g in self.gemm if g.dtype == dtype]
+    def gemm_samples(self, dtype: str, layout: str | None = None, *, batched: bool = False) -> list[GemmSample]:
+        """Plain GEMM samples (batched ones with batched=True) of `dtype`; of `layout` too when given and
+        measured (else every layout)."""
+        rows = [g for g in self.gemm if g.dtype == dtype and (g.batch > 1) == batched]
         if layout is not None:
             rows = [g for g in rows if g.layout == layout] or rows
         return rows

@@ -1,9 +1,18 @@
 """Compute model: roofline, saturating efficiency, tile quantization, and profile precedence."""
 
+import math
+
 import pytest
 
 from cost_models import catalog
-from cost_models.compute import GPU_GEMM_EFF_MAX, GPU_GEMM_RAMP_S, GPU_LAUNCH_S, GPU_MEM_EFF, ComputeModel
+from cost_models.compute import (
+    GPU_ATTENTION_EFF_MAX,
+    GPU_GEMM_EFF_MAX,
+    GPU_GEMM_RAMP_S,
+    GPU_LAUNCH_S,
+    GPU_MEM_EFF,
+    ComputeModel,
+)
 from cost_models.profile import ElementwiseSample, GemmSample, MachineInfo, Profile
 
 A100 = catalog.device("a100-sxm-80gb")
@@ -88,3 +97,96 @@ def test_optrace_records_gemm_shapes_layouts_and_free_views():
     expected = sum(cm.gemm_time_s(*o.gemm_mnk, dtype="float32", layout=o.gemm_layout) if o.gemm_mnk else
                    cm.op_time_s(o.flops, o.bytes_moved, "float32") for o in ops if not o.is_view)
     assert predict_ops_time_s(ops, cm, "float32") == pytest.approx(expected)
+
+
+def test_kernel_sum_of_a_gpt_block_on_a100_matches_the_hand_roofline():
+    """GPT-3 2.7B-like block forward (h=2560, s=2048, b=1, bf16) on an A100 from datasheet numbers only:
+    6 GEMMs (q, k, v, o, fc1, fc2), one flash-attention kernel, 7 memory-bound kernels (2 layer norms,
+    2 residual adds, GELU, 2 bias adds)."""
+    h, s = 2560, 2048
+    peak, bw = 312e12, 2039e9  # A100 SXM bf16 dense, HBM2e (NVIDIA A100 datasheet)
+    gemm_flops = 2 * s * h * h * 4 + 2 * 2 * s * h * 4 * h  # q, k, v, o + fc1, fc2
+    attn_flops = 4 * s * s * h  # QKᵀ and PV
+    mem_bytes = 2 * (2 * 2 * s * h + 2 * 3 * s * h + 2 * s * 4 * h + 2 * 2 * s * h)  # bf16 in + out of each
+    cm = ComputeModel(A100)
+    got = cm.kernels_time_s(gemm_flops=gemm_flops, gemm_count=6, attention_flops=attn_flops, attention_count=1,
+                            memory_bytes=mem_bytes, memory_count=7)
+    # eff(W) = e·W/(W + P·e·ramp)  ⇒  W / (P·eff(W)) = W/(P·e) + ramp, for each kernel of the group
+    gemm = 6 * ((gemm_flops / 6) / (peak * GPU_GEMM_EFF_MAX) + GPU_GEMM_RAMP_S + GPU_LAUNCH_S)
+    attn = attn_flops * (attn_flops + peak * GPU_GEMM_EFF_MAX * GPU_GEMM_RAMP_S) / (
+        attn_flops * peak * GPU_ATTENTION_EFF_MAX) + GPU_LAUNCH_S
+    mem = 7 * ((mem_bytes / 7) / (bw * GPU_MEM_EFF) + GPU_LAUNCH_S)
+    assert got == pytest.approx(gemm + attn + mem, rel=1e-9)
+    # a fused attention kernel is slower per FLOP than a GEMM of the same work (FlashAttention-2: 50-73%)
+    assert cm.kernels_time_s(gemm_flops=0, gemm_count=0, attention_flops=attn_flops, attention_count=1,
+                             memory_bytes=0, memory_count=0) > cm.kernels_time_s(
+        gemm_flops=attn_flops, gemm_count=1, attention_flops=0, attention_count=0, memory_bytes=0, memory_count=0)
+    # the kernel sum exceeds one roofline over the totals (memory kernels cannot hide under GEMMs)
+    assert got > cm.op_time_s(gemm_flops + attn_flops, mem_bytes)
+    with pytest.raises(ValueError, match="spread over at least one kernel"):
+        cm.kernels_time_s(gemm_flops=1e9, gemm_count=0, attention_flops=0, attention_count=0, memory_bytes=0,
+                          memory_count=0)
+
+
+def test_kernel_sum_with_a_profile_uses_the_tables_per_kernel():
+    gemm = (GemmSample(m=256, n=256, k=256, dtype="float32", time_s=4e-4),
+            GemmSample(m=1024, n=1024, k=1024, dtype="float32", time_s=1.6e-2),
+            GemmSample(m=512, n=512, k=64, dtype="float32", time_s=8e-3, layout="nt", batch=8))
+    ew = (ElementwiseSample(op="add", dtype="float32", n_bytes=3 * 2**20, time_s=2e-4),
+          ElementwiseSample(op="add", dtype="float32", n_bytes=3 * 2**24, time_s=8e-3))
+    cm = ComputeModel(catalog.device("cpu"), _profile(gemm=gemm, elementwise=ew))
+    got = cm.kernels_time_s(gemm_flops=2 * 2 * 1024**3, gemm_count=2, attention_flops=8 * 2 * 512 * 512 * 64,
+                            attention_count=1, memory_bytes=4 * 3 * 2**20, memory_count=4, dtype="float32")
+    # two measured 1024³ GEMMs + the one measured attention bmm + four measured 1 MiB adds
+    assert got == pytest.approx(2 * 1.6e-2 + 8e-3 + 4 * 2e-4)
+
+
+def test_batched_matmul_table_by_shape():
+    rows = (GemmSample(m=256, n=256, k=64, dtype="float32", time_s=1e-3, layout="nn", batch=8),
+            GemmSample(m=1024, n=1024, k=64, dtype="float32", time_s=64e-3, layout="nn", batch=8),
+            GemmSample(m=512, n=64, k=512, dtype="float32", time_s=1e-3, layout="nn", batch=8))
+    cm = ComputeModel(catalog.device("cpu"), _profile(gemm=rows))
+    assert cm.batched_gemm_time_s(24, 256, 256, 64, "float32") == pytest.approx(3e-3)  # exact shape, 3× batch
+    # (512, 512, 64) sits midway (in log2 shape) between the two (s, s, 64) rows and far from (512, 64, 512):
+    rate_lo, rate_hi = 8 * 2 * 256 * 256 * 64 / 1e-3, 8 * 2 * 1024 * 1024 * 64 / 64e-3
+    rate_far = 8 * 2 * 512 * 64 * 512 / 1e-3
+    w_near, w_far = 1 / 2**2, 1 / (3**2 + 3**2) ** 2  # 1/d⁴ with d = √2 and √18
+    rate = math.exp((w_near * (math.log(rate_lo) + math.log(rate_hi)) + w_far * math.log(rate_far))
+                    / (2 * w_near + w_far))
+    assert cm.batched_gemm_time_s(8, 512, 512, 64, "float32") == pytest.approx(8 * 2 * 512 * 512 * 64 / rate)
+    # without a batched table: one GEMM kernel doing all the heads' work
+    plain = ComputeModel(A100)
+    assert plain.batched_gemm_time_s(32, 512, 512, 128) == pytest.approx(
+        plain.op_time_s(2 * 32 * 512 * 512 * 128, 2 * 32 * (512 * 128 * 2 + 512 * 512)))
+
+
+def test_memory_rate_is_read_at_the_tensor_size():
+    """Rates at 16 and 64 MiB tensors: a 32 MiB tensor gets their geometric mean, applied to its traffic."""
+    ew = (ElementwiseSample(op="exp", dtype="float32", n_bytes=2 * 2**24, time_s=2 * 2**24 / 12e9,
+                            tensor_bytes=2**24),
+          ElementwiseSample(op="exp", dtype="float32", n_bytes=2 * 2**26, time_s=2 * 2**26 / 3e9,
+                            tensor_bytes=2**26))
+    cm = ComputeModel(catalog.device("cpu"), _profile(elementwise=ew))
+    launch = 2e-6  # added: this profile has no GEMM table, so its times are not taken as complete
+    assert cm.op_time_s(0, 5 * 2**25, "float32", kind="transcendental", tensor_bytes=2**25) == \
+        pytest.approx(5 * 2**25 / 6e9 + launch)
+    with pytest.raises(ValueError, match="kind='bogus'"):
+        cm.op_time_s(0, 1, "float32", kind="bogus")
+
+
+def test_optrace_batched_matmuls_strided_copies_and_two_pass_masked_fill():
+    import torch
+
+    from cost_models.optrace import trace_ops
+
+    q = torch.randn(2, 8, 3, 16).transpose(1, 2)  # (b, h, s, d) from a (b, s, h, d) projection
+    k = torch.randn(2, 3, 16, 8)
+    mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    ops = trace_ops(lambda: (q.contiguous() @ k).masked_fill(mask, 0.0))
+    copy = next(o for o in ops if o.name == "clone")
+    assert copy.is_strided_copy and copy.kind == "copy"
+    bmm = next(o for o in ops if o.name == "bmm")
+    assert (bmm.gemm_batch, bmm.gemm_mnk) == (6, (8, 8, 16)) and bmm.flops == 2 * 6 * 8 * 8 * 16
+    fill = next(o for o in ops if o.name == "masked_fill")
+    one_pass = 4 * 2 * 3 * 8 * 8 * 2 + 8 * 8  # scores in + out (float32) and the (s, s) bool mask
+    assert fill.bytes_moved == 2 * one_pass and fill.tensor_bytes == 4 * 2 * 3 * 8 * 8

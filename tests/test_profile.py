@@ -47,6 +47,18 @@ def test_json_round_trip(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text())["schema_version"] == 1
 
 
+def test_files_without_batch_or_tensor_bytes_still_load(tmp_path):
+    """Fields added later (GemmSample.batch, ElementwiseSample.tensor_bytes) default to the old meaning."""
+    d = _profile().to_dict()
+    for g in d["gemm"]:
+        del g["batch"]
+    for e in d["elementwise"]:
+        del e["tensor_bytes"]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    back = Profile.load(tmp_path / "old.json")
+    assert back == _profile() and back.gemm[0].batch == 1 and back.elementwise[0].tensor_bytes == 0
+
+
 def test_bus_bandwidth_as_nccl_tests_defines_it():
     s = CollectiveSample(op="all_reduce", group_size=4, n_bytes=2**20, time_s=1e-3)
     assert s.algbw_Bps == pytest.approx(2**20 / 1e-3)
@@ -97,6 +109,7 @@ def _gpt_tiny_graph():
 
 def test_profile_machine_times_each_distinct_layer(monkeypatch):
     monkeypatch.setattr(kernels, "gemm_shapes", lambda quick: [(64, 64, 64), (128, 64, 32)])
+    monkeypatch.setattr(kernels, "attention_shapes", lambda quick: [(32, 32, 16, "nt"), (32, 16, 32, "tn")])
     monkeypatch.setattr(kernels, "elementwise_sizes", lambda quick: [2**14, 2**16])
     model, x = build("gpt-tiny", seq_len=64, batch_size=2)
     cases = layer_cases(model, x, _gpt_tiny_graph(), torch.device("cpu"))
@@ -104,7 +117,13 @@ def test_profile_machine_times_each_distinct_layer(monkeypatch):
     messages = []
     prof = profile_machine(quick=True, layers=cases, dtypes=["float32"], progress=messages.append,
                            collectives=False, model_name="gpt-tiny")
-    assert len(prof.gemm) == 6 and {g.layout for g in prof.gemm} == {"nn", "nt", "tn"}
+    plain = prof.gemm_samples("float32")
+    assert len(plain) == 6 and {g.layout for g in plain} == {"nn", "nt", "tn"}
+    batched = prof.gemm_samples("float32", batched=True)
+    assert [(g.m, g.n, g.k, g.layout, g.batch) for g in batched] == [(32, 32, 16, "nt", kernels.ATTENTION_BATCH),
+                                                                      (32, 16, 32, "tn", kernels.ATTENTION_BATCH)]
+    assert {e.op for e in prof.elementwise} == {"add", "exp", "sum", "transpose_copy"}
+    assert {e.tensor_bytes for e in prof.elementwise} == {2**14, 2**16}
     for sig in ("blk", "head"):
         for phase in ("fwd", "bwd"):
             assert prof.layer_times[layer_key(sig, phase, 2)] > 0

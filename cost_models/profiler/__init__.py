@@ -18,7 +18,12 @@ import torch
 
 from cost_models.profile import MachineInfo, Profile
 from cost_models.profiler.collectives import measure_collectives
-from cost_models.profiler.kernels import measure_elementwise, measure_gemm, measure_launch_s
+from cost_models.profiler.kernels import (
+    measure_attention_matmuls,
+    measure_elementwise,
+    measure_gemm,
+    measure_launch_s,
+)
 from cost_models.profiler.layers import LayerCase, measure_layer
 
 __all__ = ["profile_machine", "machine_info", "local_device_name", "LayerCase"]
@@ -65,7 +70,8 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
 
     launch_s = measure_launch_s(device, clock)
     note(f"eager op floor on {device.type}: {launch_s * 1e6:.1f} us")
-    gemm = measure_gemm(device, dtypes, quick, note, clock)
+    gemm = measure_gemm(device, dtypes, quick, note, clock) + measure_attention_matmuls(device, dtypes, quick, note,
+                                                                                       clock)
     elementwise = [e for dtype in dtypes for e in measure_elementwise(device, dtype, quick, note, clock)]
     layer_times: dict[str, float] = {}
     for case in layers:

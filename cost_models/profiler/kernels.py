@@ -1,19 +1,26 @@
 """GEMM, elementwise and launch-floor sweeps on the local device.
 
 GEMM shapes cover squares from latency-bound to compute-bound plus the skinny shapes of transformer
-layers (tokens × hidden × 4·hidden), so the compute model can interpolate throughput in work.
+layers (tokens × hidden × 4·hidden), so the compute model can interpolate throughput in work; batched
+matmuls at attention's per-head shapes get their own table. Elementwise kernels are timed on cold
+operands into fresh outputs, the way they run inside a layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from cost_models.profile import ElementwiseSample, GemmSample
 from cost_models.profiler.timing import time_callable
 
-__all__ = ["gemm_shapes", "elementwise_sizes", "measure_gemm", "measure_elementwise", "measure_launch_s"]
+__all__ = ["gemm_shapes", "elementwise_sizes", "attention_shapes", "measure_gemm", "measure_elementwise",
+           "measure_attention_matmuls", "measure_launch_s"]
+
+ATTENTION_BATCH = 8  # heads per timed bmm: enough to amortise the call, few enough to stay quick
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,9 +43,20 @@ def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
 
 
 def elementwise_sizes(quick: bool) -> list[int]:
-    """Bytes of one operand: 16 KiB (cache-resident) to 64 MiB (DRAM-bound)."""
-    step = 4 if quick else 2
-    return [2**e for e in range(14, 27, step)]
+    """Bytes of one operand: 16 KiB (cache-resident) to 64 MiB (DRAM-bound), ×4 (quick) or ×2 apart, plus
+    24 MiB: glibc serves blocks above its mmap ceiling (32 MiB on 64-bit, mallopt(3) M_MMAP_THRESHOLD) with
+    fresh, page-faulting mappings on every allocation, so the table brackets that step on both sides."""
+    step = 2 if quick else 1
+    return sorted([2**e for e in range(14, 27, step)] + [3 * 2**23])
+
+
+def attention_shapes(quick: bool) -> list[tuple[int, int, int, str]]:
+    """Per-head (m, n, k, layout) of eager attention's batched matmuls at sequence s, head dim d: scores
+    QKᵀ and dP = dO·Vᵀ are (s, s, d); P·V and dQ = dS·K are (s, d, s); dKᵀ, dVᵀ-style products are
+    (d, s, s). Which operand arrives transposed depends on the model's reshapes, so all three layouts."""
+    seqs = (128, 256, 1024) if quick else (128, 256, 512, 1024, 2048)
+    return [(*shape, layout) for s in seqs for d in (64, 128) for shape in ((s, s, d), (s, d, s), (d, s, s))
+            for layout in ("nn", "nt", "tn")]
 
 
 def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
@@ -57,30 +75,91 @@ def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
     return out
 
 
+# A block's elementwise kernels read tensors written several kernels earlier and write fresh ones, so the
+# table is taken that way, not on a hot, reused buffer: operands are views rotating through a pool this
+# large (well above a CPU core's L2 of 1-4 MiB and an A100's 40 MiB L2) and each output is kept alive for
+# OUTPUTS_ALIVE further calls, so the allocator cannot hand the same already-faulted, cached block back.
+# On this VM that halves the measured rate of a 3 MiB add (28 → 15 GB/s), the rate it runs at inside a
+# GPT block (benchmarks/cost_model_accuracy.py, "elementwise in place" note).
+COLD_POOL_BYTES = 128 * 2**20
+OUTPUTS_ALIVE = 4
+
+
+def _time_rotating(fn: Callable[[Any], torch.Tensor], operands: Sequence[Any], device: torch.device,
+                   trials: int, clock: str) -> float:
+    """Median seconds per call of fn over the operand pool, outputs kept alive OUTPUTS_ALIVE calls."""
+    alive: collections.deque[torch.Tensor] = collections.deque(maxlen=OUTPUTS_ALIVE)
+    state = {"i": 0}
+
+    def call() -> None:
+        alive.append(fn(operands[state["i"] % len(operands)]))
+        state["i"] += 1
+
+    return time_callable(call, device, trials=trials, trial_s=0.05, clock=clock)
+
+
 def measure_elementwise(device: torch.device, dtype: str, quick: bool,
                         progress: Callable[[str], None], clock: str = "wall") -> list[ElementwiseSample]:
-    """c = a + b into a fresh tensor, as model ops run (the allocation and first touch of the output are
-    part of the cost on CPU): reads 2 operands, writes 1, so traffic = 3 × operand bytes."""
+    """Four memory-bound kernel classes, each out of place into a fresh tensor on cold operands (see
+    COLD_POOL_BYTES); n_bytes counts every byte read and written:
+      add             c = a + b (residuals, biases, scaling): 3 × operand bytes
+      exp             a transcendental (softmax, GELU, norms): 2 ×
+      sum             a reduction over rows (bias gradients, norm statistics): 1 × plus the small result
+      transpose_copy  a head transpose made contiguous (.transpose(1, 2).contiguous()): 2 ×"""
     out = []
-    elem = torch.empty((), dtype=_DTYPES[dtype]).element_size()
-    for n_bytes in elementwise_sizes(quick):
-        a = torch.randn(n_bytes // elem, device=device, dtype=_DTYPES[dtype])
-        b = torch.randn_like(a)
-        t = time_callable(lambda a=a, b=b: torch.add(a, b), device, trials=3 if quick else 5, clock=clock)
-        sample = ElementwiseSample(op="add", dtype=dtype, n_bytes=3 * n_bytes, time_s=t)
-        progress(f"elementwise add {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
-        out.append(sample)
-        # a transcendental (softmax, GELU, norms): exp reads the operand and writes as much
-        t = time_callable(lambda a=a: torch.exp(a), device, trials=3 if quick else 5, clock=clock)
-        sample = ElementwiseSample(op="exp", dtype=dtype, n_bytes=2 * n_bytes, time_s=t)
-        progress(f"elementwise exp {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
-        out.append(sample)
-        # a reduction over rows (a bias gradient): reads the operand, writes 1/256 of it
-        rows = a.view(-1, 256)
-        t = time_callable(lambda rows=rows: rows.sum(dim=0), device, trials=3 if quick else 5, clock=clock)
-        sample = ElementwiseSample(op="sum", dtype=dtype, n_bytes=n_bytes + 256 * elem, time_s=t)
-        progress(f"reduction sum {n_bytes / 2**20:.2f} MiB {dtype}: {sample.bytes_per_s / 1e9:.2f} GB/s")
-        out.append(sample)
+    torch_dtype = _DTYPES[dtype]
+    elem = torch.empty((), dtype=torch_dtype).element_size()
+    sizes = elementwise_sizes(quick)
+    pool = torch.randn(max(COLD_POOL_BYTES, 2 * max(sizes)) // elem, device=device, dtype=torch_dtype)
+    trials = 5 if quick else 9  # cheap, and the noisiest table on a shared machine
+    for n_bytes in sizes:
+        n = n_bytes // elem
+        # operand pairs (a, b) side by side, walking through the pool
+        pairs = [pool[o:o + 2 * n] for o in range(0, max(1, pool.numel() - 2 * n + 1), 2 * n)]
+        cases = (
+            ("add", 3 * n_bytes, lambda ab, n=n: torch.add(ab[:n], ab[n:])),
+            ("exp", 2 * n_bytes, lambda ab, n=n: torch.exp(ab[:n])),
+            ("sum", n_bytes + 256 * elem, lambda ab, n=n: ab[:n].view(-1, 256).sum(dim=0)),
+            ("transpose_copy", 2 * n_bytes, lambda ab, n=n: ab[:n].view(-1, 8, 64).transpose(0, 1).contiguous()),
+        )
+        for op, traffic, fn in cases:
+            t = _time_rotating(fn, pairs, device, trials, clock)
+            sample = ElementwiseSample(op=op, dtype=dtype, n_bytes=traffic, time_s=t, tensor_bytes=n_bytes)
+            progress(f"{op} {n_bytes / 2**20:.2f} MiB {dtype} (cold, fresh output): "
+                     f"{sample.bytes_per_s / 1e9:.2f} GB/s")
+            out.append(sample)
+    return out
+
+
+def _carve(pool: torch.Tensor, offset: int, batch: int, rows: int, cols: int, transposed: bool) -> torch.Tensor:
+    """A (batch, rows, cols) view of pool at offset, stored column-major per matrix when transposed."""
+    shape = (batch, cols, rows) if transposed else (batch, rows, cols)
+    view = pool[offset:offset + batch * rows * cols].view(shape)
+    return view.transpose(-1, -2) if transposed else view
+
+
+def measure_attention_matmuls(device: torch.device, dtypes: list[str], quick: bool,
+                              progress: Callable[[str], None], clock: str = "wall") -> list[GemmSample]:
+    """torch.bmm over ATTENTION_BATCH heads at the per-head shapes of `attention_shapes`, on operands
+    rotating through a cold pool into fresh outputs, as attention runs inside a layer (see
+    COLD_POOL_BYTES). Small-k and small-n products reach a lower rate than a square GEMM of the same
+    FLOPs, so attention gets its own table (GemmSample.batch > 1)."""
+    out = []
+    trials = 3 if quick else 5
+    for dtype in dtypes:
+        torch_dtype = _DTYPES[dtype]
+        pool = torch.randn(COLD_POOL_BYTES // torch.empty((), dtype=torch_dtype).element_size(), device=device,
+                           dtype=torch_dtype)
+        for m, n, k, layout in attention_shapes(quick):
+            size_a, size_b = ATTENTION_BATCH * m * k, ATTENTION_BATCH * k * n
+            pairs = [(_carve(pool, o, ATTENTION_BATCH, m, k, layout[0] == "t"),
+                      _carve(pool, o + size_a, ATTENTION_BATCH, k, n, layout[1] == "t"))
+                     for o in range(0, pool.numel() - size_a - size_b + 1, size_a + size_b)]
+            t = _time_rotating(lambda ab: torch.bmm(*ab), pairs, device, trials, clock)
+            sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout, batch=ATTENTION_BATCH)
+            progress(f"bmm {ATTENTION_BATCH}x{m}x{n}x{k} {layout} {dtype} (cold): {t * 1e3:.3f} ms, "
+                     f"{sample.flops_per_s / 1e9:.1f} GFLOP/s")
+            out.append(sample)
     return out
 
 
