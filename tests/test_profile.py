@@ -148,6 +148,7 @@ def test_profile_command_writes_a_profile(monkeypatch, tmp_path, capsys):
     from autopar.cli import cmd_profile
 
     monkeypatch.setattr(kernels, "gemm_shapes", lambda quick: [(32, 32, 32)])
+    monkeypatch.setattr(kernels, "attention_shapes", lambda quick: [(32, 32, 16, "nn")])
     monkeypatch.setattr(kernels, "elementwise_sizes", lambda quick: [2**14])
     parser = argparse.ArgumentParser()
     cmd_profile.register(parser.add_subparsers())
