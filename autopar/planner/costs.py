@@ -17,6 +17,17 @@ memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and
                   2021 eq. 3's attention term, forward); full: the whole forward and its TP comm again
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022)
   model states    cost_models.memory.model_state_bytes on the layer's parameters ÷ t where TP shards them
+  DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
+  optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
+  p2p             one send of the boundary tensor per micro-batch and direction
+
+Collectives are priced by the profile's table for that op and group size when it has one; an all-gather,
+reduce-scatter or broadcast the profile did not measure at that size is half the measured all-reduce
+(ring all-gather and reduce-scatter are each half of a ring all-reduce, in latency and in bytes;
+Thakur, Rabenseifner & Gropp 2005); otherwise the α-β formulas. On gloo over N CPU processes sharing C
+cores a collective of g ranks runs slower than the profiler measured it (g processes busy) by
+max(1, N/C) / max(1, g/C): its copies, reductions and socket wake-ups need CPU time, and each process
+gets C/N of a core when all N are busy (the same time-slicing Cluster.local applies to compute).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
+from autopar.planner.dp_costs import DPTail
 from autopar.planner.ilp import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
 from cost_models import memory
@@ -42,12 +54,6 @@ __all__ = ["CostModel", "RankMemory", "group_runs"]
 # (1.1 M parameters) took 11 ms ≈ 88 MB at the profile's ~8 GB/s streaming rate
 # (`python benchmarks/predict_vs_measure.py`, optimizer component).
 ADAM_BYTES_PER_PARAM = 80
-# Bytes on the wire per gradient byte, relative to one all-reduce, for what autopar's codegen runs
-# (autopar/codegen/data_parallel.py): ZeRO-0 all-reduces gradients; ZeRO-1 all-reduces them and then
-# broadcasts every updated shard from its owner (one all-gather's worth more: 1.5×); ZeRO-2 reduce-
-# scatters gradients and all-gathers parameters (one all-reduce's worth, Rajbhandari et al. 2020 §7.2.1);
-# ZeRO-3 all-gathers parameters in forward and again in backward plus the reduce-scatter (1.5×, §7.2.2).
-ZERO_COMM_FACTOR = {0: 1.0, 1: 1.5, 2: 1.0, 3: 1.5}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
@@ -84,9 +90,10 @@ class CostModel:
                  profile=None, memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
                  backend: str = "nccl") -> None:
         self.graph = graph
-        # Gradient reduction overlaps backward only where communication runs beside compute (NCCL on its
-        # own CUDA stream) and the runtime issues it during backward: FSDP2 (ZeRO-2/3) does, autopar's
-        # ZeRO-0/1 reduce after backward; gloo on CPU shares the cores with compute.
+        # Data-parallel collectives overlap compute only where communication runs beside it (NCCL on its
+        # own CUDA stream) and the runtime issues them during the passes: FSDP2 (ZeRO-2/3) prefetches
+        # all-gathers during forward and reduce-scatters during backward, so one micro-batch's forward and
+        # backward (β) hide them; autopar's ZeRO-0/1 reduce after backward; gloo shares the CPU cores.
         self.backend = backend
         self.device = device
         self.devices_per_node = devices_per_node
@@ -103,7 +110,10 @@ class CostModel:
         self._local_run = lru_cache(maxsize=None)(lambda ri, tp: self.local_params(self.runs[ri][0], tp))
         self._state_run = lru_cache(maxsize=None)(self._run_states)
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
-        self._sync = lru_cache(maxsize=None)(self._grad_sync_key)
+        self._sync = lru_cache(maxsize=None)(self._dp_tail_key)
+        self.profile = self.comm.profile
+        prof_cores = getattr(getattr(self.profile, "machine", None), "cpu_count", 0)
+        self.cpu_cores = prof_cores if backend == "gloo" and device.kind == "cpu" else 0
         self._inflight = lru_cache(maxsize=None)(
             lambda sched, pp, m, v: tuple(memory.inflight_microbatches(sched, pp, m, q, v) for q in range(pp)))
         self._ranks = lru_cache(maxsize=None)(self._rank_memory_key)
@@ -158,9 +168,10 @@ class CostModel:
             for pat in layer.tp_patterns:
                 n = pat.allreduce_bytes_per_sample * mbs
                 if sp:
-                    tp_fwd += self.comm.all_gather_time_s(n, tp, rpn) + self.comm.reduce_scatter_time_s(n, tp, rpn)
+                    tp_fwd += self.collective_s("all_gather", n, tp, rpn) + self.collective_s("reduce_scatter", n,
+                                                                                              tp, rpn)
                 else:
-                    tp_fwd += self.comm.all_reduce_time_s(n, tp, rpn)
+                    tp_fwd += self.collective_s("all_reduce", n, tp, rpn)
         core_flops = 0.0
         if self.graph.seq_len:
             for pat in layer.tp_patterns:
@@ -186,7 +197,7 @@ class CostModel:
         return {"compute": fwd + bwd, "backward": bwd, "tp_comm": 2 * tp_fwd, "recompute": recompute, "act": acts,
                 "names": tuple(la.name for la in self.runs[ri]),
                 "time": tuple(fwd + bwd + 2 * tp_fwd + r for r in recompute),
-                "send": (self.comm.p2p_time_s(send_bytes, False), self.comm.p2p_time_s(send_bytes, True))}
+                "send": (self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True))}
 
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`."""
@@ -218,28 +229,51 @@ class CostModel:
         local = self._local_run(ri, tp) / shards
         return self.compute.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
 
-    def _grad_sync(self, c: Candidate) -> tuple[float, float]:
-        return self._sync(c.tp, c.pp, c.dp, c.zero_stage)
+    # ---- communication as the runtime issues it ----
+    def sharing_factor(self, group_size: int) -> float:
+        """How much slower a g-rank collective runs in this job than the profiler measured it (module
+        docstring): 1 unless gloo processes outnumber the cores."""
+        c = self.cpu_cores
+        if not c:
+            return 1.0
+        return max(1.0, self.world_size / c) / max(1.0, group_size / c)
 
-    def _grad_sync_key(self, tp: int, pp: int, dp: int, zero_stage: int) -> tuple[float, float]:
-        """(seconds per gradient byte, latency seconds) of the data-parallel reduction, linearised around the
-        average rank's gradient volume (exact where the collective's α-β cost is affine)."""
-        if dp == 1:
-            return 0.0, 0.0
+    def collective_s(self, op: str, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        """One collective of n_bytes over group_size ranks (module docstring: tables, fallbacks, sharing)."""
+        if group_size <= 1 or n_bytes <= 0:
+            return 0.0
+        prof = self.profile
+        fn = {"all_reduce": self.comm.all_reduce_time_s, "all_gather": self.comm.all_gather_time_s,
+              "reduce_scatter": self.comm.reduce_scatter_time_s, "broadcast": self.comm.broadcast_time_s}[op]
+        local = group_size <= self.devices_per_node and (ranks_per_node in (None, group_size))
+        if (prof is not None and local and op != "all_reduce" and not prof.collective_table(op, group_size)
+                and prof.collective_table("all_reduce", group_size)):
+            t = 0.5 * self.comm.all_reduce_time_s(n_bytes, group_size, ranks_per_node)
+        else:
+            t = fn(n_bytes, group_size, ranks_per_node)
+        return t * self.sharing_factor(group_size)
+
+    def p2p_s(self, n_bytes: float, inter_node: bool) -> float:
+        return self.comm.p2p_time_s(n_bytes, inter_node) * self.sharing_factor(2)
+
+    def dp_tail(self, c: Candidate) -> DPTail:
+        return self._sync(c.tp, c.pp, c.dp, c.zero_stage, c.num_microbatches)
+
+    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int) -> DPTail:
         rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
-        total = sum(len(g) * self._local_run(ri, tp) for ri, g in enumerate(self.runs)) * self.elem / pp
-        factor = ZERO_COMM_FACTOR[zero_stage]
+        grad_bytes = sum(len(g) * self._local_run(ri, tp) for ri, g in enumerate(self.runs)) * self.elem / pp
 
-        def t(n: float) -> float:
-            return factor * self.comm.all_reduce_time_s(n, dp, rpn)
+        def coll(op: str, n: float, k: int) -> float:
+            return self.collective_s(op, n, k, rpn if k == dp else None)
 
-        slope = (t(total) - t(total / 2)) / (total / 2) if total > 0 else 0.0
-        return slope, max(0.0, t(total) - slope * total)
+        return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
+                      rank_grad_bytes=grad_bytes, collective_s=coll,
+                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype))
 
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
-        slope, latency = self._grad_sync(c)
+        tail = self.dp_tail(c)
         shards = c.dp if c.zero_stage >= 1 else 1
-        overlaps = self.backend == "nccl" and c.zero_stage >= 2  # see __init__: which reductions hide
+        overlaps = self.backend == "nccl" and c.zero_stage >= 2 and c.dp > 1  # see __init__: what hides
         runs = []
         for ri, group in enumerate(self.runs):
             layer = group[0]
@@ -250,15 +284,15 @@ class CostModel:
                 time_s=tm["time"], compute_s=(tm["compute"],) * 3,
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
-                backward_s=tm["backward"] if overlaps else 0.0,
-                grad_sync_s=slope * self._local_run(ri, c.tp) * self.elem,
+                backward_s=tm["compute"] if overlaps else 0.0,
+                grad_sync_s=tail.layer_s(self._local_run(ri, c.tp) * self.elem),
                 optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"]))
         ranks = self.rank_memory(c)
         return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,
                             num_microbatches=c.num_microbatches,
                             inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
-                            modes=modes, grad_sync_latency_s=latency)
+                            modes=modes, grad_sync_latency_s=tail.fixed_s)
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.dp, c.zero_stage == 3, c.schedule, c.num_microbatches, c.virtual_stages,

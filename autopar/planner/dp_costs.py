@@ -1,0 +1,94 @@
+"""The data-parallel part of a step, priced as autopar's runtime issues it: which collectives, how many.
+
+On gloo every collective pays a latency of 0.1 to several ms (more when processes outnumber cores), so
+a step's data-parallel time is a count of collectives times their latency plus bytes over bandwidth,
+not one collective of the whole gradient. Per step on one rank, with dp ranks, m micro-batches, the
+rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_parallel.py, runtime.py):
+
+  ZeRO-0  ⌈G / 25 MiB⌉ all-reduces of G in flat buckets (DDP's bucket size), after backward; the
+          bucket is packed, divided and unpacked: 6·G bytes of memory traffic (read + write, 3 passes)
+  ZeRO-1  the same, then one broadcast per owner of its ≈ G/dp updated parameters packed flat
+          (2·G more bytes: the owner packs its share, the others unpack theirs)
+  ZeRO-2  FSDP2 per layer: an all-gather of P in every micro-batch's forward, a reduce-scatter of
+          its gradient in the last micro-batch's backward; each copies in and out (2·P bytes)
+  ZeRO-3  as ZeRO-2 plus the all-gather again in every micro-batch's backward
+  every   the loss all-reduce over all ranks (one 4-byte all-reduce, `ParallelModel._global_mean`)
+
+ZeRO-0/1 collectives span the rank's whole gradient, so they are linearised around the average
+rank's G (γ per byte plus a fixed γ0, exact where the measured time is affine in size); FSDP2's are
+per layer and priced exactly per layer. On gloo nothing here overlaps compute (ProcessGroupGloo runs
+on the same cores, and autopar issues ZeRO-0/1 after backward), so all of it is exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+__all__ = ["BUCKET_BYTES", "LOSS_BYTES", "DPTail", "affine"]
+
+BUCKET_BYTES = 25 * 2**20  # autopar.codegen.data_parallel.BUCKET_BYTES (DDP's bucket_cap_mb=25)
+LOSS_BYTES = 4  # one float32 loss value per rank
+FLAT_PASSES_ZERO0 = 6  # bytes moved per gradient byte packing, dividing and unpacking a bucket
+FLAT_PASSES_ZERO1 = 2  # bytes moved per parameter byte packing / unpacking the owners' broadcasts
+FSDP_COPY_PASSES = 2  # bytes moved per parameter byte by FSDP2's copy-in / copy-out of one collective
+
+
+class DPTail:
+    """γ of one layer (`layer_s`) and the fixed γ0 (`fixed_s`) of one rank's data-parallel tail.
+
+    collective_s(op, n_bytes, group_size) prices one collective; memory_s(n_bytes) one memory-bound pass
+    over n_bytes (read + written); rank_grad_bytes is the average pipeline rank's gradient bytes G.
+    """
+
+    def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
+                 collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float]) -> None:
+        self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
+        self._coll, self._mem = collective_s, memory_s
+        g = rank_grad_bytes
+        self._mem_per_byte = memory_s(g) / g if g > 0 else 0.0
+        self.fixed_s = collective_s("all_reduce", LOSS_BYTES, world) if world > 1 else 0.0
+        self.per_byte_s = 0.0
+        self.flat_collectives = 1 if world > 1 else 0  # the loss all-reduce
+        if dp == 1 or zero_stage >= 2:
+            return
+        buckets = max(1, math.ceil(g / BUCKET_BYTES))
+        slope, lat = affine(lambda n: collective_s("all_reduce", n, dp), min(g, BUCKET_BYTES))
+        self.per_byte_s = slope + FLAT_PASSES_ZERO0 * self._mem_per_byte
+        self.fixed_s += buckets * lat
+        self.flat_collectives += buckets
+        if zero_stage == 1:
+            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), g / dp)
+            self.per_byte_s += b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte
+            self.fixed_s += dp * b_lat
+            self.flat_collectives += dp
+
+    @property
+    def gathers_per_step(self) -> int:
+        """FSDP2 all-gathers of each layer per step (0 without FSDP)."""
+        if self.dp == 1 or self.zero_stage < 2:
+            return 0
+        return self.microbatches * (2 if self.zero_stage == 3 else 1)
+
+    def layer_s(self, grad_bytes: float) -> float:
+        """γ of a layer whose parameters (= gradients) take grad_bytes on this rank."""
+        if grad_bytes <= 0:
+            return 0.0
+        if self.gathers_per_step == 0:
+            return self.per_byte_s * grad_bytes
+        k = self.gathers_per_step
+        return (k * self._coll("all_gather", grad_bytes, self.dp) + self._coll("reduce_scatter", grad_bytes, self.dp)
+                + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes)
+
+    def collectives_per_step(self, layers_with_params: int) -> int:
+        """Collectives one rank issues per step for data parallelism and the loss."""
+        return self.flat_collectives + layers_with_params * (self.gathers_per_step + 1 if self.gathers_per_step
+                                                             else 0)
+
+
+def affine(f: Callable[[float], float], n: float) -> tuple[float, float]:
+    """(slope ≥ 0, intercept ≥ 0) of the chord of f between n/2 and n: f ≈ intercept + slope·x near n."""
+    if n <= 0:
+        return 0.0, 0.0
+    slope = max(0.0, (f(n) - f(n / 2)) / (n / 2))
+    return slope, max(0.0, f(n) - slope * n)
