@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,8 @@ class RankTiming:
     tp_rank: int
     step_s: tuple[float, ...]
     components_s: dict[str, tuple[float, ...]]  # BREAKDOWN_KEYS → one value per step
+    # median per step of the collectives / p2p operations issued, by axis (autopar.codegen.timing.AXES)
+    calls_per_step: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.step_s:
@@ -71,6 +73,14 @@ class RankTiming:
         """Median over steps of the time this rank was not idle (everything but the bubble)."""
         return statistics.median(s - b for s, b in zip(self.step_s, self.components_s["pipeline_bubble"],
                                                          strict=True))
+
+    @property
+    def median_work_s(self) -> float:
+        """Median over steps of the work that differs between pipeline stages: compute, recompute, tensor-
+        parallel and p2p communication, optimizer. Data-parallel waits (and the loss all-reduce) also
+        absorb the wait for slower ranks, so they do not decide which rank is the bottleneck."""
+        keys = ("compute", "recompute", "tp_comm", "pp_comm", "optimizer")
+        return statistics.median(sum(self.components_s[k][i] for k in keys) for i in range(len(self.step_s)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +127,7 @@ class RunRecord:
 
     @property
     def bottleneck(self) -> RankTiming:
-        return max(self.ranks, key=lambda r: (r.median_busy_s, -r.rank))
+        return max(self.ranks, key=lambda r: (r.median_work_s, -r.rank))
 
     def breakdown(self, rank: RankTiming | None = None) -> dict[str, float]:
         """Median of each component on `rank` (default: the bottleneck); the bubble is the rest of the
@@ -132,7 +142,7 @@ class RunRecord:
         out = []
         for q in range(self.config.pp):
             members = [r for r in self.ranks if r.pp_rank == q]
-            out.append(self.breakdown(max(members, key=lambda r: (r.median_busy_s, -r.rank))))
+            out.append(self.breakdown(max(members, key=lambda r: (r.median_work_s, -r.rank))))
         return out
 
     # ---- refusal of foreign inputs ----
@@ -171,6 +181,7 @@ class RunRecord:
         d = dict(d)
         d["config"] = ParallelConfig.from_dict(d["config"])
         d["ranks"] = tuple(RankTiming(**{**r, "step_s": tuple(r["step_s"]),
+                                         "calls_per_step": dict(r.get("calls_per_step", {})),
                                          "components_s": {k: tuple(v) for k, v in r["components_s"].items()}})
                            for r in d["ranks"])
         return cls(**d)

@@ -108,3 +108,39 @@ def test_invalid_records_are_refused(plans, tmp_path):
         RunRecord.load(bad)
     with pytest.raises(ValueError, match="no measured steps"):
         dataclasses.replace(rec.ranks[0], step_s=(), components_s={k: () for k in BREAKDOWN_KEYS})
+
+
+def test_waiting_in_data_parallel_collectives_does_not_make_a_rank_the_bottleneck(plans):
+    _, pp = plans
+    # rank 0 finishes its stage early and waits 0.2 s in the loss all-reduce (dp_comm); rank 1 works longer.
+    r0 = timing(0, 0, [{"compute": 0.20, "dp_comm": 0.20}] * 3)
+    r1 = timing(1, 1, [{"compute": 0.30, "dp_comm": 0.01, "pp_comm": 0.01}] * 3)
+    rec = record_of(pp, [r0, r1])
+    assert r0.median_busy_s > r1.median_busy_s and rec.bottleneck.rank == 1
+    assert rec.breakdown()["compute"] == pytest.approx(0.30)
+
+
+def test_step_sample_components_and_call_counts():
+    from autopar.codegen.timing import AXES, PHASES, StepSample
+
+    s = StepSample(step_s=1.0)
+    s.phase_s.update(forward_backward=0.6, grad_sync=0.1, optimizer=0.15, loss=0.05)
+    s.waits_s["forward_backward"].update(tp=0.1, pp_send=0.02, pp_recv=0.08)
+    s.waits_s["optimizer"].update(dp=0.03)
+    c = s.components()
+    assert c["compute"] == pytest.approx(0.6 - 0.2)
+    assert c["tp_comm"] == pytest.approx(0.1) and c["pp_comm"] == pytest.approx(0.02)
+    # gradient sync, the loss all-reduce and the ZeRO-1 broadcasts inside the optimizer are data-parallel
+    assert c["dp_comm"] == pytest.approx(0.1 + 0.05 + 0.03)
+    assert c["optimizer"] == pytest.approx(0.15 - 0.03)
+    assert sum(c.values()) == pytest.approx(1.0)
+    assert set(s.calls) == set(AXES) and set(s.waits_s) == set(PHASES)
+
+
+def test_calls_per_step_round_trip(plans, tmp_path):
+    dp, _ = plans
+    ranks = [dataclasses.replace(timing(r, 0, [{"compute": 0.1}]), calls_per_step={"dp": 3.0, "other": 1.0})
+             for r in (0, 1)]
+    rec = record_of(dp, ranks)
+    rec.save(tmp_path / "run.json")
+    assert RunRecord.load(tmp_path / "run.json").ranks[1].calls_per_step == {"dp": 3.0, "other": 1.0}

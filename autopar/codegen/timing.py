@@ -17,16 +17,23 @@ Two clocks, both wall time on the training thread (what the step time is made of
 
 `StepSample.components()` turns one step into the planner's breakdown keys (plan.BREAKDOWN_KEYS):
 compute = forward+backward minus every wait inside it; tp_comm, dp_comm = blocked time on those
-axes (dp_comm also the whole gradient-sync phase); pp_comm = send waits; optimizer = the optimizer
-phase minus its waits (ZeRO-1 broadcasts count as dp_comm); pipeline_bubble = the rest of the step
-(receive waits, the loss all-reduce, waiting for the slowest rank). Recompute is not separated from
-the forward/backward it belongs to and is reported inside compute (recompute = 0).
+axes (dp_comm also the whole gradient-sync phase and the loss all-reduce, which the planner prices
+with the data-parallel tail); pp_comm = send waits; optimizer = the optimizer phase minus its waits
+(ZeRO-1 broadcasts count as dp_comm); pipeline_bubble = the rest of the step (receive waits, waiting
+for the slowest rank). Recompute is not separated from the forward/backward it belongs to and is
+reported inside compute (recompute = 0). On gloo a send completes only once the receiver has posted
+its receive, so pp_comm also holds time spent waiting for the neighbour: read pp_comm and the bubble
+together (autopar.report.run_report does).
+
+The clock also counts the collectives and point-to-point operations issued per axis (`calls`), so a
+record shows how many the runtime really issued.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -82,6 +89,7 @@ class CommClock:
     def __init__(self, groups: dict[dist.ProcessGroup, str]) -> None:
         self.groups = dict(groups)
         self.totals: dict[str, float] = dict.fromkeys(AXES, 0.0)
+        self.calls: dict[str, int] = dict.fromkeys(AXES, 0)
         self._saved: list[tuple[object, str, object]] = []
 
     def add(self, axis: str, seconds: float) -> None:
@@ -89,6 +97,9 @@ class CommClock:
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.totals)
+
+    def count(self, axis: str) -> None:
+        self.calls[axis] += 1
 
     def _axis(self, group: dist.ProcessGroup | None) -> str:
         axis = self.groups.get(group) if group is not None else None
@@ -99,6 +110,7 @@ class CommClock:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             axis = self._axis(kwargs.get("group"))
+            self.count(axis)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             self.add(axis, time.perf_counter() - t0)
@@ -108,6 +120,7 @@ class CommClock:
     def _p2p(self, fn: Callable, axis: str) -> Callable:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            self.count(axis)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             self.add(axis, time.perf_counter() - t0)
@@ -117,6 +130,7 @@ class CommClock:
     def _wait_tensor(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def timed(tensor):
+            self.count("tp")
             t0 = time.perf_counter()
             out = fn(tensor)
             self.add("tp", time.perf_counter() - t0)
@@ -158,6 +172,7 @@ class StepSample:
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     waits_s: dict[str, dict[str, float]] = field(default_factory=lambda: {p: dict.fromkeys(AXES, 0.0)
                                                                           for p in PHASES})
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(AXES, 0))
 
     def components(self) -> dict[str, float]:
         """The step in plan.BREAKDOWN_KEYS (module docstring); sums to step_s, bubble ≥ 0 up to timer noise."""
@@ -165,7 +180,7 @@ class StepSample:
         fb_waits = sum(w["forward_backward"].values())
         opt_waits = sum(w["optimizer"].values())
         tp = sum(w[p]["tp"] for p in PHASES)
-        dp = self.phase_s["grad_sync"] + w["forward_backward"]["dp"] + w["optimizer"]["dp"] + w["loss"]["dp"]
+        dp = self.phase_s["grad_sync"] + self.phase_s["loss"] + w["forward_backward"]["dp"] + w["optimizer"]["dp"]
         pp = sum(w[p]["pp_send"] for p in PHASES)
         compute = max(0.0, self.phase_s["forward_backward"] - fb_waits)
         optimizer = max(0.0, self.phase_s["optimizer"] - opt_waits)
@@ -186,11 +201,13 @@ class StepTimer:
     def step(self) -> Iterator[None]:
         sample = StepSample()
         self._current = sample
+        calls0 = dict(self.clock.calls)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             sample.step_s = time.perf_counter() - t0
+            sample.calls = {a: self.clock.calls[a] - calls0[a] for a in AXES}
             self._current = None
             self.samples.append(sample)
 
@@ -219,6 +236,8 @@ def rank_timing(timer: StepTimer, *, rank: int, pp_rank: int, dp_rank: int, tp_r
 
     kept = timer.samples[warmup_steps:]
     parts = [s.components() for s in kept]
+    calls = {a: statistics.median(s.calls[a] for s in kept) for a in AXES} if kept else {}
     return RankTiming(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
                       step_s=tuple(s.step_s for s in kept),
-                      components_s={k: tuple(p[k] for p in parts) for k in BREAKDOWN_KEYS})
+                      components_s={k: tuple(p[k] for p in parts) for k in BREAKDOWN_KEYS},
+                      calls_per_step={a: float(n) for a, n in calls.items() if n})

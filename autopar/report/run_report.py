@@ -4,7 +4,9 @@ A component is *flagged* when its measured time is more than `threshold` (defaul
 prediction, relative to the prediction. Components below a noise floor on both sides (default 2% of the
 measured step) are not flagged: a 0.3 ms loss all-reduce against a predicted 0 says nothing about the
 model. Recompute is not measured apart from the forward/backward it runs in (autopar.codegen.timing),
-so the compute row holds predicted compute + recompute against measured compute.
+so the compute row holds predicted compute + recompute against measured compute. Likewise a gloo send
+completes only when the neighbour posts its receive, so the time blocked in sends is partly waiting for
+that neighbour: point-to-point transfer and pipeline bubble form one row, "pipeline".
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ __all__ = ["ComponentRow", "RunComparison", "compare", "render_text", "FLAG_THRE
 
 FLAG_THRESHOLD = 0.25
 NOISE_FLOOR_FRACTION = 0.02
-ROWS = tuple(k for k in BREAKDOWN_KEYS if k != "recompute")
+# Rows of the comparison: breakdown keys, merged where the runtime cannot tell them apart (docstring).
+ROWS: dict[str, tuple[str, ...]] = {"compute": ("compute", "recompute"), "tp_comm": ("tp_comm",),
+                                    "dp_comm": ("dp_comm",), "optimizer": ("optimizer",),
+                                    "pipeline": ("pp_comm", "pipeline_bubble")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +50,7 @@ class RunComparison:
     components: tuple[ComponentRow, ...]
     stages: tuple[dict[str, float], ...]  # measured breakdown per pipeline rank
     bottleneck_rank: int
+    calls_per_step: dict[str, float]  # collectives / p2p operations the bottleneck rank issued, by axis
     threshold: float
     noise_floor_s: float
 
@@ -73,17 +79,17 @@ def compare(plan: Plan, record: RunRecord, *, threshold: float = FLAG_THRESHOLD,
         raise ValueError(f"threshold={threshold}; it must be a positive fraction, e.g. 0.25")
     record.check_plan(plan)
     predicted = dict(plan.estimate.breakdown)
-    predicted["compute"] = predicted.get("compute", 0.0) + predicted.get("recompute", 0.0)
     measured = record.breakdown()
-    measured["compute"] += measured["recompute"]
     step_m = record.measured_step_time_s
     floor_s = noise_floor_fraction * step_m
-    rows = tuple(_row(k, predicted.get(k, 0.0), measured[k], threshold, floor_s) for k in ROWS)
+    rows = tuple(_row(name, sum(predicted.get(k, 0.0) for k in keys), sum(measured[k] for k in keys), threshold,
+                      floor_s) for name, keys in ROWS.items())
     step_p = plan.estimate.step_time_s
     return RunComparison(model_name=plan.model_name, config=str(plan.config), world_size=plan.world_size,
                          steps=record.steps, predicted_step_time_s=step_p, measured_step_time_s=step_m,
                          step_error=(step_m - step_p) / step_p, components=rows,
                          stages=tuple(record.stage_breakdowns()), bottleneck_rank=record.bottleneck.rank,
+                         calls_per_step=dict(record.bottleneck.calls_per_step),
                          threshold=threshold, noise_floor_s=floor_s)
 
 
@@ -105,8 +111,11 @@ def render_text(c: RunComparison) -> str:
     for r in c.components:
         mark = "  <-- off by more than " + f"{c.threshold:.0%}" if r.flagged else ""
         lines.append(f"  {r.name:<16}{_ms(r.predicted_s):>12}{_ms(r.measured_s):>12}{_err(r.error):>10}{mark}")
-    lines.append(f"(measured breakdown of the bottleneck rank {c.bottleneck_rank}; compute includes recompute; "
-                 f"not flagged below {c.noise_floor_s * 1e3:.1f} ms)")
+    lines.append(f"(measured breakdown of the bottleneck rank {c.bottleneck_rank}; compute includes recompute, "
+                 f"pipeline is p2p + bubble; not flagged below {c.noise_floor_s * 1e3:.1f} ms)")
+    if c.calls_per_step:
+        lines.append("collectives issued per step by that rank: "
+                     + ", ".join(f"{axis} {n:g}" for axis, n in c.calls_per_step.items()))
     if len(c.stages) > 1:
         lines += ["", "measured per pipeline stage (busiest rank of each)"]
         keys = [k for k in BREAKDOWN_KEYS if k != "recompute"]
