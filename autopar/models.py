@@ -6,6 +6,12 @@ MODEL is one of
 - `package.module:factory`, an importable module.
 A factory is called with no argument, or with `seq_len=` when one is given and the factory accepts
 it, and returns `(model, example_inputs)` with example_inputs a tuple (a single tensor is accepted).
+
+A zoo model is built in a *training dtype*, because the dtype changes the captured graph (bytes,
+kernels) and so its fingerprint, which a plan must match at run time: bfloat16 where it will train on
+GPUs (mixed precision, what the planner assumes for GPU clusters), float32 where it will train on this
+machine's CPU (autopar's CPU runtime and examples/train_gpt.py train in float32). `training_dtype`
+is that rule, shared by the CLI and the training script; `--dtype` overrides it on both sides.
 """
 
 from __future__ import annotations
@@ -23,7 +29,21 @@ from torch import nn
 from autopar import zoo
 from autopar.errors import AutoparError
 
-__all__ = ["resolve_model"]
+__all__ = ["resolve_model", "training_dtype", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def training_dtype(where: str = "local", name: str | None = None) -> torch.dtype:
+    """The dtype a zoo model trains in: `name` (a DTYPES key) when given, else float32 when `where` is
+    "local" on a machine without CUDA (CPU training), else bfloat16 (GPU mixed precision)."""
+    if name is not None:
+        if name not in DTYPES:
+            raise AutoparError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        return DTYPES[name]
+    import torch.cuda
+
+    return torch.float32 if where == "local" and not torch.cuda.is_available() else torch.bfloat16
 
 
 def _load_module(target: str) -> ModuleType:
@@ -51,13 +71,17 @@ def _load_module(target: str) -> ModuleType:
                            f"({', '.join(zoo.names())}), path/file.py:factory or package.module:factory") from e
 
 
-def resolve_model(spec: str, seq_len: int | None = None) -> tuple[nn.Module, tuple]:
-    """`(model, example_inputs)` for a MODEL string; see the module docstring for the accepted forms."""
+def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype | None = None
+                  ) -> tuple[nn.Module, tuple]:
+    """`(model, example_inputs)` for a MODEL string; see the module docstring for the accepted forms.
+
+    dtype: the dtype of a zoo model (default: the zoo's bfloat16); a factory decides its own dtype.
+    """
     if seq_len is not None and seq_len <= 0:
         raise AutoparError(f"seq_len={seq_len}; it must be a positive number of tokens")
     if ":" not in spec:
         if spec in zoo.names():
-            return zoo.build(spec, seq_len=seq_len)
+            return zoo.build(spec, seq_len=seq_len, dtype=dtype)
         raise AutoparError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.names())}) and not of the "
                            "form path/file.py:factory or package.module:factory")
     target, _, factory_name = spec.rpartition(":")

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from autopar.capture.graph import ModelGraph
 from autopar.errors import AutoparError, ProfileMismatchError
 from cost_models.profile import Profile, ProfileMismatch
-from cost_models.profiler import LayerCase, local_device_name, profile_machine
+from cost_models.profiler import LayerCase, local_device_name, machine_info, profile_machine
 
 __all__ = ["layer_cases", "profile_model", "load_local_profile"]
 
@@ -85,21 +85,29 @@ def layer_cases(model: nn.Module, example_inputs: tuple, graph: ModelGraph, devi
 
 def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bool = False,
                   seq_len: int | None = None, progress: Callable[[str], None] | None = None,
-                  collectives: bool = True) -> Profile:
-    """Measure this machine and, when `model_spec` is given, each distinct layer of that model."""
+                  collectives: bool = True, dtype: str | None = None, clock: str = "wall") -> Profile:
+    """Measure this machine and, when `model_spec` is given, each distinct layer of that model (a zoo
+    model in `dtype`, default autopar.models.training_dtype() here). clock "thread" times kernels with
+    one thread's CPU time, so torch runs one thread while measuring, as each CPU training process does."""
     cases: list[LayerCase] = []
     name = None
+    threads = torch.get_num_threads()
+    if clock == "thread":
+        torch.set_num_threads(1)
     if model_spec:
         from autopar.capture import capture
-        from autopar.models import resolve_model
+        from autopar.models import resolve_model, training_dtype
 
-        model, example_inputs = resolve_model(model_spec, seq_len=seq_len)
+        model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=training_dtype("local", dtype))
         graph = capture(model, example_inputs)
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         cases = layer_cases(model, example_inputs, graph, device)
         name = graph.model_name
-    return profile_machine(nproc=nproc, quick=quick, layers=cases, progress=progress, model_name=name,
-                           collectives=collectives)
+    try:
+        return profile_machine(nproc=nproc, quick=quick, layers=cases, progress=progress, model_name=name,
+                               collectives=collectives, clock=clock)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def load_local_profile(path: str | Path) -> Profile:
@@ -108,8 +116,9 @@ def load_local_profile(path: str | Path) -> Profile:
 
     try:
         prof = Profile.load(path)
+        here = machine_info()
         prof.check_matches(device_name=local_device_name(), torch_version=torch.__version__,
-                           hostname=socket.gethostname())
+                           hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count)
     except ProfileMismatch as e:
         raise ProfileMismatchError(str(e)) from e
     return prof

@@ -1,16 +1,19 @@
 """Predicted vs measured step time of a small GPT over several real layouts on this machine (gloo, CPU).
 
-    python benchmarks/predict_vs_measure.py [--profile profile.json] [--steps 6] [--out-dir bench_runs]
+    python benchmarks/predict_vs_measure.py [--profile profile.json] [--rounds 2] [--steps 8] [--out-dir D]
 
-For each layout (DP, ZeRO-3, TP, PP 1F1B, PP + TP, pp × dp × tp, over 2–8 processes) the planner prices
-it with every field pinned (autopar.plan with PlannerOptions), the plan runs for real under torchrun
-(examples/train_gpt.py --record), and the script prints the predicted step time, the measured median
-and the error. Then one calibration pass (autopar.calibrate, fitted on these same runs) re-prices
-every layout, and the Spearman rank correlation of predicted and measured is printed before and after.
-Finally the unpinned planner, given Cluster.local() and the calibrated profile, picks a layout for the
-world size of the fastest measured one; its measured time is compared with the fastest.
+Each layout (DP, ZeRO-3, TP, PP 1F1B, DP4 ZeRO-1, PP + TP, pp × dp × tp over 2–8 processes) is priced by
+the planner with every field pinned (autopar.plan with PlannerOptions) and run for real under torchrun
+(examples/train_gpt.py --record). The layouts run interleaved, round after round (A B C … A B C …), so
+that load from other work on a shared machine falls on all of them alike; the load average is printed
+beside every run. Round 1 is the calibration set: one pass of autopar.calibrate is fitted on it alone,
+and every prediction, raw and calibrated, is compared with the median of the later rounds
+(out-of-sample; with --rounds 1 the comparison is in-sample and says so). Then the Spearman rank
+correlation, and the planner's own choice: given Cluster.local() and the calibrated profile, unpinned,
+for the process count of the fastest measured layout; it is run alternately with that layout (ABAB).
 
-Without --profile the machine is profiled first (quick sweep, collectives over 8 processes, ~1 min).
+Without --profile the machine is profiled first: quick sweep, kernels timed by single-threaded CPU time
+(clock "thread", immune to other processes), collectives over 8 processes (~2 min).
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def load_avg() -> str:
+    return "load {:.1f}/{:.1f}".format(*os.getloadavg()[:2])
+
+
 def run_plan(plan_path: Path, record_path: Path, nproc: int, steps: int, warmup: int) -> RunRecord:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(29600 + nproc), str(ROOT / "examples" / "train_gpt.py"), "--model", MODEL, "--seq-len", str(SEQ_LEN),
@@ -91,83 +98,98 @@ def run_plan(plan_path: Path, record_path: Path, nproc: int, steps: int, warmup:
     return RunRecord.load(record_path)
 
 
+def measure_profile(out: Path) -> Profile:
+    import torch
+
+    from cost_models.profiler import profile_machine
+
+    print("profiling this machine (quick sweep, thread clock, 8 processes) ...", flush=True)
+    torch.set_num_threads(1)  # the thread clock times one thread; training processes run one each
+    profile = profile_machine(nproc=8, quick=True, clock="thread")
+    profile.save(out / "profile.json")
+    return profile
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default=None, help="profile.json of this machine (default: measure one)")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every layout; round 1 calibrates (default 2)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out-dir", default="bench_runs")
+    ap.add_argument("--only", default=None, help="comma-separated layout names (default: all)")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-
-    if args.profile and Path(args.profile).exists():
-        profile = Profile.load(args.profile)
-    else:
-        from cost_models.profiler import profile_machine
-
-        print("profiling this machine (quick sweep, 8 processes) ...", flush=True)
-        profile = profile_machine(nproc=8, quick=True)
-        profile.save(out / "profile.json")
+    profile = Profile.load(args.profile) if args.profile else measure_profile(out)
     from train_gpt import build_model
 
     model, example = build_model(MODEL, SEQ_LEN, "meta")
     graph = autopar.capture(model, example)
+    layouts = [lay for lay in LAYOUTS if not args.only or lay.name in args.only.split(",")]
 
-    rows = []
-    for lay in LAYOUTS:
+    plans = {}
+    for lay in layouts:
         cluster = Cluster.local(nproc=lay.nproc, profile=profile)
-        try:
-            plan = autopar.plan(graph, cluster, global_batch_size=BATCH,
-                                options=PlannerOptions(**lay.options, top_k=0))
-        except (RuntimeError, autopar.AutoparError) as e:
-            print(f"{lay.name:<10} planner failed: {e}", flush=True)
-            continue
-        plan_path, rec_path = out / f"plan_{lay.name}.json", out / f"run_{lay.name}.json"
-        plan.save(plan_path)
-        t0 = time.perf_counter()
-        try:
-            record = run_plan(plan_path, rec_path, lay.nproc, args.steps, args.warmup)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"{lay.name:<10} run failed: {e}", flush=True)
-            continue
-        rows.append((lay, plan, record))
-        print(f"{lay.name:<10} n={lay.nproc} {plan.config}: predicted {plan.estimate.step_time_s * 1e3:7.1f} ms, "
-              f"measured {record.measured_step_time_s * 1e3:7.1f} ms ({time.perf_counter() - t0:.0f} s)", flush=True)
-    if len(rows) < 2:
-        print("fewer than two layouts ran; nothing to compare")
-        return 1
+        plans[lay.name] = autopar.plan(graph, cluster, global_batch_size=BATCH,
+                                       options=PlannerOptions(**lay.options, top_k=0))
+        plans[lay.name].save(out / f"plan_{lay.name}.json")
 
-    calibrated, cal = calibrate([r for _, _, r in rows], profile)
+    runs: dict[str, list[RunRecord]] = {lay.name: [] for lay in layouts}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}" + (" (calibration set)" if r == 0 and args.rounds > 1 else ""),
+              flush=True)
+        for lay in layouts:
+            before = load_avg()
+            rec = run_plan(out / f"plan_{lay.name}.json", out / f"run_{lay.name}_r{r}.json", lay.nproc, args.steps,
+                           args.warmup)
+            runs[lay.name].append(rec)
+            print(f"  {lay.name:<10} n={lay.nproc} {rec.measured_step_time_s * 1e3:7.1f} ms  ({before} → "
+                  f"{load_avg()})", flush=True)
+
+    fit = [runs[lay.name][0] for lay in layouts]
+    held_out = args.rounds > 1
+    calibrated, cal = calibrate(fit, profile)
     calibrated.save(out / "profile.calibrated.json")
-    print(f"\n{cal.describe()}\n")
+    print(f"\n{cal.describe()}")
+    print("evaluated on " + ("rounds 2.." if held_out else "the same runs (in-sample)") + f"; {load_avg()}\n")
+
+    def measured(name: str) -> float:
+        recs = runs[name][1:] if held_out else runs[name]
+        return statistics.median(x.measured_step_time_s for x in recs)
+
     print(f"{'layout':<11}{'n':>2}  {'predicted':>10}{'calibrated':>11}{'measured':>10}{'error':>9}{'cal. error':>11}")
     raw, cal_pred, meas = [], [], []
-    for lay, plan, record in rows:
-        est = autopar.estimate(graph, Cluster.local(nproc=lay.nproc, profile=calibrated), plan.config,
+    for lay in layouts:
+        est = autopar.estimate(graph, Cluster.local(nproc=lay.nproc, profile=calibrated), plans[lay.name].config,
                                global_batch_size=BATCH)
-        p0, p1, m = plan.estimate.step_time_s, est.step_time_s, record.measured_step_time_s
+        p0, p1, m = plans[lay.name].estimate.step_time_s, est.step_time_s, measured(lay.name)
         raw.append(p0)
         cal_pred.append(p1)
         meas.append(m)
+        flag = "" if abs(p1 - m) <= 0.2 * m else "   <-- off by more than 20%"
         print(f"{lay.name:<11}{lay.nproc:>2}  {p0 * 1e3:8.1f}ms{p1 * 1e3:9.1f}ms{m * 1e3:8.1f}ms"
-              f"{(p0 - m) / m * 100:+8.1f}%{(p1 - m) / m * 100:+10.1f}%")
+              f"{(p0 - m) / m * 100:+8.1f}%{(p1 - m) / m * 100:+10.1f}%{flag}")
     worst = max(abs(p - m) / m for p, m in zip(cal_pred, meas, strict=True))
     print(f"\nSpearman rank correlation predicted vs measured: {spearman(raw, meas):.3f} before calibration, "
           f"{spearman(cal_pred, meas):.3f} after; worst calibrated error {worst * 100:.1f}%")
 
-    fastest = min(rows, key=lambda r: r[2].measured_step_time_s)
-    n = fastest[0].nproc
+    fastest = min(layouts, key=lambda lay: measured(lay.name))
+    n = fastest.nproc
     chosen = autopar.plan(graph, Cluster.local(nproc=n, profile=calibrated), global_batch_size=BATCH,
                           options=PlannerOptions(top_k=0))
-    chosen_path = out / "plan_chosen.json"
-    chosen.save(chosen_path)
-    rec = run_plan(chosen_path, out / "run_chosen.json", n, args.steps, args.warmup)
-    ratio = rec.measured_step_time_s / fastest[2].measured_step_time_s
-    print(f"planner's choice on {n} processes: {chosen.config}, measured {rec.measured_step_time_s * 1e3:.1f} ms; "
-          f"fastest measured layout {fastest[0].name} {fastest[2].measured_step_time_s * 1e3:.1f} ms "
-          f"(ratio {ratio:.2f})")
+    chosen.save(out / "plan_chosen.json")
+    mine, theirs = [], []
+    for i in range(2):  # ABAB: the planner's choice and the fastest measured layout, alternately
+        mine.append(run_plan(out / "plan_chosen.json", out / f"run_chosen_{i}.json", n, args.steps,
+                             args.warmup).measured_step_time_s)
+        theirs.append(run_plan(out / f"plan_{fastest.name}.json", out / f"run_fastest_{i}.json", n, args.steps,
+                               args.warmup).measured_step_time_s)
+    a, b = statistics.median(mine), statistics.median(theirs)
+    print(f"planner's choice on {n} processes: {chosen.config}, predicted {chosen.estimate.step_time_s * 1e3:.1f} ms, "
+          f"measured {a * 1e3:.1f} ms; fastest measured layout {fastest.name} {b * 1e3:.1f} ms in the same ABAB "
+          f"runs (ratio {a / b:.2f}); {load_avg()}")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0
 

@@ -4,8 +4,11 @@
     torchrun --nproc_per_node 4 examples/train_gpt.py --plan plan.json   # from `autopar plan ... --out plan.json`
     torchrun --nproc_per_node 4 examples/train_gpt.py --plan plan.json --record run.json   # then `autopar report`
 
-A plan file must be made for the model this script trains (float32, no dropout), which the factory
-below describes: `autopar plan examples/train_gpt.py:gpt_tiny --seq-len 128 ...`.
+A plan file must be made for the model this script trains: the zoo model with its own dropout, in the
+training dtype `autopar.models.training_dtype` gives (float32 on a CPU-only machine, bfloat16 with
+GPUs; --dtype overrides it), which is also what `autopar plan gpt-tiny --cluster local` builds, so
+`autopar plan MODEL --cluster local ...` then `--plan plan.json` here agree. A plan of another graph
+(dtype, dropout, --override, --seq-len) is refused with the flags to fix it.
 
 The data is generated: sequences from a fixed random bigram language (each token has a handful of
 likely successors), so the loss visibly falls from ln(vocab) toward the language's entropy.
@@ -28,13 +31,15 @@ import autopar
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.mesh import resolve_device
 from autopar.codegen.timing import rank_timing
+from autopar.errors import PlanMismatchError
+from autopar.models import DTYPES, training_dtype
 from autopar.record import build_record
 
 
-def build_model(name: str = "gpt-tiny", seq_len: int = 128, device: str = "meta", **overrides):
-    """The model this script trains: float32 (the CPU/gloo training dtype) and no dropout."""
-    return autopar.zoo.build(name, seq_len=seq_len, device=device, dtype=torch.float32,
-                             **{"dropout": 0.0, **overrides})
+def build_model(name: str = "gpt-tiny", seq_len: int = 128, device: str = "meta", dtype: str | None = None,
+                **overrides):
+    """The model this script trains: the zoo model in this machine's training dtype (module docstring)."""
+    return autopar.zoo.build(name, seq_len=seq_len, device=device, dtype=training_dtype("local", dtype), **overrides)
 
 
 def gpt_tiny(seq_len: int = 128):
@@ -88,7 +93,8 @@ def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict) -> None:
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return
-    spec = " ".join([args.model, f"seq_len={args.seq_len}", *(f"{k}={v}" for k, v in overrides.items())])
+    spec = " ".join([args.model, f"seq_len={args.seq_len}", f"dtype={training_dtype('local', args.dtype)}",
+                     *(f"{k}={v}" for k, v in overrides.items())])
     record = build_record(plan, gathered, hostname=socket.gethostname(), device_name=pm_device_name(pm),
                           torch_version=torch.__version__, backend=dist.get_backend(),
                           threads_per_process=torch.get_num_threads(),
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="model config field, e.g. n_layers=2 (repeatable; the plan must be made for it too)")
     parser.add_argument("--record", default=None, help="write measured step times and breakdown here (JSON)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the record")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="training dtype (default: float32 without a GPU, else bfloat16); the plan's too")
     args = parser.parse_args(argv)
     if args.record and args.steps <= args.warmup:
         parser.error(f"--record needs --steps ({args.steps}) > --warmup ({args.warmup})")
@@ -130,13 +138,22 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(0)
     overrides = parse_overrides(args.override)
-    model, example = build_model(args.model, args.seq_len, "cpu", **overrides)
+    model, example = build_model(args.model, args.seq_len, "cpu", args.dtype, **overrides)
     plan = make_plan(args, model, example)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"plan: {plan.config}  (predicted {plan.estimate.step_time_s * 1e3:.1f} ms/step)", flush=True)
-    pm = parallelize(model, plan, example_inputs=example, device=device, loss_fn=lm_cross_entropy,
-                     optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01))
+    try:
+        pm = parallelize(model, plan, example_inputs=example, device=device, loss_fn=lm_cross_entropy,
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01))
+    except PlanMismatchError as e:
+        dtype = str(training_dtype("local", args.dtype)).removeprefix("torch.")
+        flags = " ".join(f"--override {k}={v}" for k, v in overrides.items())
+        raise SystemExit(
+            f"train_gpt.py: {e}\nThis script trains {args.model} (seq_len {args.seq_len}, {dtype}, zoo dropout"
+            f"{', ' + flags if flags else ''}); make the plan for exactly that: `autopar plan {args.model} --cluster "
+            f"local --seq-len {args.seq_len} --dtype {dtype} ...`, or pass this script the --dtype / --seq-len / "
+            "--override the plan was made with.") from e
     vocab = autopar.zoo.config(args.model).vocab_size
     tokens_per_step = args.global_batch_size * args.seq_len
     times = []

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 
 __all__ = ["register"]
@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="training dtype of a zoo MODEL (default: float32 for --cluster local without a GPU, "
+                        "as examples/train_gpt.py trains there; else bfloat16)")
     p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
     p.add_argument("--out", default=None, help="write the plan as JSON here")
     p.add_argument("--top", type=int, default=5, help="runner-up layouts to keep")
@@ -65,6 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | None):
     from autopar.cluster import Cluster
 
+    for flag, value in (("--nodes", nodes), ("--nproc", nproc)):
+        if value is not None and value < 1:
+            raise AutoparError(f"{flag} {value}: it must be a positive integer")
+    if nproc is not None and spec != "local":
+        raise AutoparError(f"--nproc applies to --cluster local only; for {spec!r} give --nodes "
+                           "(devices per node come from the preset or file)")
     if spec == "local":
         return Cluster.local(nproc=nproc, profile=profile)
     if Path(spec).suffix.lower() in (".toml", ".json") or Path(spec).exists():
@@ -72,11 +81,11 @@ def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | Non
     return Cluster.preset(spec, nodes=nodes or 1, profile=profile)
 
 
-def _graph(model: str, seq_len: int | None):
+def _graph(model: str, seq_len: int | None, dtype=None):
     from autopar.capture import capture
     from autopar.models import resolve_model
 
-    module, inputs = resolve_model(model, seq_len)
+    module, inputs = resolve_model(model, seq_len, dtype=dtype)
     return capture(module, inputs)
 
 
@@ -86,8 +95,11 @@ def _plan(args: argparse.Namespace) -> int:
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
                           schedule=args.schedule, recompute=args.recompute, top_k=max(0, args.top),
                           time_limit_s=args.time_limit)
+    from autopar.models import training_dtype
+
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
-    plan = autopar.plan(_graph(args.model, args.seq_len), cluster, global_batch_size=args.global_batch_size,
+    dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
+    plan = autopar.plan(_graph(args.model, args.seq_len, dtype), cluster, global_batch_size=args.global_batch_size,
                         options=opts)
     if args.out:
         plan.save(args.out)
@@ -130,15 +142,23 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     import autopar
+    from autopar.models import training_dtype
     from autopar.report.text import render_explain
 
     plan = Plan.load(args.plan)
     alt = _alternative(plan, args.config)
     cluster = _cluster(args.cluster or plan.cluster_name, args.nodes or _nodes(plan), None, None)
+    dtype = training_dtype("local" if plan.cluster_name == "local" else "cluster")
+    graph = _graph(args.model or plan.model_name, plan.seq_len, dtype)
+    if graph.fingerprint != plan.graph_fingerprint:
+        raise PlanMismatchError(
+            f"{args.plan} was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}), "
+            f"but MODEL {args.model or plan.model_name!r} captures to fingerprint {graph.fingerprint}; pass "
+            "--model with the model the plan was made from (same factory, sequence length and dtype)")
     est, reason = None, None
     try:
         own = plan.stages if alt == plan.config else None  # the plan itself: price its own stages exactly
-        est = autopar.estimate(_graph(args.model or plan.model_name, plan.seq_len), cluster, alt, stages=own)
+        est = autopar.estimate(graph, cluster, alt, stages=own)
     except AutoparError as e:
         reason = str(e)
     if args.json:
@@ -161,18 +181,18 @@ def _nodes(plan: Plan) -> int:
 
 def _alternative(plan: Plan, text: str) -> ParallelConfig:
     """`text` over the plan's config; unset dp and m follow from the world size and the global batch."""
-    given = {ParallelConfig._ALIASES.get(k.strip(), k.strip()) for k, _, _ in
-             (part.partition("=") for part in text.split(",") if part.strip())}
+    given = ParallelConfig.parse_fields(text)
     base = plan.config.to_dict()
-    probe = ParallelConfig.parse(text, **{**base, "schedule": "1f1b", "virtual_stages": 1, "num_microbatches": 1,
-                                          "sequence_parallel": False})
     world, batch = plan.world_size, plan.global_batch_size
-    tp, pp, mbs = probe.tp, probe.pp, probe.micro_batch_size
-    dp = probe.dp if "dp" in given else max(1, world // (tp * pp))
+    tp, pp = given.get("tp", base["tp"]), given.get("pp", base["pp"])
+    mbs = given.get("micro_batch_size", base["micro_batch_size"])
+    dp = given.get("dp", max(1, world // (tp * pp)))
     if tp * pp * dp != world or batch % (dp * mbs):
         raise AutoparError(f"--config {text!r}: tp·pp·dp must be {world} and dp·mbs must divide the global batch "
                            f"{batch}; got tp={tp}, pp={pp}, dp={dp}, mbs={mbs}")
     fill = {**base, "dp": dp, "num_microbatches": batch // (dp * mbs)}
+    if "virtual_stages" not in given and given.get("schedule") == "interleaved_1f1b":
+        fill["virtual_stages"] = max(2, base["virtual_stages"])
     inherited_interleave = "schedule" not in given and base["schedule"] == "interleaved_1f1b"
     if pp == 1 or (inherited_interleave and fill["num_microbatches"] % pp):
         fill.update(schedule="1f1b", virtual_stages=1)

@@ -26,6 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="local processes for collectives (default: GPU count, else CPU count, at least 2)")
     p.add_argument("--quick", action="store_true", help="a short sweep (under a minute on a laptop CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length of MODEL's example input")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="training dtype of a zoo MODEL (default: float32 on a CPU-only machine, else bfloat16; "
+                        "pass the same to `autopar plan`)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="how CPU kernels are timed: wall clock, or single-threaded CPU time ('thread': immune "
+                        "to other processes on a shared machine; the CPU-training processes run one thread each)")
     p.add_argument("--no-collectives", action="store_true", help="skip the multi-process collective sweep")
     p.add_argument("--out", default="profile.json", help="where to write the profile (default: profile.json)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     prof = profile_model(args.model, nproc=args.nproc, quick=args.quick, seq_len=args.seq_len,
                          progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                         collectives=not args.no_collectives)
+                         collectives=not args.no_collectives, dtype=args.dtype, clock=args.clock)
     prof.save(args.out)
     s = summary(prof)
     s["elapsed_s"] = time.perf_counter() - t0
