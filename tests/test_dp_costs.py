@@ -1,0 +1,120 @@
+"""The data-parallel tail: its formulas against sums written out by hand, and its collective count
+against what the runtime really issues (counted by autopar.codegen.timing in a 2-process run)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.config import PlannerOptions
+from autopar.planner.costs import CostModel
+from autopar.planner.dp_costs import BUCKET_BYTES, DPTail
+from autopar.planner.space import Candidate
+from autopar.record import RunRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+ALPHA, BETA, MEM = 1e-4, 1e9, 1e10  # s per collective, bytes/s on the wire, bytes/s of memory traffic
+
+
+def coll(op: str, n: float, k: int) -> float:
+    """A synthetic ring: all-reduce 2(k−1)α + 2(k−1)/k·n/β, the others half of it (Thakur et al. 2005)."""
+    ar = 2 * (k - 1) * ALPHA + 2 * (k - 1) / k * n / BETA
+    return ar if op == "all_reduce" else ar / 2
+
+
+def tail(zero: int, *, dp: int = 4, world: int = 8, m: int = 3, grad: float = 64e6) -> DPTail:
+    return DPTail(zero_stage=zero, dp=dp, world=world, microbatches=m, rank_grad_bytes=grad, collective_s=coll,
+                  memory_s=lambda n: n / MEM)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero):
+    g, dp, world = 64e6, 4, 8
+    t = tail(zero, dp=dp, world=world, grad=g)
+    buckets = math.ceil(g / BUCKET_BYTES)  # 3 buckets of ≤ 25 MiB
+    # the buckets' all-reduces, the loss all-reduce over all ranks, and the memory passes, by hand
+    expected = buckets * coll("all_reduce", g / buckets, dp) + coll("all_reduce", 4, world) + 6 * g / MEM
+    count = buckets + 1
+    if zero == 1:
+        expected += dp * coll("broadcast", g / dp, dp) + 2 * g / MEM
+        count += dp
+    # ZeRO-0/1 price the rank's gradient as γ per byte plus γ0: exact here, the collectives are affine in n
+    assert t.layer_s(g) + t.fixed_s == pytest.approx(expected, rel=1e-9)
+    assert t.layer_s(g / 2) + t.layer_s(g / 2) == pytest.approx(t.layer_s(g), rel=1e-12)
+    assert t.collectives_per_step(layers_with_params=5) == count
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_gathers_every_micro_batch_and_reduce_scatters_once(zero):
+    m, dp, p = 3, 4, 5e6
+    t = tail(zero, m=m, dp=dp)
+    gathers = m * (2 if zero == 3 else 1)
+    expected = gathers * coll("all_gather", p, dp) + coll("reduce_scatter", p, dp) + (gathers + 1) * 2 * p / MEM
+    assert t.layer_s(p) == pytest.approx(expected, rel=1e-9)
+    assert t.layer_s(0.0) == 0.0
+    assert t.fixed_s == pytest.approx(coll("all_reduce", 4, 8))
+    assert t.collectives_per_step(layers_with_params=5) == 5 * (gathers + 1) + 1
+
+
+def test_one_rank_has_only_the_loss_reduction_of_its_job():
+    t = tail(0, dp=1, world=4)
+    assert t.layer_s(1e6) == 0.0 and t.fixed_s == pytest.approx(coll("all_reduce", 4, 4))
+    assert tail(0, dp=1, world=1).fixed_s == 0.0
+
+
+def test_gloo_collectives_slow_down_when_processes_outnumber_cores():
+    """A g-rank collective measured with g busy processes runs max(1, N/C) / max(1, g/C) slower among N."""
+    import dataclasses
+
+    from test_calibrate import _profile
+
+    prof = _profile()
+    prof = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, cpu_count=2))
+    model, x = autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2)
+    graph = autopar.capture(model, x)
+    costs = CostModel.for_cluster(graph, Cluster.local(nproc=8, profile=prof))
+    assert costs.cpu_cores == 2
+    assert [costs.sharing_factor(g) for g in (2, 4, 8)] == [4.0, 2.0, 1.0]
+    # a table the profile has (all_gather x2) is used as measured, then slowed down 4×
+    table_s = costs.comm.all_gather_time_s(2**20, 2)
+    assert costs.collective_s("all_gather", 2**20, 2) == pytest.approx(4 * table_s)
+    # two processes on two cores: as measured
+    two = CostModel.for_cluster(graph, Cluster.local(nproc=2, profile=prof))
+    assert two.collective_s("all_reduce", 2**20, 2) == pytest.approx(two.comm.all_reduce_time_s(2**20, 2))
+    # broadcast x2 was not measured: half the measured all-reduce of the same size
+    assert two.collective_s("broadcast", 2**20, 2) == pytest.approx(0.5 * two.comm.all_reduce_time_s(2**20, 2))
+
+
+def _run(tmp_path: Path, options: dict) -> tuple[RunRecord, autopar.Plan, object]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gpt import build_model
+
+    model, x = build_model("gpt-tiny", 32, "meta", n_layers=2)
+    graph = autopar.capture(model, x)
+    plan = autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=4, options=PlannerOptions(**options, top_k=0))
+    plan.save(tmp_path / "plan.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29678",
+           str(ROOT / "examples" / "train_gpt.py"), "--seq-len", "32", "--override", "n_layers=2",
+           "--global-batch-size", "4", "--steps", "3", "--warmup", "1", "--plan", str(tmp_path / "plan.json"),
+           "--record", str(tmp_path / "run.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return RunRecord.load(tmp_path / "run.json"), plan, graph
+
+
+@pytest.mark.parametrize("options", [dict(dp=2, zero_stage=1), dict(dp=2, zero_stage=3, num_microbatches=2)],
+                         ids=["zero1", "zero3-m2"])
+def test_predicted_collective_count_is_what_the_runtime_issues(tmp_path, options):
+    rec, plan, graph = _run(tmp_path, options)
+    costs = CostModel.for_cluster(graph, Cluster.local(nproc=2))
+    t = costs.dp_tail(Candidate.of(plan.config))
+    units = sum(1 for la in graph.layers if la.num_params > 0)
+    for r in rec.ranks:  # the loss all-reduce runs on the world group ("other"), the rest on "dp"
+        assert r.calls_per_step.get("dp", 0) + r.calls_per_step.get("other", 0) == t.collectives_per_step(units)
