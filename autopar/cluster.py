@@ -72,8 +72,11 @@ def _check_profile(profile: Profile, *, device: DeviceSpec, here: bool) -> None:
 
     try:
         if here:
+            from cost_models.profiler import machine_info
+
+            here = machine_info()
             profile.check_matches(device_name=_local_device_name(), torch_version=torch.__version__,
-                                  hostname=socket.gethostname())
+                                  hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count)
         else:
             measured = "cpu" if profile.device_kind == "cpu" else catalog.match_device(profile.device_name)
             if measured != device.name:
@@ -196,8 +199,10 @@ class Cluster:
         prof = _load_profile(profile)
         cuda = torch.cuda.is_available()
         env_world = os.environ.get("WORLD_SIZE")
+        if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+            raise ClusterSpecError(f"nproc={nproc!r}: pass a positive number of processes (or None for the default)")
         n = nproc or (int(env_world) if env_world else (torch.cuda.device_count() if cuda else 1))
-        if n < 1 or (cuda and n > torch.cuda.device_count()):
+        if cuda and n > torch.cuda.device_count():
             raise ClusterSpecError(f"nproc={n}: this machine has {torch.cuda.device_count()} GPUs; pass 1..that")
         if cuda:
             device, intra = _local_gpu_device(torch)

@@ -88,8 +88,13 @@ class ParallelConfig:
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> ParallelConfig:
         """Parse `str(config)` or a partial spec such as "tp=4,pp=8" (missing fields from `defaults`)."""
+        return cls(**{**defaults, **cls.parse_fields(text)})
+
+    @classmethod
+    def parse_fields(cls, text: str) -> dict[str, Any]:
+        """The fields a spec such as "tp=4,pp=8,zero=1" sets, by their full names, not yet validated together."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = dict(defaults)
+        values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in part:
                 raise ValueError(f"config part {part!r} is not key=value; example: 'tp=4,pp=8,zero=1'")
@@ -106,7 +111,7 @@ class ParallelConfig:
                     values[key] = int(raw)
                 except ValueError:
                     raise ValueError(f"config value {key}={raw!r} is not an integer") from None
-        return cls(**values)
+        return values
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -196,9 +196,15 @@ class Profile:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def check_matches(self, *, device_name: str | None = None, torch_version: str | None = None,
-                      hostname: str | None = None) -> None:
-        """Raise ProfileMismatch when this profile was measured elsewhere (any given field differs)."""
+                      hostname: str | None = None, processor: str | None = None,
+                      cpu_count: int | None = None) -> None:
+        """Raise ProfileMismatch when this profile was measured elsewhere (any given field differs):
+        a hostname alone does not identify a machine (cloud VMs reuse names), so CPU model and count count too."""
         wrong = []
+        if processor is not None and processor != self.machine.processor:
+            wrong.append(f"processor {self.machine.processor!r} (here: {processor!r})")
+        if cpu_count is not None and cpu_count != self.machine.cpu_count:
+            wrong.append(f"{self.machine.cpu_count} CPUs (here: {cpu_count})")
         if device_name is not None and device_name != self.device_name:
             wrong.append(f"device {self.device_name!r} (here: {device_name!r})")
         if torch_version is not None and torch_version != self.torch_version:

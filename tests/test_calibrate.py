@@ -14,11 +14,11 @@ from autopar.config import ParallelConfig
 from autopar.errors import ProfileMismatchError
 from autopar.plan import BREAKDOWN_KEYS
 from autopar.record import RankTiming, build_record
-from cost_models.profile import CollectiveSample, ElementwiseSample, GemmSample, MachineInfo, Profile
+from cost_models.profile import CollectiveSample, ElementwiseSample, GemmSample, Profile
+from cost_models.profiler import machine_info
 
 
 def _profile() -> Profile:
-    import socket
 
     import torch
 
@@ -30,8 +30,7 @@ def _profile() -> Profile:
                   for op in ("all_reduce", "all_gather", "reduce_scatter") for k in (2, 4)
                   for b in (2**10, 2**20, 2**25))
     colls += tuple(CollectiveSample(op="p2p", group_size=2, n_bytes=b, time_s=2e-5 + b / 2e9) for b in (2**10, 2**24))
-    return Profile(machine=MachineInfo(hostname=socket.gethostname(), platform="test", processor="test",
-                                       cpu_count=2, ram_bytes=16 * 2**30),
+    return Profile(machine=machine_info(),  # this machine: the profile describes it
                    device_name="cpu", device_kind="cpu", device_count=4, torch_version=torch.__version__,
                    created="2026-01-01T00:00:00+00:00", backend="gloo", threads_per_process=2,
                    launch_overhead_s=5e-6, gemm=gemm, elementwise=elem, collectives=colls)

@@ -6,7 +6,8 @@ import pytest
 
 from autopar import Cluster, ClusterSpecError, ProfileMismatchError
 from cost_models import catalog
-from cost_models.profile import CollectiveSample, GemmSample, MachineInfo, Profile
+from cost_models.profile import CollectiveSample, GemmSample, Profile
+from cost_models.profiler import machine_info
 
 REQUIRED = ["dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "hgx-b200", "pcie-a100-8x", "pcie-h100-8x"]
 
@@ -100,12 +101,10 @@ def test_missing_file():
 
 
 def _local_profile(**kw):
-    import socket
 
     import torch
 
-    base = dict(machine=MachineInfo(hostname=socket.gethostname(), platform="p", processor="x", cpu_count=2,
-                                    ram_bytes=16 * 2**30),
+    base = dict(machine=machine_info(),  # this machine: the profile describes it
                 device_name="cpu", device_kind="cpu", device_count=2, torch_version=torch.__version__,
                 created="2026-01-01T00:00:00+00:00", backend="gloo", threads_per_process=2, launch_overhead_s=2e-6,
                 gemm=(GemmSample(m=1024, n=1024, k=1024, dtype="float32", time_s=2 * 1024**3 / 300e9),),
@@ -121,7 +120,7 @@ def test_local_cpu_uses_the_profile(monkeypatch):
     assert Cluster.local().world_size == 1
     c = Cluster.local(nproc=4, profile=_local_profile())
     assert c.backend == "gloo" and c.world_size == 4 and c.device.kind == "cpu"
-    assert c.device.memory_bytes == 4 * 2**30  # a fair share of 16 GiB
+    assert c.device.memory_bytes == machine_info().ram_bytes // 4  # a fair share of this machine's RAM
     # profiled at 300 GFLOP/s with 2 threads on 2 cores; each of 4 processes gets half a core: 4x slower
     assert c.device.peak_flops_for("float32") == pytest.approx(300e9 / 4)
     assert c.intra_node.latency_s == pytest.approx(1e-4) and c.intra_node.bandwidth_Bps == pytest.approx(1e9)

@@ -71,6 +71,8 @@ def test_bus_bandwidth_as_nccl_tests_defines_it():
     (dict(device_name="NVIDIA H100 80GB HBM3"), "device 'cpu'"),
     (dict(torch_version="2.5.0"), "torch 2.13.0"),
     (dict(hostname="elsewhere"), "machine 'box'"),
+    (dict(cpu_count=64), "CPUs"),
+    (dict(processor="arm64-elsewhere"), "processor"),
 ])
 def test_foreign_profiles_are_reported(kw, match):
     with pytest.raises(ProfileMismatch, match=match):
