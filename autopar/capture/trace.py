@@ -11,9 +11,13 @@ liveness analysis in `layers.py`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import os
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +122,19 @@ def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: d
     return gm
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence what torch.export prints while it tries (graph dumps, symbolic-shape warnings): a failure
+    becomes one CaptureError that says what to change, and a success needs no commentary."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def trace_model(model: nn.Module, example_inputs: tuple, forward_kwargs: dict[str, Any],
                 units: tuple[Unit, ...], structures: dict[str, str]) -> Traced:
     """Symbolic trace, else export; `CaptureError` naming the module and construct when both fail.
@@ -129,7 +146,8 @@ def trace_model(model: nn.Module, example_inputs: tuple, forward_kwargs: dict[st
                       graph_module=_symbolic_trace(model, units, forward_kwargs, structures))
     except _FxFailure as fx_failure:
         try:
-            exported = torch.export.export(model, tuple(example_inputs), dict(forward_kwargs), strict=False)
+            with _quiet():
+                exported = torch.export.export(model, tuple(example_inputs), dict(forward_kwargs), strict=False)
         except Exception as export_error:
             where = fx_failure.module or f"{type(model).__name__} (the model's own forward)"
             raise CaptureError(

@@ -62,7 +62,7 @@ def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s:
         raise PlanMismatchError(
             f"the plan needs {config.world_size} processes (tp·pp·dp = {config.tp}·{config.pp}·{config.dp}) "
             f"but the world size is {world}; launch with `torchrun --nproc_per_node {config.world_size}` "
-            f"(or make a plan for {world} processes)"
+            f"(or make a plan for {world} process{'' if world == 1 else 'es'})"
         )
 
 

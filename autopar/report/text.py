@@ -8,6 +8,11 @@ from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan
 __all__ = ["render_plan", "render_diff", "render_explain", "gib", "fmt_s"]
 
 
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """"1 device", "8 devices"."""
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -44,11 +49,11 @@ def _stage_table(plan: Plan) -> list[str]:
 
 def render_plan(plan: Plan, *, top: int | None = None) -> str:
     c, e = plan.config, plan.estimate
-    lines = [f"autopar plan: {plan.model_name} on {plan.cluster_name} ({c.world_size} devices), "
+    lines = [f"autopar plan: {plan.model_name} on {plan.cluster_name} ({_count(c.world_size, 'device')}), "
              f"global batch {plan.global_batch_size}" + (f" × {plan.seq_len} tokens" if plan.seq_len else ""),
              "", f"chosen layout   {c}",
              f"                tp={c.tp} (inside a node) × pp={c.pp} × dp={c.dp}, ZeRO-{c.zero_stage}, "
-             f"{c.num_microbatches} micro-batches of {c.micro_batch_size}, {c.schedule}"
+             f"{_count(c.num_microbatches, 'micro-batch', 'micro-batches')} of {c.micro_batch_size}, {c.schedule}"
              + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else ""),
              f"predicted       {_estimate_line(e)}", "", "time per step"]
     lines += _breakdown(e)

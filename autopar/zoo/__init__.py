@@ -81,7 +81,11 @@ def build(name: str, seq_len: int | None = None, *, batch_size: int = 1, device:
     cfg = config(name, **overrides)
     seq_len = seq_len or min(cfg.max_seq_len, 2048)
     if seq_len > cfg.max_seq_len:
-        cfg = dataclasses.replace(cfg, max_seq_len=seq_len)
+        if isinstance(cfg, GPTConfig):  # learned positions: a longer context is a different, larger model
+            raise AutoparError(
+                f"{name} has {cfg.max_seq_len} learned positions; seq_len={seq_len} needs a larger position table. "
+                f"Pass seq_len ≤ {cfg.max_seq_len}, or max_seq_len={seq_len} to build that larger model on purpose")
+        cfg = dataclasses.replace(cfg, max_seq_len=seq_len)  # rotary positions extend without new parameters
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "meta" else torch.float32)
     factory: Callable[[Any], nn.Module] = GPT if isinstance(cfg, GPTConfig) else Llama
