@@ -6,13 +6,15 @@ What is adjusted, and why that is sound:
   GEMM and elementwise (time against work, interpolated log-log, extrapolated at the best rate) and
   the eager-op floor (cost_models.compute). Multiplying every time in those tables by k multiplies
   every predicted compute time by exactly k (the model is homogeneous of degree 1 in the table times),
-  so a plan re-priced on the calibrated profile predicts k× the compute it did. k is fitted as
-  Σ measured / Σ predicted of (compute + recompute + optimizer) over the runs given: the in-situ cost of
+  so a plan re-priced on the calibrated profile predicts k× the compute it did. k is fitted on
+  measured / predicted of (compute + recompute + optimizer) over the runs given (`fit_calibration`: the
+  ratio of the sums for one or two runs, the median of the per-run ratios from three on, so that one run
+  disturbed by other work on a shared machine does not set the factor): the in-situ cost of
   this model's kernels (small shapes, cache misses, framework dispatch, DTensor wrappers) relative to
   the isolated micro-benchmarks. Processes sharing cores is modelled before that (Cluster.local divides
   the machine among the processes), so k is a property of model and machine, not of the layout.
-- Communication. Per group size K, the profiled collective tables of K ranks are multiplied by
-  Σ measured / Σ predicted of the components carried by K-rank groups (tp_comm on tp = K, dp_comm on
+- Communication. Per group size K, the profiled collective tables of K ranks are multiplied by the
+  same kind of ratio of the components carried by K-rank groups (tp_comm on tp = K, dp_comm on
   dp = K), which scales every collective of K ranks predicted from them by the same factor.
 - Nothing else: the pipeline bubble follows from the calibrated stage times; components predicted as
   zero (e.g. a data-parallel sync the planner assumes hidden) cannot be scaled, and stay in the report.
@@ -24,6 +26,7 @@ equal Cluster.local(nproc, profile)'s), measured on the same machine; anything e
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,26 +74,34 @@ class Calibration:
                 + (f"; {comm}" if comm else ""))
 
 
+def _ratio(pairs: list[tuple[float, float]]) -> float:
+    """measured / predicted over (measured, predicted) pairs: ratio of sums (the least-squares fit of
+    measured = k·predicted weighted by 1/predicted) for ≤ 2 pairs, else the median of the ratios."""
+    if len(pairs) <= 2:
+        return sum(m for m, _ in pairs) / sum(p for _, p in pairs)
+    return statistics.median(m / p for m, p in pairs)
+
+
 def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
-    """Ratio-of-sums factors (the least-squares fit of measured = k·predicted weighted by 1/predicted)."""
+    """Compute and per-group-size communication factors (module docstring)."""
     if not records:
         raise ValueError("calibration needs at least one run record")
-    meas_c = pred_c = 0.0
-    comm_m: dict[int, float] = {}
-    comm_p: dict[int, float] = {}
+    compute: list[tuple[float, float]] = []
+    comm: dict[int, list[tuple[float, float]]] = {}
     for r in records:
         measured = r.breakdown()
-        meas_c += sum(measured[k] for k in COMPUTE_KEYS)
-        pred_c += sum(r.predicted_breakdown.get(k, 0.0) for k in COMPUTE_KEYS)
+        compute.append((sum(measured[k] for k in COMPUTE_KEYS),
+                        sum(r.predicted_breakdown.get(k, 0.0) for k in COMPUTE_KEYS)))
         for key, size in (("tp_comm", r.config.tp), ("dp_comm", r.config.dp)):
             if size > 1 and r.predicted_breakdown.get(key, 0.0) > 0:
-                comm_m[size] = comm_m.get(size, 0.0) + measured[key]
-                comm_p[size] = comm_p.get(size, 0.0) + r.predicted_breakdown[key]
-    if pred_c <= 0 or meas_c <= 0:
-        raise ValueError(f"cannot calibrate compute: measured {meas_c} s, predicted {pred_c} s")
-    comm = {k: comm_m[k] / comm_p[k] for k in comm_p if comm_m[k] > 0}
-    return Calibration(compute_factor=meas_c / pred_c, comm_factors=comm, measured_compute_s=meas_c,
-                       predicted_compute_s=pred_c, runs=len(records))
+                comm.setdefault(size, []).append((measured[key], r.predicted_breakdown[key]))
+    meas_c, pred_c = sum(m for m, _ in compute), sum(p for _, p in compute)
+    if pred_c <= 0 or meas_c <= 0 or any(p <= 0 for _, p in compute):
+        raise ValueError(f"cannot calibrate compute: measured {meas_c} s, predicted {pred_c} s "
+                         f"(per run: {compute})")
+    factors = {k: _ratio(v) for k, v in comm.items()}
+    return Calibration(compute_factor=_ratio(compute), comm_factors={k: f for k, f in factors.items() if f > 0},
+                       measured_compute_s=meas_c, predicted_compute_s=pred_c, runs=len(records))
 
 
 def _check(record: RunRecord, profile: Profile, where: str) -> None:

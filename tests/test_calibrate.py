@@ -115,3 +115,14 @@ def test_refuses_runs_of_another_machine_or_profile(graph):
     other = dataclasses.replace(prof, launch_overhead_s=9e-6)
     with pytest.raises(ProfileMismatchError, match="made with another profile"):
         calibrate([_record(plan, {"compute": 0.1})], other)
+
+
+def test_from_three_runs_one_disturbed_run_does_not_set_the_factor(graph):
+    prof = _profile()
+    plan = autopar.plan(graph, Cluster.local(nproc=2, profile=prof), global_batch_size=4,
+                        options=autopar.PlannerOptions(dp=2, zero_stage=0, top_k=0))
+    pred = sum(plan.estimate.breakdown[k] for k in ("compute", "recompute", "optimizer"))
+    # three runs measured 2×, 2.2× and (disturbed by other work) 9× the predicted compute
+    records = [_record(plan, {"compute": f * pred - 0.01, "optimizer": 0.01}) for f in (2.0, 2.2, 9.0)]
+    assert fit_calibration(records).compute_factor == pytest.approx(2.2)
+    assert fit_calibration(records[:2]).compute_factor == pytest.approx(2.1)  # two runs: ratio of the sums
