@@ -11,9 +11,11 @@ With a measured `Profile` (same device), measurement wins: a layer time stored u
 GEMM, batched-matmul (attention) and elementwise tables (time against work / bytes, log-log
 interpolated, made monotone), whose times already include the launch floor.
 
-A layer pass is a sequence of kernels, so its time is the sum of their times (`kernels_time_s`): GEMMs
-against weights, attention kernels (a fused flash kernel on GPU, batched matmuls on CPU) and
-memory-bound kernels (norms, activations, residual adds), each priced at its own size.
+A layer pass is a sequence of kernels, so its time is the sum of their times (`kernel_time_s` per
+kernel, as capture lists them): GEMMs against weights by work and layout, attention kernels (a fused
+flash kernel on GPU, batched matmuls by shape on CPU) and memory-bound kernels (norms, activations,
+residual adds) in their own measured class at their own tensor size. `kernels_time_s` prices the older
+per-kind totals, spreading work evenly over a kind's kernels (a mix of sizes at its mean size).
 """
 
 from __future__ import annotations
@@ -199,6 +201,37 @@ class ComputeModel:
         roof = max(self._compute_s(flops, dtype, layout), self._memory_s(bytes_moved, dtype))
         return max(roof, self.launch_s) if self._measured_tables(dtype) else roof + self.launch_s
 
+    def kernel_time_s(self, kind: str, work: float, *, dtype: str = "bfloat16", tensor_bytes: float = 0.0,
+                      layout: str | None = None, mnk: tuple[int, int, int] | None = None) -> float:
+        """Seconds for one kernel of a layer pass, priced as `optrace.predict_op_time_s` prices the op:
+
+          gemm            `work` FLOPs at the GEMM table's rate for that work and operand layout (the
+                          roofline with eff(W) without a profile)
+          attention       a batched matmul of per-matrix shape `mnk` (work / 2mnk matrices) from the
+                          batched-matmul table (`batched_gemm_time_s`); a fused kernel (mnk None) by work,
+                          at GPU_ATTENTION_EFF_MAX on a GPU
+          memory kinds    `work` bytes in the measured table of that class (MEMORY_KINDS) at the rate of a
+                          tensor of `tensor_bytes`; bandwidth × efficiency without a profile
+        plus the launch floor (measured times already include it, so there it is a minimum).
+        """
+        if work < 0 or tensor_bytes < 0:
+            raise ValueError(f"kernel_time_s: work={work} and tensor_bytes={tensor_bytes} must be non-negative")
+        if kind == "gemm":
+            t = self._compute_s(work, dtype, layout)
+        elif kind == "attention":
+            rows = self.profile.gemm_samples(dtype, layout, batched=True) if self.profile is not None else []
+            if mnk is not None and rows and work > 0:
+                m, n, k = mnk
+                exact = [r for r in rows if (r.m, r.n, r.k) == (m, n, k) and (layout is None or r.layout == layout)]
+                t = exact[0].time_s * work / exact[0].flops if exact else work / _shape_rate(rows, m, n, k)
+            else:
+                t = self._compute_s(work, dtype, attention=True)
+        elif kind in MEMORY_KINDS:
+            t = self._memory_s(work, dtype, kind, tensor_bytes or None)
+        else:
+            raise ValueError(f"kernel_time_s: kind={kind!r}; expected 'gemm', 'attention' or one of {MEMORY_KINDS}")
+        return _kernel_floor(self._measured_tables(dtype), self.launch_s, t)
+
     def kernels_time_s(self, *, gemm_flops: float, gemm_count: int, attention_flops: float, attention_count: int,
                        memory_bytes: float, memory_count: int, dtype: str = "bfloat16") -> float:
         """Seconds for one layer pass as the sum of its kernels (a capture KernelMix, in numbers):
@@ -231,6 +264,11 @@ class ComputeModel:
         if memory_count:
             total += memory_count * kernel_s(self._memory_s(memory_bytes / memory_count, dtype))
         return total
+
+
+def _kernel_floor(measured: bool, launch_s: float, work_s: float) -> float:
+    """A kernel's time with the launch floor: measured times include it (a minimum), modelled ones add it."""
+    return max(work_s, launch_s) if measured else work_s + launch_s
 
 
 def _shape_rate(rows: list[GemmSample], m: int, n: int, k: int) -> float:

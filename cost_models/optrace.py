@@ -21,7 +21,7 @@ from torch.utils.flop_counter import flop_registry
 
 from cost_models.compute import ComputeModel
 
-__all__ = ["OpRecord", "trace_ops", "predict_op_time_s", "predict_ops_time_s"]
+__all__ = ["OpRecord", "describe_op", "trace_ops", "predict_op_time_s", "predict_ops_time_s"]
 
 _GEMMS = {"mm", "addmm"}
 _BATCHED_GEMMS = {"bmm", "baddbmm"}
@@ -68,6 +68,37 @@ def _layout_char(t: torch.Tensor) -> str:
     return "t" if t.dim() >= 2 and t.stride(-2) == 1 and t.shape[-1] > 1 else "n"
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def describe_op(func: Any, args: tuple, kwargs: dict, out: Any, flops: float | None = None) -> OpRecord:
+    """What one dispatched aten op costs: its class, FLOPs (torch's flop registry unless given), bytes,
+    GEMM shape and layout. Works on real, meta and fake tensors (capture prices layers with it too)."""
+    packet = func.overloadpacket
+    ins, outs = _tensors((args, kwargs)), _tensors(out)
+    in_storages = {_storage(t) for t in ins}
+    # a view (view, t, _unsafe_view, ...) returns an alias of an input without mutating anything
+    is_view = (not func._schema.is_mutable and bool(outs) and all(_storage(t) in in_storages for t in outs))
+    if flops is None:
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+    mnk, layout, batch = None, "nn", 1
+    name = packet.__name__
+    if name in _GEMMS or name in _BATCHED_GEMMS:
+        a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+        mnk = (int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]))
+        layout = _layout_char(a) + _layout_char(b)
+        batch = int(a.shape[0]) if name in _BATCHED_GEMMS else 1
+    moved = _PASSES.get(name, 1) * sum(t.numel() * t.element_size() for t in ins + outs)
+    largest = max((t.numel() * t.element_size() for t in ins + outs), default=0)
+    biggest_in = max((t.numel() for t in ins), default=0)
+    reduction = bool(outs) and biggest_in >= 4 * max(t.numel() for t in outs) and mnk is None
+    strided = name in _COPIES and not is_view and any(not t.is_contiguous() for t in ins)
+    return OpRecord(name=name, flops=float(flops), bytes_moved=int(moved), gemm_mnk=mnk, gemm_layout=layout,
+                    is_view=is_view, is_reduction=reduction, gemm_batch=batch, is_strided_copy=strided,
+                    tensor_bytes=int(largest))
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -76,28 +107,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func.overloadpacket
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
-        in_ptrs = {t.untyped_storage().data_ptr() for t in ins if t.device.type != "meta"}
-        # a view (view, t, _unsafe_view, ...) returns an alias of an input without mutating anything
-        is_view = (not func._schema.is_mutable and bool(outs)
-                   and all(t.untyped_storage().data_ptr() in in_ptrs for t in outs))
-        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
-        mnk, layout, batch = None, "nn", 1
-        name = packet.__name__
-        if name in _GEMMS or name in _BATCHED_GEMMS:
-            a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
-            mnk = (a.shape[-2], b.shape[-1], a.shape[-1])
-            layout = _layout_char(a) + _layout_char(b)
-            batch = a.shape[0] if name in _BATCHED_GEMMS else 1
-        moved = _PASSES.get(name, 1) * sum(t.numel() * t.element_size() for t in ins + outs)
-        largest = max((t.numel() * t.element_size() for t in ins + outs), default=0)
-        biggest_in = max((t.numel() for t in ins), default=0)
-        reduction = bool(outs) and biggest_in >= 4 * max(t.numel() for t in outs) and mnk is None
-        strided = name in _COPIES and not is_view and any(not t.is_contiguous() for t in ins)
-        self.ops.append(OpRecord(name=name, flops=flops, bytes_moved=moved, gemm_mnk=mnk, gemm_layout=layout,
-                                 is_view=is_view, is_reduction=reduction, gemm_batch=batch,
-                                 is_strided_copy=strided, tensor_bytes=largest))
+        self.ops.append(describe_op(func, args, kwargs, out))
         return out
 
 

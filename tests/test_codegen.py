@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
 import pytest
 from dist_harness import run_distributed
-from parity_models import HEADS, batches, build_model, graph_of, handmade_graph, make_plan, optimizer
+from parity_models import BATCH, HEADS, batches, build_model, graph_of, handmade_graph, make_plan, optimizer
 
+from autopar.capture.graph import ModelGraph
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.errors import PlanMismatchError
+from autopar.planner.dp_costs import DPTail
+from autopar.planner.tp_costs import tp_collectives
+
+# CommDebugMode's names (functional collectives from DTensor, c10d ops from dist.*) → the planner's
+_OBSERVED_KIND = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                  "reduce_scatter_tensor": "reduce_scatter"}
 
 
-def _comm_counts(kind: str, config: dict) -> dict[str, int]:
+def _comm_counts(kind: str, config: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     model = build_model(kind)
@@ -22,9 +30,32 @@ def _comm_counts(kind: str, config: dict) -> dict[str, int]:
     x, t = batches(1)[0]
     with CommDebugMode() as mode:
         pm.train_step(pm.local_batch(x), pm.local_batch(t))
-    counts = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
-    patterns = [p.kind for la in graph.layers for p in la.tp_patterns]
-    return {"counts": counts, "patterns": patterns}
+    counts: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = _OBSERVED_KIND.get(str(op).split(".")[-1], str(op))
+        counts[name] = counts.get(name, 0) + n
+    return {"counts": counts, "graph": graph.to_json(), "config": config}
+
+
+def _planned_counts(graph: ModelGraph, config: dict) -> dict[str, int]:
+    """What the cost model charges for one step of `config` (one micro-batch): every layer's TP
+    collectives (tp_collectives, the function costs.py prices) and the data-parallel tail's (the loss)."""
+    tp, sp = config.get("tp", 1), config.get("sequence_parallel", False)
+    counts: dict[str, int] = {}
+    for layer in graph.layers:
+        for c in tp_collectives(graph, layer, tp=tp, sp=sp, micro_batch=BATCH):
+            counts[c.op] = counts.get(c.op, 0) + 1
+    tail = DPTail(zero_stage=0, dp=1, world=tp, microbatches=1, rank_grad_bytes=1.0,
+                  collective_s=lambda *_: 0.0, memory_s=lambda _n: 0.0)
+    counts["all_reduce"] = counts.get("all_reduce", 0) + tail.collectives_per_step(len(graph.layers))
+    return counts
+
+
+_TP_CONFIGS = [dict(tp=2), dict(tp=2, sequence_parallel=True)]
+
+
+def _collective_jobs() -> list:
+    return [[_comm_counts(kind, c) for kind in ("gpt", "hf_llama") for c in _TP_CONFIGS], _world_size_error()]
 
 
 def _world_size_error() -> str:
@@ -37,29 +68,32 @@ def _world_size_error() -> str:
     return "no error"
 
 
-def _collective_jobs() -> list:
-    return [_comm_counts("hf_llama", dict(tp=2)), _comm_counts("hf_llama", dict(tp=2, sequence_parallel=True)),
-            _world_size_error()]
-
-
 @pytest.mark.multiproc
-def test_tp_collectives_match_the_patterns_and_world_size_is_checked():
-    plain, sp, world_error = run_distributed(_collective_jobs, 2)[0]
-    blocks = sum(k in ("attention", "mlp") for k in plain["patterns"])
-    assert blocks == 4 and "embedding" in plain["patterns"] and "lm_head" in plain["patterns"]
-    # Megatron TP: each attention/MLP pattern one all-reduce forward + one backward; the vocab-parallel
-    # embedding one forward; the LM head one backward (its input gradient).
-    assert plain["counts"].get("all_reduce") == 2 * blocks + 1 + 1
-    assert "all_gather_into_tensor" not in plain["counts"] and "reduce_scatter_tensor" not in plain["counts"]
-    # c10d all-reduces: the parallel cross-entropy (max; sum-exp with target logit) and the reported loss.
-    assert plain["counts"].get("allreduce_") == 2 + 1
-    # With sequence parallelism each pattern all-gathers its input and reduce-scatters its output in
-    # forward, mirrored in backward; the LM head all-gathers its input (backward: reduce-scatter); the
-    # sequence split after the embedding is free forward and an all-gather backward.
-    assert sp["counts"].get("all_gather_into_tensor") == 2 * blocks + 1 + 1
-    assert sp["counts"].get("reduce_scatter_tensor") == 2 * blocks + 1
+def test_tp_collectives_observed_are_the_ones_the_cost_model_prices():
+    runs, world_error = run_distributed(_collective_jobs, 2)[0]
+    for run in runs:
+        graph = ModelGraph.from_json(run["graph"])
+        assert run["counts"] == _planned_counts(graph, run["config"]), (graph.model_name, run["config"])
+    # The same function, read by hand for the hf_llama plan (2 blocks, vocab-parallel embedding and head):
+    # 4 patterns × (forward + backward) + embedding forward + head backward + 2 cross-entropy + the loss.
+    plain = _planned_counts(ModelGraph.from_json(runs[2]["graph"]), runs[2]["config"])
+    assert plain == {"all_reduce": 4 * 2 + 1 + 1 + 2 + 1}
     assert "world size is 2" in world_error and "needs 4 processes" in world_error
     assert "--nproc_per_node 4" in world_error
+
+
+def test_planned_collectives_change_when_codegen_would():
+    """The comparison above can fail: one more collective in a layer changes the planned counts."""
+    graph = graph_of("hf_llama", build_model("hf_llama"))
+    base = _planned_counts(graph, dict(tp=2, sequence_parallel=True))
+    # SP: per pattern an all-gather and a reduce-scatter each way; the head gathers its input forward and
+    # reduce-scatters backward; the sequence split after the embedding gathers its gradient backward;
+    # 5 RMSNorm weights (2 per block, the final norm) reduced 3 times each by AdamW, plus the embedding's
+    # forward all-reduce, the cross-entropy's 2 and the loss.
+    assert base == {"all_gather": 4 * 2 + 1 + 1, "reduce_scatter": 4 * 2 + 1, "all_reduce": 1 + 5 * 3 + 2 + 1}
+    extra = dataclasses.replace(graph.layers[1], tp_patterns=graph.layers[1].tp_patterns * 2)
+    more = dataclasses.replace(graph, layers=(graph.layers[0], extra, *graph.layers[2:]))
+    assert _planned_counts(more, dict(tp=2, sequence_parallel=True))["all_gather"] == base["all_gather"] + 4
 
 
 def test_plan_for_another_model_is_refused():

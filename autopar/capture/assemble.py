@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph, TPPattern
+from autopar.capture.graph import Kernel, KernelMix, LayerSpec, ModelGraph, TPPattern, merge_kernels
 from autopar.capture.layers import LayerGroup
 from autopar.capture.probe import CallStats
 from autopar.capture.record import Recording
@@ -90,6 +90,27 @@ def _vocab_sharded(mix: KernelMix, share: float) -> KernelMix:
                      memory_bytes_tp_sharded=mix.memory_bytes * share - mix.memory_bytes_tp_sharded * share)
 
 
+def _vocab_kernels(mix: KernelMix, logits_bytes: int) -> KernelMix:
+    """The call's kernels with those of a vocab-parallel LM head marked TP-sharded: its GEMMs and the
+    memory-bound kernels over logits-sized tensors (the vocabulary split divides both)."""
+    if logits_bytes <= 0:
+        return mix
+    kernels = [dataclasses.replace(k, tp_sharded=True) if k.kind == "gemm" or k.tensor_bytes >= logits_bytes
+               else k for k in mix.kernels]
+    return dataclasses.replace(mix, kernels=merge_kernels(kernels))
+
+
+def _norm_param_numels(model: nn.Module, units: tuple[str, ...]) -> tuple[int, ...]:
+    """Elements of each parameter of the norm modules in `units` (LayerNorm, RMSNorm and classes named
+    *Norm, the modules codegen keeps replicated and runs sequence-parallel)."""
+    out = []
+    for u in units:
+        for m in model.get_submodule(u).modules():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm"):
+                out.extend(p.numel() for p in m.parameters(recurse=False))
+    return tuple(out)
+
+
 def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_params: bool,
           embedding_names: list[str]) -> str:
     if any(p.kind == "lm_head" for p in patterns):
@@ -144,8 +165,6 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved += st.saved_bytes
         s.saved_tp_sharded += st.saved_bytes_tp_sharded
         s.saved_core += st.saved_bytes_attention_core
-        s.kernels_forward += st.kernels_forward
-        s.kernels_backward += st.kernels_backward
         s.signatures.append(call.signature)
         vocab_patterns = _vocab_patterns(call.unit, st, vocab_modules, vocab)
         vocab_names = {c for p in vocab_patterns for c in p.column}
@@ -153,10 +172,15 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         vocab_flops = sum(f for rel, _, _, f in st.linear_io
                           if (f"{call.unit}.{rel}" if call.unit and rel else call.unit or rel) in vocab_names)
         s.forward_flops_tp_sharded += vocab_flops
+        fwd, bwd = st.kernels_forward, st.kernels_backward
         if vocab_patterns:
             share = min(1.0, vocab_flops / st.forward_flops) if st.forward_flops else 0.0
-            s.kernels_forward += _vocab_sharded(st.kernels_forward, share)
-            s.kernels_backward += _vocab_sharded(st.kernels_backward, share)
+            logits = max((o for rel, _, o, f in st.linear_io if f > 0 and (
+                f"{call.unit}.{rel}" if call.unit and rel else call.unit or rel) in vocab_names), default=0)
+            fwd = _vocab_kernels(fwd, logits) + _vocab_sharded(fwd, share)
+            bwd = _vocab_kernels(bwd, logits) + _vocab_sharded(bwd, share)
+        s.kernels_forward += fwd
+        s.kernels_backward += bwd
         for p in _pair_patterns(call.unit, st) + vocab_patterns:
             s.patterns.setdefault((p.kind, p.column, p.row), p)
     for last_unit, cost in rec.top_level.items():
@@ -168,11 +192,15 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.bytes_read += cost.bytes_read
         s.bytes_written += cost.bytes_written
         s.saved += cost.saved_bytes
-        top = KernelMix(gemm_flops=cost.forward_flops, gemm_count=int(cost.forward_flops > 0),
-                        memory_bytes=float(cost.bytes_read + cost.bytes_written), memory_count=1)
+        moved = float(cost.bytes_read + cost.bytes_written)
+        gemm = [Kernel(kind="gemm", count=1, work=cost.forward_flops)] if cost.forward_flops > 0 else []
+        top = KernelMix(gemm_flops=cost.forward_flops, gemm_count=len(gemm), memory_bytes=moved, memory_count=1,
+                        kernels=(*gemm, Kernel(kind="elementwise", count=1, work=moved)))
         s.kernels_forward += top
         s.kernels_backward += KernelMix(gemm_flops=2 * top.gemm_flops, gemm_count=2 * top.gemm_count,
-                                        memory_bytes=2 * top.memory_bytes, memory_count=1)
+                                        memory_bytes=2 * top.memory_bytes, memory_count=1,
+                                        kernels=(*[dataclasses.replace(k, count=2) for k in gemm],
+                                                 Kernel(kind="elementwise", count=1, work=2 * moved)))
         s.signatures.append(f"top:{cost.forward_flops}:{cost.saved_bytes}")
 
     # Parameters: each counted once, in the first layer that holds it (tied weights stay with the embedding).
@@ -212,6 +240,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
                 p.allreduce_bytes_per_sample)) for p in patterns),
             kernels_forward=s.kernels_forward.scaled(1 / batch),
             kernels_backward=s.kernels_backward.scaled(1 / batch),
+            norm_param_numels=_norm_param_numels(model, g.units),
         ))
     attention = next((p for la in layers for p in la.tp_patterns if p.kind == "attention"), None)
     vocab_embedding = next((m for m in embeddings if m.num_embeddings == vocab), None)

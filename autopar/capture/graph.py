@@ -20,10 +20,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TPPattern", "KernelMix", "LayerSpec", "ModelGraph"]
+__all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "ModelGraph"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
+# what bounds a kernel: matmul FLOPs, or the bytes of one of the memory-bound classes that
+# cost_models.compute.MEMORY_KINDS prices from their own measured tables
+KERNEL_KINDS = ("gemm", "attention", "elementwise", "reduction", "transcendental", "copy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +71,51 @@ class TPPattern:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Kernel:
+    """`count` identical kernels of one pass of a layer, per sample (work and sizes scale with the batch).
+
+    work: FLOPs (gemm, attention) or bytes read + written (the memory-bound kinds), per kernel.
+    tensor_bytes: the kernel's largest tensor; a memory-bound kernel's measured rate depends on it
+      (cache, reused heap block or fresh mapping), which a layer total cannot tell.
+    layout: which GEMM operands are stored transposed ("nn", "nt", "tn"), as the profile's tables.
+    mnk: per-matrix (m, n, k) of a batched matmul (eager attention's bmm); the matrices per sample
+      are work / (2·m·n·k). None for GEMMs against weights and fused attention kernels.
+    tp_sharded: inside a tensor-parallel pattern, so tp ranks each run 1/tp of it.
+    """
+
+    kind: str
+    count: int
+    work: float
+    tensor_bytes: float = 0.0
+    layout: str = "nn"
+    mnk: tuple[int, int, int] | None = None
+    tp_sharded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KERNEL_KINDS:
+            raise ValueError(f"Kernel.kind={self.kind!r}; expected one of {KERNEL_KINDS}")
+        if self.count < 1 or self.work < 0 or self.tensor_bytes < 0:
+            raise ValueError(f"Kernel {self.kind}: count={self.count} must be ≥ 1, work={self.work} and "
+                             f"tensor_bytes={self.tensor_bytes} non-negative")
+        if self.mnk is not None:
+            object.__setattr__(self, "mnk", tuple(int(d) for d in self.mnk))
+
+    @property
+    def key(self) -> tuple:
+        """Kernels with equal keys are identical and are merged into one entry (counts added)."""
+        return (self.kind, self.work, self.tensor_bytes, self.layout, self.mnk, self.tp_sharded)
+
+
+def merge_kernels(kernels: list[Kernel] | tuple[Kernel, ...]) -> tuple[Kernel, ...]:
+    """Identical kernels merged (first-seen order), so a pass stores each distinct kernel once."""
+    counts: dict[tuple, Kernel] = {}
+    for k in kernels:
+        seen = counts.get(k.key)
+        counts[k.key] = k if seen is None else dataclasses.replace(seen, count=seen.count + k.count)
+    return tuple(counts.values())
+
+
+@dataclass(frozen=True, kw_only=True)
 class KernelMix:
     """The kernels of one pass (forward or backward) of a layer, per sample, grouped by what bounds them.
 
@@ -75,6 +123,9 @@ class KernelMix:
     GEMMs are compute-bound while its norms, activations and dropouts are memory-bound, and they
     run one after another. Counts are kernels per pass (they do not scale with the batch).
     The `*_tp_sharded` parts are inside tensor-parallel patterns and are divided by tp.
+    `kernels` lists the same kernels one by one (merged when identical), with the sizes and layouts
+    that set each one's measured rate; the totals above stay for readers that only need sums.
+    Graphs written before it existed have none, and are priced from the totals.
     """
 
     gemm_flops: float = 0.0  # matmuls against weights (linear layers)
@@ -86,20 +137,27 @@ class KernelMix:
     gemm_flops_tp_sharded: float = 0.0
     attention_flops_tp_sharded: float = 0.0
     memory_bytes_tp_sharded: float = 0.0
+    kernels: tuple[Kernel, ...] = ()
 
     def __post_init__(self) -> None:
+        ks = tuple(k if isinstance(k, Kernel) else Kernel(**k) for k in self.kernels)  # from JSON: dicts
+        object.__setattr__(self, "kernels", ks)
         if min(self.gemm_flops, self.attention_flops, self.memory_bytes, self.gemm_count, self.attention_count,
                self.memory_count) < 0:
             raise ValueError(f"KernelMix has a negative entry: {self}")
 
     def __add__(self, other: KernelMix) -> KernelMix:
-        return KernelMix(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                            for f in dataclasses.fields(self)})
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
+                if f.name != "kernels"}
+        return KernelMix(**sums, kernels=merge_kernels(self.kernels + other.kernels))
 
     def scaled(self, factor: float) -> KernelMix:
         """Work scaled by `factor` (e.g. 1/batch for per-sample numbers); kernel counts unchanged."""
-        return KernelMix(**{f.name: getattr(self, f.name) * (1 if f.name.endswith("count") else factor)
-                            for f in dataclasses.fields(self)})
+        sums = {f.name: getattr(self, f.name) * (1 if f.name.endswith("count") else factor)
+                for f in dataclasses.fields(self) if f.name != "kernels"}
+        kernels = [dataclasses.replace(k, work=k.work * factor, tensor_bytes=k.tensor_bytes * factor)
+                   for k in self.kernels]
+        return KernelMix(**sums, kernels=merge_kernels(kernels))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,8 +188,12 @@ class LayerSpec:
     tp_patterns: tuple[TPPattern, ...] = ()
     kernels_forward: KernelMix = field(default_factory=KernelMix)
     kernels_backward: KernelMix = field(default_factory=KernelMix)
+    # Elements of each parameter tensor of the layer's norm modules (LayerNorm weight and bias, RMSNorm
+    # weight): replicated under tensor parallelism, and reduced across the TP group under sequence parallelism.
+    norm_param_numels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "norm_param_numels", tuple(int(n) for n in self.norm_param_numels))
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"LayerSpec.kind={self.kind!r}; expected one of {LAYER_KINDS}")
         for f in ("num_params", "param_bytes", "saved_activation_bytes", "boundary_bytes"):

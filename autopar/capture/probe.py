@@ -28,8 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capture.graph import KernelMix
+from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import SDPA_OPS, gpu_kernels
+from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
 
@@ -112,12 +113,14 @@ class _Op:
     head_dim: int | None
     kind: str = "memory"  # "gemm" | "attention" | "memory" | "view" (see KernelMix)
     bytes_moved: int = 0
+    record: OpRecord | None = None  # shape, layout, memory class and largest tensor (cost_models.optrace)
 
 
-def _op_kind(packet: Any, func: Any, n_active: int) -> str:
+def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
     """What bounds a kernel: a matmul with a weight is a GEMM, one between two activations (or a fused
-    attention kernel) is attention, a view launches nothing, everything else streams memory."""
-    if func.is_view:
+    attention kernel) is attention, a view (an alias of an input) launches nothing, everything else
+    streams memory."""
+    if rec.is_view:
         return "view"
     if packet in SDPA_OPS or packet in _SDPA_BACKWARD_OPS:
         return "attention"
@@ -126,29 +129,69 @@ def _op_kind(packet: Any, func: Any, n_active: int) -> str:
     return "memory"
 
 
-class _OpLog(TorchDispatchMode):
-    """Records (kind, FLOPs, bytes) of each op a backward pass runs; FLOPs from a running FlopCounterMode."""
+def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool) -> Kernel:
+    """One kernel as the planner prices it: a memory-bound op in its measured class at its largest
+    tensor's size, a GEMM with its layout, a batched attention matmul with its per-matrix shape."""
+    if kind == "memory":
+        return Kernel(kind=rec.kind, count=1, work=work, tensor_bytes=rec.tensor_bytes, tp_sharded=tp_sharded)
+    batched = rec.gemm_mnk is not None and rec.gemm_batch > 1
+    return Kernel(kind=kind, count=1, work=work, layout=rec.gemm_layout, tp_sharded=tp_sharded,
+                  mnk=rec.gemm_mnk if kind == "attention" and batched else None)
 
-    def __init__(self, counter: FlopCounterMode) -> None:
+
+class _OpLog(TorchDispatchMode):
+    """Records each op a backward pass runs: (kind, FLOPs, bytes) and its `Kernel`; FLOPs from a running
+    FlopCounterMode. An op is TP-sharded when it reads a forward tensor inside a pattern, a gradient
+    computed inside one, or a sharded linear's weight; gradients flowing out of a column linear's input
+    are whole again (Megatron's all-reduce), those out of a row linear's input are sharded."""
+
+    def __init__(self, counter: FlopCounterMode, tracker: _Tracker, sharded: Any, linear_of: dict[int, str],
+                 tp_linears: set[str], rows: set[str]) -> None:
         super().__init__()
-        self.counter = counter
+        self.counter, self.tracker, self.sharded = counter, tracker, sharded
+        self.linear_of, self.tp_linears, self.rows = linear_of, tp_linears, rows
         self.ops: list[tuple[str, float, int]] = []
+        self.kernels: list[Kernel] = []
+        # keyed by storage without keeping gradients alive: a kept reference would stop AccumulateGrad from
+        # stealing a gradient and make it copy one that training never copies
+        self.grad_sharded: dict[int, bool] = {}
+
+    def _is_sharded(self, t: torch.Tensor) -> bool:
+        key = storage_key(t)
+        if key in self.grad_sharded:
+            return self.grad_sharded[key]
+        return key in self.tracker.tags and self.sharded(self.tracker.tags[key][0])
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         before = self.counter.get_total_flops()
-        out = func(*args, **(kwargs or {}))
-        flops = self.counter.get_total_flops() - before
+        out = func(*args, **kwargs)
+        flops = float(self.counter.get_total_flops() - before)
         packet = func.overloadpacket
-        kind = "view" if func.is_view else "matmul" if packet in _MATMUL_OPS else \
+        rec = describe_op(func, args, kwargs, out, flops)
+        kind = "view" if rec.is_view else "matmul" if packet in _MATMUL_OPS else \
             "attention" if packet in _SDPA_BACKWARD_OPS else "memory"
-        moved = 0 if func.is_view else tensor_bytes((args, kwargs)) + tensor_bytes(out)
-        self.ops.append((kind, float(flops), moved))
+        moved = 0 if rec.is_view else rec.bytes_moved
+        self.ops.append((kind, flops, moved))
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        weights = [self.linear_of.get(id(t._base if t._base is not None else t)) for t in ins]
+        linear = next((w for w in weights if w), None)
+        sharded = linear in self.tp_linears if linear else any(self._is_sharded(t) for t in ins)
+        out_sharded = linear in self.rows if linear else sharded
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.grad_sharded[storage_key(t)] = out_sharded
+        if kind != "view":
+            k = "attention" if kind == "attention" or (kind == "matmul" and rec.gemm_batch > 1) else \
+                "gemm" if kind == "matmul" else "memory"
+            self.kernels.append(_kernel(k, flops if k != "memory" else float(moved), rec, sharded))
         return out
 
 
 def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix:
     """Forward kernels by kind; an op inside a TP pattern (its linear, or data from column linears) is sharded."""
     sums: dict[str, float] = {}
+    kernels = []
     for op in ops:
         if op.kind == "view":
             continue
@@ -157,12 +200,16 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix
         sums[key] = sums.get(key, 0.0) + work
         count_key = key.split("_")[0] + "_count"
         sums[count_key] = sums.get(count_key, 0) + 1
-        if op.linear in tp_linears or sharded(op.src):
+        in_tp = op.linear in tp_linears or sharded(op.src)
+        if in_tp:
             sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
-    return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()})
+        if op.record is not None:
+            kernels.append(_kernel(op.kind, work, op.record, in_tp))
+    return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
+                     kernels=merge_kernels(kernels))
 
 
-def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix) -> KernelMix:
+def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix, kernels: list[Kernel]) -> KernelMix:
     """Backward kernels; matmul FLOPs split between GEMM and attention as in forward (each forward
     matmul has two backward matmuls of its size: Narayanan et al. 2021, eq. 3), and the TP-sharded
     shares of each kind taken from forward (a backward op runs on its forward op's shards)."""
@@ -182,6 +229,7 @@ def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix) -> Kern
     gemm = sum(mm) * (1 - attn_share)
     attention = sum(mm) * attn_share + sum(fused)
     return KernelMix(
+        kernels=merge_kernels(kernels),
         gemm_flops=gemm, gemm_count=len(mm) - n_attn_mm,
         attention_flops=attention, attention_count=n_attn_mm + len(fused),
         memory_bytes=float(sum(mem)), memory_count=len(mem),
@@ -252,9 +300,10 @@ class _Tracker(TorchDispatchMode):
         for t, tag in zip(outs, out_tags, strict=True):
             self.set_tag(t, tag)
         linear = self.linear_stack[-1] if self.linear_stack else None
-        moved = 0 if func.is_view else tensor_bytes(ins) + tensor_bytes(outs)
-        self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim,
-                            kind=_op_kind(packet, func, len(active)), bytes_moved=moved))
+        rec = describe_op(func, args, kwargs, out, flops)
+        kind = _op_kind(packet, rec, len(active))
+        self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
+                            bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec))
         return out
 
 
@@ -321,25 +370,27 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
         forward_flops = counter.get_total_flops()
+        pairs = _resolve_pairs(candidates)
+        column_sets = [cols for _, cols in pairs]
+        tp_linears = {row for row, _ in pairs}.union(*column_sets) if pairs else set()
+
+        def sharded(src: frozenset[str] | None) -> bool:
+            return bool(src) and any(src <= cols for cols in column_sets)
+
         roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        seeds = [torch.ones_like(t) for t in roots]  # the loss's gradient arrives from outside the layer
         backward_counter = FlopCounterMode(display=False)
-        op_log = _OpLog(backward_counter)
+        linear_of = {id(p): name for name, m in linears.items() for p in m.parameters(recurse=False)}
+        op_log = _OpLog(backward_counter, tracker, sharded, linear_of, tp_linears, {row for row, _ in pairs})
         with backward_counter, op_log, gpu_kernels():
             if roots:
-                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                torch.autograd.backward(roots, seeds)
         backward_flops = backward_counter.get_total_flops()
     finally:
         for h in handles:
             h.remove()
         for p in module.parameters():
             p.grad = None
-
-    pairs = _resolve_pairs(candidates)
-    column_sets = [cols for _, cols in pairs]
-    tp_linears = {row for row, _ in pairs}.union(*column_sets) if pairs else set()
-
-    def sharded(src: frozenset[str] | None) -> bool:
-        return bool(src) and any(src <= cols for cols in column_sets)
 
     specs = []
     for row, cols in pairs:
@@ -367,5 +418,5 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         linear_io=tuple((name, i, o, sum(op.flops for op in tracker.ops if op.linear == name))
                         for name, (i, o) in io.items()),
         kernels_forward=kernels_forward,
-        kernels_backward=_backward_mix(op_log.ops, kernels_forward),
+        kernels_backward=_backward_mix(op_log.ops, kernels_forward, op_log.kernels),
     )

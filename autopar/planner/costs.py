@@ -5,14 +5,16 @@ each run of identical layers into a `Run` (time by recompute mode, activation an
 gradient-sync, optimizer and p2p time) and each pipeline rank into its in-flight micro-batches and
 memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and micro-batch b:
 
-  pass time       the sum of the pass's kernels (LayerSpec.kernels_forward / kernels_backward, a KernelMix):
-                  GEMM and attention work b·(W − W_tp + W_tp/t), memory-bound traffic likewise (all of it ÷ t
+  pass time       the sum of the pass's kernels (LayerSpec.kernels_forward / kernels_backward, a KernelMix),
+                  each at b × its per-sample work (÷ t inside a TP pattern; every memory-bound kernel ÷ t
                   with SP, which shards norms, dropouts and residuals along the sequence: Korthikanti et al.
-                  2022 §4.2.2), priced by ComputeModel.kernels_time_s; graphs without kernel mixes fall back
-                  to one roofline over the layer's FLOPs and bytes
-  TP comm         per TPPattern one all-reduce of b·payload in forward and one in backward (Megatron-LM,
-                  Shoeybi et al. 2019 §3); with SP an all-gather + reduce-scatter of the same volume
-                  (Korthikanti et al. 2022 §4.2.2), over t ranks inside one node
+                  2022 §4.2.2), priced one by one by ComputeModel.kernel_time_s at its own size, layout and
+                  memory class; mixes without a kernel list by their totals (kernels_time_s); graphs without
+                  kernel mixes fall back to one roofline over the layer's FLOPs and bytes
+  TP comm         exactly the collectives codegen issues for the layer (autopar.planner.tp_costs.tp_collectives:
+                  Megatron's all-reduces per pattern, forward-only for a vocab-parallel embedding, backward and
+                  the parallel cross-entropy's for the LM head, SP's all-gathers and reduce-scatters), over t
+                  ranks inside one node; per-step ones (SP norm-gradient reductions) join the layer's γ
   recompute       selective: the attention core again, 4·b·s²·(heads·head_dim)/t FLOPs (Narayanan et al.
                   2021 eq. 3's attention term, forward); full: the whole forward and its TP comm again
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022)
@@ -40,6 +42,7 @@ from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
 from autopar.planner.dp_costs import DPTail
 from autopar.planner.ilp import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
+from autopar.planner.tp_costs import sp_span, tp_collectives
 from cost_models import memory
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
@@ -118,6 +121,7 @@ class CostModel:
             lambda sched, pp, m, v: tuple(memory.inflight_microbatches(sched, pp, m, q, v) for q in range(pp)))
         self._ranks = lru_cache(maxsize=None)(self._rank_memory_key)
         self._inter = lru_cache(maxsize=None)(self._inter_node_key)
+        self._span = sp_span(graph)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile=None, memory_reserve_fraction: float = 0.1
@@ -162,16 +166,10 @@ class CostModel:
             # Backward reads weights and activations and writes both gradients: twice the forward traffic.
             bwd = self.compute.op_time_s(mbs * layer.backward_flops * share, 2 * (param_bytes + act_traffic),
                                          self.dtype)
-        tp_fwd = 0.0
-        if tp > 1:
-            rpn = tp
-            for pat in layer.tp_patterns:
-                n = pat.allreduce_bytes_per_sample * mbs
-                if sp:
-                    tp_fwd += self.collective_s("all_gather", n, tp, rpn) + self.collective_s("reduce_scatter", n,
-                                                                                              tp, rpn)
-                else:
-                    tp_fwd += self.collective_s("all_reduce", n, tp, rpn)
+        tp_s = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        for c in tp_collectives(self.graph, layer, tp=tp, sp=sp, micro_batch=mbs, span=self._span):
+            tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
+        tp_fwd, tp_bwd = tp_s["forward"], tp_s["backward"]
         core_flops = 0.0
         if self.graph.seq_len:
             for pat in layer.tp_patterns:
@@ -194,13 +192,24 @@ class CostModel:
             input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp, recompute=k)
             for k in MODES)
         send_bytes = layer.boundary_bytes * mbs / (tp if sp else 1)
-        return {"compute": fwd + bwd, "backward": bwd, "tp_comm": 2 * tp_fwd, "recompute": recompute, "act": acts,
-                "names": tuple(la.name for la in self.runs[ri]),
-                "time": tuple(fwd + bwd + 2 * tp_fwd + r for r in recompute),
+        return {"compute": fwd + bwd, "backward": bwd, "tp_comm": tp_fwd + tp_bwd, "tp_step": tp_s["step"],
+                "recompute": recompute, "act": acts, "names": tuple(la.name for la in self.runs[ri]),
+                "time": tuple(fwd + bwd + tp_fwd + tp_bwd + r for r in recompute),
                 "send": (self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True))}
 
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int) -> float:
-        """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`."""
+        """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
+        priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
+        list by their per-kind totals (ComputeModel.kernels_time_s)."""
+        if mix.kernels:
+            total = 0.0
+            for k in mix.kernels:
+                memory = k.kind not in ("gemm", "attention")
+                share = 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
+                total += k.count * self.compute.kernel_time_s(
+                    k.kind, mbs * share * k.work, dtype=self.dtype, tensor_bytes=mbs * share * k.tensor_bytes,
+                    layout=k.layout, mnk=k.mnk)
+            return total
 
         def work(total: float, sharded: float, all_sharded: bool = False) -> float:
             return mbs * (total / tp if all_sharded else total - sharded + sharded / tp)
@@ -285,7 +294,7 @@ class CostModel:
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
                 backward_s=tm["compute"] if overlaps else 0.0,
-                grad_sync_s=tail.layer_s(self._local_run(ri, c.tp) * self.elem),
+                grad_sync_s=tail.layer_s(self._local_run(ri, c.tp) * self.elem) + tm["tp_step"],
                 optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"]))
         ranks = self.rank_memory(c)
         return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,

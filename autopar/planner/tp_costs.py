@@ -1,0 +1,99 @@
+"""The tensor-parallel collectives of one layer, exactly as codegen issues them (the planner prices these).
+
+Per layer at TP degree t > 1, micro-batch b (payloads are the TPPattern's per-sample bytes × b), as
+autopar/codegen/tensor_parallel.py and loss.py run them on DTensor (Megatron-LM, Shoeybi et al. 2019 §3;
+sequence parallelism, Korthikanti et al. 2022 §4.2.2):
+
+  attention / mlp    forward all-reduce of the row output, backward all-reduce of the input gradient;
+                     with SP: all-gather of the input + reduce-scatter of the row output, each way
+  embedding          forward all-reduce of its output (vocab-parallel lookup); with SP it is also where
+                     the sequence is split: free forward, an all-gather of the gradient backward
+  lm_head            backward all-reduce of its input gradient; with SP and sequence-shard input (no
+                     gather before it): all-gather of the input forward, reduce-scatter backward
+  loss on lm_head    the vocab-parallel cross-entropy: two forward all-reduces of fp32 per-token values
+                     (row max; sum of exponentials stacked with the target logit)
+  last SP layer      when no vocab-parallel head follows: an all-gather of its output forward
+  norms under SP     their weights stay replicated while the activations are sequence shards, so each
+                     norm parameter's gradient is a partial sum that DTensor all-reduces every time the
+                     optimizer reads it: AdamW reads it ADAMW_GRAD_READS times per step (phase "step")
+
+Phases: "forward" and "backward" run once per micro-batch, "step" once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from autopar.capture.graph import LayerSpec, ModelGraph
+
+__all__ = ["ADAMW_GRAD_READS", "CE_BYTES_PER_TOKEN", "TPCollective", "sp_span", "tp_collectives"]
+
+# torch.optim.AdamW (torch/optim/adamw.py → adam.py, _multi_tensor_adam / _single_tensor_adam) reads each
+# gradient three times: lerp_(grad) for the first moment and addcmul_(grad, grad) for the second.
+ADAMW_GRAD_READS = 3
+# loss.py _VocabParallelCrossEntropy: the fp32 row max [tokens] (4 B) and the stacked sum of exponentials
+# and target logit [2, tokens] (8 B).
+CE_BYTES_PER_TOKEN = (4, 8)
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+class TPCollective(NamedTuple):
+    op: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    phase: str  # "forward" | "backward" (per micro-batch) | "step" (per optimizer step)
+    n_bytes: float  # nccl-tests convention: all-reduce the buffer, all-gather the output, reduce-scatter the input
+
+
+class SPSpan(NamedTuple):
+    scatter_after: str
+    gather_after: str | None
+    sharded_layers: frozenset[str]
+
+
+def sp_span(graph: ModelGraph) -> SPSpan:
+    """Where codegen splits the sequence (codegen.tensor_parallel.sequence_span, restated without torch):
+    after the first embedding layer, through the last block or norm layer; gathered after that layer
+    unless a vocab-parallel LM head follows, which takes the shards itself."""
+    names = [la.name for la in graph.layers]
+    first = next((la.name for la in graph.layers if la.kind == "embedding"), names[0])
+    last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
+    head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
+    start = names.index(first)
+    return SPSpan(scatter_after=first, gather_after=None if head_next else names[last],
+                  sharded_layers=frozenset(names[start + 1:last + 1]))
+
+
+def tp_collectives(graph: ModelGraph, layer: LayerSpec, *, tp: int, sp: bool, micro_batch: int,
+                   span: SPSpan | None = None) -> tuple[TPCollective, ...]:
+    """The collectives `layer` issues over its TP group (module docstring), in order of appearance."""
+    if tp <= 1:
+        return ()
+    span = span or (sp_span(graph) if sp else None)
+    b = micro_batch
+    out: list[TPCollective] = []
+    for p in layer.tp_patterns:
+        n = p.allreduce_bytes_per_sample * b
+        if p.kind in ("attention", "mlp"):
+            if sp:
+                out += [TPCollective("all_gather", "forward", n), TPCollective("reduce_scatter", "forward", n),
+                        TPCollective("all_gather", "backward", n), TPCollective("reduce_scatter", "backward", n)]
+            else:
+                out += [TPCollective("all_reduce", "forward", n), TPCollective("all_reduce", "backward", n)]
+        elif p.kind == "embedding":
+            out.append(TPCollective("all_reduce", "forward", n))
+        elif p.kind == "lm_head":
+            if sp and span is not None and span.gather_after is None:
+                out += [TPCollective("all_gather", "forward", n), TPCollective("reduce_scatter", "backward", n)]
+            else:
+                out.append(TPCollective("all_reduce", "backward", n))
+            if graph.seq_len:
+                out += [TPCollective("all_reduce", "forward", c * b * graph.seq_len) for c in CE_BYTES_PER_TOKEN]
+    if sp and span is not None:
+        if layer.name == span.scatter_after:
+            out.append(TPCollective("all_gather", "backward", layer.boundary_bytes * b))
+        if layer.name == span.gather_after:
+            out.append(TPCollective("all_gather", "forward", layer.boundary_bytes * b))
+        if layer.name in span.sharded_layers:
+            elem = _DTYPE_BYTES.get(graph.dtype, 2)
+            out += [TPCollective("all_reduce", "step", n * elem) for n in layer.norm_param_numels
+                    for _ in range(ADAMW_GRAD_READS)]
+    return tuple(out)
