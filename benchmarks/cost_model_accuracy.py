@@ -5,13 +5,14 @@ what it has not measured?
 
 1. Profile this machine (`profile_machine(quick=True)`), unless --profile is given.
 2. GEMMs of shapes the sweep did not time: ComputeModel.gemm_time_s vs torch.mm, median of repeats.
-3. A GPT transformer block (h=768, 12 heads, s=512, b=2, eager attention) forward + backward, predicted
-   op by op from the GEMM, batched-matmul and elementwise tables only (cost_models.optrace) — not from a
-   layer entry; beside it (not counted) the kernel sum the planner uses, `ComputeModel.kernels_time_s`
-   on the same ops grouped into GEMMs, attention matmuls and memory-bound kernels.
-4. gloo all-reduce over 2 and 4 processes (4 on a 2-core machine is oversubscribed, which the profile's
-   table for 4 processes measured) at sizes midway (in log-size) between the profile's table points:
-   CommModel vs a fresh measurement with the same process count and clock.
+3. A GPT transformer block (h=768, 12 heads, s=512, b=2, eager attention) forward + backward: what the
+   planner charges for that layer (autopar.capture of a one-block GPT, CostModel.layer_compute_s: the
+   sum of the captured kernels, each priced from the GEMM, batched-matmul and elementwise tables at its
+   own size, layout and class) — not from a layer entry; beside it (not counted) the op-by-op prediction
+   of the same block traced on this machine (cost_models.optrace).
+4. gloo all-reduce over 2 and 4 processes (4 on a 2-core machine is oversubscribed) at sizes midway (in
+   log-size) between the profile's table points: CommModel on the profile's table for that process
+   count (measured now when the profile lacks it) vs a fresh measurement with the same count and clock.
 Prints each case with its relative error and whether it is within 15%, and the load average at each
 stage. Other processes on the same cores change both sides of the comparison: `--clock thread` times
 kernels, GEMMs and the block single-threaded by CPU time on both sides (the collectives stay on the wall
@@ -22,6 +23,7 @@ profile and measure at the same load (bf16 GEMMs on AMX are the most sensitive).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -31,7 +33,7 @@ import torch
 from cost_models import catalog
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
-from cost_models.optrace import OpRecord, predict_ops_time_s, trace_ops
+from cost_models.optrace import predict_ops_time_s, trace_ops
 from cost_models.profile import Profile
 from cost_models.profiler import profile_machine
 from cost_models.profiler.collectives import measure_collectives
@@ -46,7 +48,7 @@ ALLREDUCE_BYTES = [2**15, 2**19, 2**23]  # 32 KiB, 512 KiB, 8 MiB: midway betwee
 def row(name: str, predicted_s: float, measured_s: float) -> bool:
     err = predicted_s / measured_s - 1.0
     ok = abs(err) <= TOLERANCE
-    print(f"{name:<44}{predicted_s * 1e3:>12.3f}{measured_s * 1e3:>12.3f}{err * 100:>+9.1f}%  {'ok' if ok else 'MISS'}")
+    print(f"{name:<56}{predicted_s * 1e3:>12.3f}{measured_s * 1e3:>12.3f}{err * 100:>+9.1f}%  {'ok' if ok else 'MISS'}")
     return ok
 
 
@@ -61,14 +63,27 @@ def gemm_cases(cm: ComputeModel, device: torch.device, clock: str) -> list[bool]
     return results
 
 
-def block_cases(cm: ComputeModel, device: torch.device, clock: str) -> list[bool]:
+def block_cases(prof: Profile, device: torch.device, clock: str) -> list[bool]:
+    """The block row is what `autopar.plan` charges for that layer: capture of a one-block GPT at the
+    measured batch, priced by the planner's CostModel (the sum of the captured kernels)."""
     # imported here: spawned collective workers re-import this script and need only cost_models
+    import autopar
+    from autopar.planner.costs import CostModel
     from autopar.zoo.gpt import GPTBlock, GPTConfig
 
     results = []
     cfg = GPTConfig(n_layers=1, hidden_size=768, n_heads=12, vocab_size=1024, max_seq_len=512, dropout=0.0,
                     attn_impl="eager")
+    cm = ComputeModel(catalog.device("cpu"), prof)
+    link = catalog.link("cpu-loopback")
     for dtype in ("float32", "bfloat16"):
+        model, inputs = autopar.zoo.build("gpt2-small", seq_len=512, batch_size=2, dtype=DTYPES[dtype],
+                                          **{f: getattr(cfg, f) for f in ("n_layers", "vocab_size", "dropout",
+                                                                          "attn_impl")})
+        graph = autopar.capture(model, inputs)
+        planner = CostModel(graph, device=catalog.device("cpu"), devices_per_node=1, nodes=1, intra_node=link,
+                            inter_node=link, profile=prof, backend="gloo")
+        predicted = planner.layer_compute_s("blocks.0", tp=1, sp=False, micro_batch=2)
         block = GPTBlock(cfg).to(device=device, dtype=DTYPES[dtype])
         x = torch.randn(2, 512, 768, dtype=DTYPES[dtype], device=device, requires_grad=True)
         grad = torch.randn_like(x)
@@ -79,21 +94,22 @@ def block_cases(cm: ComputeModel, device: torch.device, clock: str) -> list[bool
             block(x).backward(grad)
 
         ops = trace_ops(step)
-        predicted = predict_ops_time_s(ops, cm, dtype)
         measured = time_callable(step, device, trial_s=0.3, trials=7, max_reps=20, clock=clock)
-        results.append(row(f"GPT block h768 s512 b2 fwd+bwd {dtype}", predicted, measured))
-        row(f"  (kernel sum, not counted) {dtype}", cm.kernels_time_s(**kernel_mix(ops), dtype=dtype), measured)
+        results.append(row(f"GPT block h768 s512 b2 fwd+bwd {dtype} (planner)", predicted, measured))
+        row(f"  (op by op, not counted) {dtype}", predict_ops_time_s(ops, cm, dtype), measured)
     return results
 
 
-def kernel_mix(ops: list[OpRecord]) -> dict[str, float]:
-    """The trace grouped as capture's KernelMix groups a layer: GEMMs, attention matmuls, memory-bound."""
-    gemms = [o for o in ops if o.gemm_mnk is not None and o.gemm_batch == 1]
-    attention = [o for o in ops if o.gemm_mnk is not None and o.gemm_batch > 1]
-    memory = [o for o in ops if o.gemm_mnk is None and not o.is_view]
-    return dict(gemm_flops=sum(o.flops for o in gemms), gemm_count=len(gemms),
-                attention_flops=sum(o.flops for o in attention), attention_count=len(attention),
-                memory_bytes=sum(o.bytes_moved for o in memory), memory_count=len(memory))
+def with_collective_tables(prof: Profile, groups: list[int]) -> Profile:
+    """The profile, plus all-reduce tables measured now for the group sizes it lacks: a table for 2
+    processes says nothing about 4 on a machine with fewer cores than processes."""
+    missing = [g for g in groups if not prof.collective_table("all_reduce", g)]
+    if not missing:
+        return prof
+    print(f"profile has no all_reduce table for {missing} processes: measuring them", flush=True)
+    extra = measure_collectives(max(missing), backend="gloo", quick=True, progress=lambda _m: None,
+                                plan=[("all_reduce", g) for g in missing])
+    return dataclasses.replace(prof, collectives=prof.collectives + tuple(extra))
 
 
 def allreduce_cases(prof: Profile, nproc: int) -> list[bool]:
@@ -110,6 +126,7 @@ def allreduce_cases(prof: Profile, nproc: int) -> list[bool]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="use this profile instead of measuring one now")
+    ap.add_argument("--save-profile", help="write the profile measured now here (to rerun with --profile)")
     ap.add_argument("--nproc", type=int, default=4, help="processes for the collective sweep (default 4)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="wall: elapsed time; thread: single-threaded CPU time, for shared machines")
@@ -123,18 +140,21 @@ def main() -> int:
     else:
         print(f"profiling this machine (quick sweep, {args.nproc} processes) ...", flush=True)
         prof = profile_machine(nproc=args.nproc, quick=True, clock=args.clock)
+        if args.save_profile:
+            prof.save(args.save_profile)
     print(f"profile: {prof.device_name}, torch {prof.torch_version}, {prof.created}, clock {prof.clock}, "
           f"{torch.get_num_threads()} threads; took {time.perf_counter() - t0:.0f} s; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     if prof.clock != args.clock:
         print(f"warning: the profile was timed with the {prof.clock} clock, this run with {args.clock}: "
               "not like with like")
+    prof = with_collective_tables(prof, [g for g in (2, 4) if g <= args.nproc])
     cm = ComputeModel(catalog.device("cpu"), prof)
-    print(f"{'case':<44}{'pred ms':>12}{'meas ms':>12}{'error':>10}")
+    print(f"{'case':<56}{'pred ms':>12}{'meas ms':>12}{'error':>10}")
     print(f"clock: {args.clock}")
     results = gemm_cases(cm, device, args.clock)
     print(f"(load average {os.getloadavg()[0]:.1f})")
-    results += block_cases(cm, device, args.clock)
+    results += block_cases(prof, device, args.clock)
     print(f"(load average {os.getloadavg()[0]:.1f})")
     results += allreduce_cases(prof, args.nproc)
     hits = sum(results)

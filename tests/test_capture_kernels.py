@@ -1,8 +1,12 @@
 """KernelMix: a layer's kernels by kind add up to the layer's measured totals, and split as the model says."""
 
+from collections import Counter
+
 import pytest
+import torch
 
 import autopar
+from cost_models.optrace import trace_ops
 
 
 @pytest.mark.parametrize("name, seq", [("gpt3-175b", 2048), ("llama3-8b", 4096), ("gpt-tiny", 128)])
@@ -13,6 +17,12 @@ def test_kernel_flops_add_up_to_the_layer_flops(name, seq):
         for mix, total in passes:
             assert mix.gemm_flops + mix.attention_flops == pytest.approx(total, rel=1e-9, abs=1.0)
             assert mix.gemm_flops_tp_sharded <= mix.gemm_flops * (1 + 1e-9)
+            # the kernel list is the same kernels one by one
+            matmul = sum(k.count * k.work for k in mix.kernels if k.kind in ("gemm", "attention"))
+            memory = sum(k.count * k.work for k in mix.kernels if k.kind not in ("gemm", "attention"))
+            assert matmul == pytest.approx(total, rel=1e-9, abs=1.0)
+            assert memory == pytest.approx(mix.memory_bytes, rel=1e-9, abs=1.0)
+            assert sum(k.count for k in mix.kernels if k.kind not in ("gemm", "attention")) == mix.memory_count
 
 
 def test_gpt_block_kernels_match_the_architecture():
@@ -46,3 +56,44 @@ def test_vocab_parallel_head_is_sharded_and_graph_round_trips():
     head = graph.layer("lm_head").kernels_forward
     assert head.gemm_flops_tp_sharded == pytest.approx(head.gemm_flops)
     assert autopar.ModelGraph.from_json(graph.to_json()) == graph
+
+
+def _trace_kernels(ops) -> Counter:
+    """(class, work) of each op a real CPU step ran, as the planner's Kernel kinds name them."""
+    out: Counter = Counter()
+    for o in ops:
+        if o.is_view:
+            continue
+        kind = "attention" if o.gemm_batch > 1 else "gemm" if o.gemm_mnk else o.kind
+        out[(kind, round(o.flops if o.gemm_mnk else o.bytes_moved))] += 1
+    return out
+
+
+def test_captured_kernels_are_the_ops_a_cpu_step_runs():
+    """Capture runs on meta tensors; the kernels it lists for a GPT block (× the batch) must be, one for
+    one, the ops a real fp32 forward + backward of that block dispatches on this CPU (optrace's record),
+    with the same memory class, GEMM layout and attention shape. Eager attention: with SDPA capture
+    lists the GPU's flash kernel on purpose, which a CPU does not run."""
+    attn_impl = "eager"
+    torch.manual_seed(0)
+    b, s = 2, 64
+    model, x = autopar.zoo.build("gpt-tiny", seq_len=s, batch_size=b, dtype=torch.float32, dropout=0.0,
+                                 attn_impl=attn_impl)
+    layer = autopar.capture(model, x).layer("blocks.0")
+    real, _ = autopar.zoo.build("gpt-tiny", seq_len=s, batch_size=b, device="cpu", dropout=0.0, attn_impl=attn_impl)
+    block = real.blocks[0]
+    h = torch.randn(b, s, real.blocks[0].ln_1.normalized_shape[0], requires_grad=True)
+    grad = torch.randn_like(h)
+    ops = trace_ops(lambda: block(h).backward(grad))
+    captured: Counter = Counter()
+    for mix in (layer.kernels_forward, layer.kernels_backward):
+        for k in mix.kernels:
+            captured[(k.kind, round(b * k.work))] += k.count
+    assert captured == _trace_kernels(ops)
+    layouts = Counter(o.gemm_layout for o in ops if o.gemm_mnk and o.gemm_batch == 1)
+    assert layouts == Counter(
+        k.layout for mix in (layer.kernels_forward, layer.kernels_backward) for k in mix.kernels
+        for _ in range(k.count) if k.kind == "gemm")
+    shapes = sorted(o.gemm_mnk for o in ops if o.gemm_batch > 1)
+    assert shapes == sorted(k.mnk for mix in (layer.kernels_forward, layer.kernels_backward) for k in mix.kernels
+                            for _ in range(k.count) if k.kind == "attention")

@@ -190,3 +190,34 @@ def test_optrace_batched_matmuls_strided_copies_and_two_pass_masked_fill():
     fill = next(o for o in ops if o.name == "masked_fill")
     one_pass = 4 * 2 * 3 * 8 * 8 * 2 + 8 * 8  # scores in + out (float32) and the (s, s) bool mask
     assert fill.bytes_moved == 2 * one_pass and fill.tensor_bytes == 4 * 2 * 3 * 8 * 8
+
+
+def test_kernel_time_prices_a_kernel_as_the_op_by_op_model_prices_the_op():
+    """kernel_time_s (the planner, per captured kernel) and the op-by-op model (optrace: op_time_s,
+    batched_gemm_time_s, the GEMM table by layout) give one kernel the same time."""
+    gemm = (GemmSample(m=256, n=256, k=256, dtype="float32", time_s=4e-4, layout="nt"),
+            GemmSample(m=1024, n=1024, k=1024, dtype="float32", time_s=1.6e-2, layout="nt"),
+            GemmSample(m=1024, n=1024, k=1024, dtype="float32", time_s=3.2e-2, layout="tn"),
+            GemmSample(m=256, n=256, k=64, dtype="float32", time_s=1e-3, layout="nn", batch=8),
+            GemmSample(m=1024, n=1024, k=64, dtype="float32", time_s=64e-3, layout="nn", batch=8))
+    ew = tuple(ElementwiseSample(op=op, dtype="float32", n_bytes=n * 2**20, time_s=n * 2**20 / rate,
+                                 tensor_bytes=2**20 * size) for op, n, rate, size in
+               (("add", 3, 10e9, 1), ("add", 96, 5e9, 32), ("exp", 2, 4e9, 1), ("exp", 64, 2e9, 32)))
+    cm = ComputeModel(catalog.device("cpu"), _profile(gemm=gemm, elementwise=ew))
+    w = 2.0 * 1024**3
+    assert cm.kernel_time_s("gemm", w, dtype="float32", layout="tn") == pytest.approx(3.2e-2)
+    assert cm.kernel_time_s("gemm", w, dtype="float32", layout="nt") == pytest.approx(
+        cm.gemm_time_s(1024, 1024, 1024, "float32", "nt"))
+    attn = 24 * 2.0 * 512 * 512 * 64  # 24 matrices of (512, 512, 64)
+    assert cm.kernel_time_s("attention", attn, dtype="float32", layout="nn", mnk=(512, 512, 64)) == \
+        pytest.approx(cm.batched_gemm_time_s(24, 512, 512, 64, "float32", "nn"))
+    assert cm.kernel_time_s("attention", 24 * 2.0 * 256 * 256 * 64, dtype="float32", layout="nn",
+                            mnk=(256, 256, 64)) == pytest.approx(3e-3)
+    for kind in ("elementwise", "transcendental"):
+        got = cm.kernel_time_s(kind, 5 * 2**22, dtype="float32", tensor_bytes=2**22)
+        assert got == pytest.approx(cm.op_time_s(0, 5 * 2**22, "float32", kind=kind, tensor_bytes=2**22))
+    # the rate follows the tensor's size: many small kernels are not priced at their mean size
+    small = 8 * cm.kernel_time_s("elementwise", 3 * 2**20, dtype="float32", tensor_bytes=2**20)
+    assert small == pytest.approx(8 * 3 * 2**20 / 10e9)
+    with pytest.raises(ValueError, match="kind='bogus'"):
+        cm.kernel_time_s("bogus", 1.0, dtype="float32")
