@@ -118,3 +118,15 @@ def test_predicted_collective_count_is_what_the_runtime_issues(tmp_path, options
     units = sum(1 for la in graph.layers if la.num_params > 0)
     for r in rec.ranks:  # the loss all-reduce runs on the world group ("other"), the rest on "dp"
         assert r.calls_per_step.get("dp", 0) + r.calls_per_step.get("other", 0) == t.collectives_per_step(units)
+
+
+def test_fsdp_host_overheads_are_charged_on_cpu_per_unit_and_micro_batch():
+    from autopar.planner.dp_costs import DTENSOR_OPTIMIZER_S, FSDP_HOOKS_S
+
+    kw = dict(dp=4, world=8, microbatches=3, rank_grad_bytes=64e6, collective_s=coll, memory_s=lambda n: n / MEM)
+    for zero in (2, 3):
+        gpu = DPTail(zero_stage=zero, **kw)
+        cpu = DPTail(zero_stage=zero, cpu_overhead_scale=2.0, **kw)
+        extra = 2.0 * (3 * FSDP_HOOKS_S[zero] + DTENSOR_OPTIMIZER_S)
+        assert cpu.layer_s(5e6) - gpu.layer_s(5e6) == pytest.approx(extra)
+    assert DPTail(zero_stage=0, cpu_overhead_scale=2.0, **kw).layer_s(5e6) == DPTail(zero_stage=0, **kw).layer_s(5e6)

@@ -283,9 +283,10 @@ class CostModel:
         def coll(op: str, n: float, k: int) -> float:
             return self.collective_s(op, n, k, rpn if k == dp else None)
 
+        host = max(1.0, self.world_size / self.cpu_cores) if self.cpu_cores else 0.0  # as Cluster.local's compute
         return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
                       rank_grad_bytes=grad_bytes, collective_s=coll,
-                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype))
+                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype), cpu_overhead_scale=host)
 
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
         tail = self.dp_tail(c)
