@@ -121,12 +121,12 @@ def test_predicted_collective_count_is_what_the_runtime_issues(tmp_path, options
 
 
 def test_fsdp_host_overheads_are_charged_on_cpu_per_unit_and_micro_batch():
-    from autopar.planner.dp_costs import DTENSOR_OPTIMIZER_S, FSDP_HOOKS_S
+    from autopar.planner.dp_costs import DTENSOR_OPTIMIZER_FLOORS, FSDP_HOOKS_FLOORS
 
     kw = dict(dp=4, world=8, microbatches=3, rank_grad_bytes=64e6, collective_s=coll, memory_s=lambda n: n / MEM)
     for zero in (2, 3):
         gpu = DPTail(zero_stage=zero, **kw)
-        cpu = DPTail(zero_stage=zero, cpu_overhead_scale=2.0, **kw)
-        extra = 2.0 * (3 * FSDP_HOOKS_S[zero] + DTENSOR_OPTIMIZER_S)
+        cpu = DPTail(zero_stage=zero, host_floor_s=2e-6, **kw)
+        extra = 2e-6 * (3 * FSDP_HOOKS_FLOORS[zero] + DTENSOR_OPTIMIZER_FLOORS)
         assert cpu.layer_s(5e6) - gpu.layer_s(5e6) == pytest.approx(extra)
-    assert DPTail(zero_stage=0, cpu_overhead_scale=2.0, **kw).layer_s(5e6) == DPTail(zero_stage=0, **kw).layer_s(5e6)
+    assert DPTail(zero_stage=0, host_floor_s=2e-6, **kw).layer_s(5e6) == DPTail(zero_stage=0, **kw).layer_s(5e6)

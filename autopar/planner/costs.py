@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
-from autopar.planner.dp_costs import DPTail
+from autopar.planner.dp_costs import FLOOR_S, DPTail
 from autopar.planner.ilp import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import sp_span, tp_collectives
@@ -57,6 +57,15 @@ __all__ = ["CostModel", "RankMemory", "group_runs"]
 # (1.1 M parameters) took 11 ms ≈ 88 MB at the profile's ~8 GB/s streaming rate
 # (`python benchmarks/predict_vs_measure.py`, optimizer component).
 ADAM_BYTES_PER_PARAM = 80
+# CPU time DTensor tensor parallelism adds per forward GEMM of a TP-sharded layer (a linear whose weight is
+# a DTensor): dispatch and sharding propagation in forward + backward, per micro-batch, and AdamW on its
+# DTensor parameters, per step. Measured with `python benchmarks/host_overhead.py` (gpt-tiny, one thread,
+# thread CPU time, 1-rank mesh, 2-vCPU development machine): 0.80–0.86 ms at micro-batch 1 and 4 (a cost
+# per call, not per sample) and 0.29 ms. Kept as multiples of that machine's eager-op floor (dp_costs.FLOOR_S)
+# so that they follow the profile's launch_overhead_s: the CPU's speed, core sharing, calibration. Charged
+# on CPU only; GPUs run it on the host ahead of the device.
+TP_HOST_FLOORS_PER_GEMM = 0.85e-3 / FLOOR_S
+TP_OPTIMIZER_FLOORS_PER_GEMM = 0.29e-3 / FLOOR_S
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
@@ -170,6 +179,8 @@ class CostModel:
         for c in tp_collectives(self.graph, layer, tp=tp, sp=sp, micro_batch=mbs, span=self._span):
             tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
         tp_fwd, tp_bwd = tp_s["forward"], tp_s["backward"]
+        if tp > 1 and layer.tp_patterns:  # DTensor dispatch on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
+            bwd += self.host_floor_s * TP_HOST_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count
         core_flops = 0.0
         if self.graph.seq_len:
             for pat in layer.tp_patterns:
@@ -244,7 +255,16 @@ class CostModel:
 
     def _run_optimizer_s(self, ri: int, tp: int, shards: int) -> float:
         local = self._local_run(ri, tp) / shards
-        return self.compute.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
+        layer = self.runs[ri][0]
+        dtensor = (self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
+                   if tp > 1 and layer.tp_patterns else 0.0)
+        return self.compute.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32") + dtensor
+
+    @property
+    def host_floor_s(self) -> float:
+        """The eager-op floor host overheads are counted in: the profile's (as Cluster.local shares it among
+        processes and calibration scales it) on CPU with gloo, 0 (not charged) elsewhere."""
+        return self.compute.launch_s if self.cpu_cores else 0.0
 
     # ---- communication as the runtime issues it ----
     def sharing_factor(self, group_size: int) -> float:
@@ -283,10 +303,10 @@ class CostModel:
         def coll(op: str, n: float, k: int) -> float:
             return self.collective_s(op, n, k, rpn if k == dp else None)
 
-        host = max(1.0, self.world_size / self.cpu_cores) if self.cpu_cores else 0.0  # as Cluster.local's compute
         return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
                       rank_grad_bytes=grad_bytes, collective_s=coll,
-                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype), cpu_overhead_scale=host)
+                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype),
+                      host_floor_s=self.host_floor_s)
 
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
         tail = self.dp_tail(c)

@@ -16,11 +16,13 @@ rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_pa
 
 On CPU, FSDP2 also costs CPU time that is not communication: its hooks around every layer in every
 micro-batch (unshard / reshard bookkeeping, copy-in and copy-out) and an optimizer step on DTensor
-shards (DTensor dispatch per parameter). Measured per FSDP unit with `python benchmarks/fsdp_overhead.py`
-(gpt-tiny, one thread, thread CPU time, this repository's 2-vCPU development machine): hooks 1.44 ms
-(ZeRO-2) and 1.76 ms (ZeRO-3) per unit per micro-batch, optimizer 1.30 ms per unit per step. They are
-charged with the layer's γ, slowed down like compute when processes outnumber cores, and not charged
-on GPUs, where the host runs them ahead of the device.
+shards (DTensor dispatch per parameter). Measured per FSDP unit with `python benchmarks/host_overhead.py`
+(gpt-tiny, one thread, thread CPU time, this repository's 2-vCPU development machine, whose profiled
+eager-op floor is 0.90 µs): hooks 1.44 ms (ZeRO-2) and 1.76 ms (ZeRO-3) per unit per micro-batch,
+optimizer 1.30 ms per unit per step. Both are Python and dispatch work, so they are kept as multiples of
+the eager-op floor (the profile's launch_overhead_s: ~1600, ~1950 and ~1440 floors), which makes them
+follow the CPU's speed, its sharing among processes (Cluster.local) and calibration like every other
+compute time. They are charged with the layer's γ, and not on GPUs, where the host runs ahead.
 
 ZeRO-0/1 collectives span the rank's whole gradient, so they are linearised around the average
 rank's G (γ per byte plus a fixed γ0, exact where the measured time is affine in size); FSDP2's are
@@ -33,15 +35,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["BUCKET_BYTES", "LOSS_BYTES", "FSDP_HOOKS_S", "DTENSOR_OPTIMIZER_S", "DPTail", "affine"]
+__all__ = ["BUCKET_BYTES", "LOSS_BYTES", "FSDP_HOOKS_FLOORS", "DTENSOR_OPTIMIZER_FLOORS", "DPTail", "affine"]
 
 BUCKET_BYTES = 25 * 2**20  # autopar.codegen.data_parallel.BUCKET_BYTES (DDP's bucket_cap_mb=25)
 LOSS_BYTES = 4  # one float32 loss value per rank
 FLAT_PASSES_ZERO0 = 6  # bytes moved per gradient byte packing, dividing and unpacking a bucket
 FLAT_PASSES_ZERO1 = 2  # bytes moved per parameter byte packing / unpacking the owners' broadcasts
 FSDP_COPY_PASSES = 2  # bytes moved per parameter byte by FSDP2's copy-in / copy-out of one collective
-FSDP_HOOKS_S = {2: 1.44e-3, 3: 1.76e-3}  # CPU s per FSDP unit per micro-batch (module docstring)
-DTENSOR_OPTIMIZER_S = 1.30e-3  # CPU s per FSDP unit per optimizer step (module docstring)
+FLOOR_S = 0.90e-6  # the eager-op floor of the machine the constants below were measured on
+FSDP_HOOKS_FLOORS = {2: 1.44e-3 / FLOOR_S, 3: 1.76e-3 / FLOOR_S}  # per FSDP unit per micro-batch
+DTENSOR_OPTIMIZER_FLOORS = 1.30e-3 / FLOOR_S  # per FSDP unit per optimizer step
 
 
 class DPTail:
@@ -53,11 +56,11 @@ class DPTail:
 
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
-                 cpu_overhead_scale: float = 0.0) -> None:
-        """cpu_overhead_scale: 0 on GPUs; on CPU the slowdown of one process's CPU work (1 when every
-        process has a core) that FSDP2's host overheads are charged with."""
+                 host_floor_s: float = 0.0) -> None:
+        """host_floor_s: the eager-op floor FSDP2's host overheads are counted in (module docstring); 0 on
+        GPUs, where they are not charged."""
         self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
-        self.cpu_overhead_scale = cpu_overhead_scale
+        self.host_floor_s = host_floor_s
         self._coll, self._mem = collective_s, memory_s
         g = rank_grad_bytes
         self._mem_per_byte = memory_s(g) / g if g > 0 else 0.0
@@ -91,7 +94,7 @@ class DPTail:
         if self.gathers_per_step == 0:
             return self.per_byte_s * grad_bytes
         k = self.gathers_per_step
-        host = self.cpu_overhead_scale * (self.microbatches * FSDP_HOOKS_S[self.zero_stage] + DTENSOR_OPTIMIZER_S)
+        host = self.host_floor_s * (self.microbatches * FSDP_HOOKS_FLOORS[self.zero_stage] + DTENSOR_OPTIMIZER_FLOORS)
         return (k * self._coll("all_gather", grad_bytes, self.dp) + self._coll("reduce_scatter", grad_bytes, self.dp)
                 + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes + host)
 
