@@ -82,11 +82,11 @@ latency_us = 6
 
 
 def test_explain_names_the_constraint_an_infeasible_layout_violates(tmp_path, capsys) -> None:
-    """gpt-tiny at 512 tokens fits a 0.25 GiB device with micro-batches of 8, not as one micro-batch of 32."""
+    """gpt-tiny at 256 tokens fits a 0.25 GiB device with micro-batches of 8, not as one micro-batch of 32."""
     cluster = tmp_path / "small.toml"
     cluster.write_text(SMALL_CLUSTER)
     plan = tmp_path / "p.json"
-    assert main(["plan", "gpt-tiny", "--cluster", str(cluster), "--global-batch-size", "64", "--seq-len", "512",
+    assert main(["plan", "gpt-tiny", "--cluster", str(cluster), "--global-batch-size", "64", "--seq-len", "256",
                  "--out", str(plan)]) == 0
     capsys.readouterr()
     cfg = "tp=1,pp=1,dp=2,zero=0,mbs=32,recompute=none"
