@@ -212,7 +212,8 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix
 def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix, kernels: list[Kernel]) -> KernelMix:
     """Backward kernels; matmul FLOPs split between GEMM and attention as in forward (each forward
     matmul has two backward matmuls of its size: Narayanan et al. 2021, eq. 3), and the TP-sharded
-    shares of each kind taken from forward (a backward op runs on its forward op's shards)."""
+    shares of each kind taken from forward (a backward op runs on its forward op's shards). `kernels`,
+    the same ops one by one from _OpLog, is kept as the pass's kernel list."""
     mm = [f for k, f, _ in log if k == "matmul"]
     fused = [f for k, f, _ in log if k == "attention"]
     mem = [b for k, _, b in log if k == "memory"]
