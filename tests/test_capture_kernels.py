@@ -49,6 +49,13 @@ def test_eager_attention_is_two_matmuls_and_its_backward_four():
     assert block.kernels_forward.attention_count == 2
     assert block.kernels_backward.attention_count == 4
     assert block.kernels_backward.attention_flops == pytest.approx(2 * block.kernels_forward.attention_flops)
+    # what selective recompute runs again: QKᵀ, the scale, mask, softmax and dropout of the scores, and P·V
+    core = [k for k in block.kernels_forward.kernels if k.attention_core]
+    assert sum(k.count for k in core if k.kind == "attention") == 2
+    assert {k.kind for k in core} == {"attention", "elementwise", "transcendental"}
+    assert not any(k.attention_core for k in block.kernels_backward.kernels)
+    fused = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=128)).layer("blocks.0").kernels_forward
+    assert [k.kind for k in fused.kernels if k.attention_core] == ["attention"]  # the flash kernel alone
 
 
 def test_vocab_parallel_head_is_sharded_and_graph_round_trips():

@@ -81,6 +81,9 @@ class Kernel:
     mnk: per-matrix (m, n, k) of a batched matmul (eager attention's bmm); the matrices per sample
       are work / (2·m·n·k). None for GEMMs against weights and fused attention kernels.
     tp_sharded: inside a tensor-parallel pattern, so tp ranks each run 1/tp of it.
+    attention_core: part of the attention core (the attention matmuls or fused kernel, and the scores'
+      mask, softmax and dropout between them): what selective recompute runs again (Korthikanti et al.
+      2022, §4.2). Forward kernels only.
     """
 
     kind: str
@@ -90,6 +93,7 @@ class Kernel:
     layout: str = "nn"
     mnk: tuple[int, int, int] | None = None
     tp_sharded: bool = False
+    attention_core: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_KINDS:
@@ -103,7 +107,8 @@ class Kernel:
     @property
     def key(self) -> tuple:
         """Kernels with equal keys are identical and are merged into one entry (counts added)."""
-        return (self.kind, self.work, self.tensor_bytes, self.layout, self.mnk, self.tp_sharded)
+        return (self.kind, self.work, self.tensor_bytes, self.layout, self.mnk, self.tp_sharded,
+                self.attention_core)
 
 
 def merge_kernels(kernels: list[Kernel] | tuple[Kernel, ...]) -> tuple[Kernel, ...]:

@@ -114,6 +114,7 @@ class _Op:
     kind: str = "memory"  # "gemm" | "attention" | "memory" | "view" (see KernelMix)
     bytes_moved: int = 0
     record: OpRecord | None = None  # shape, layout, memory class and largest tensor (cost_models.optrace)
+    core: bool = False  # in the attention core (Kernel.attention_core)
 
 
 def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
@@ -129,14 +130,15 @@ def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
     return "memory"
 
 
-def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool) -> Kernel:
+def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool, core: bool = False) -> Kernel:
     """One kernel as the planner prices it: a memory-bound op in its measured class at its largest
     tensor's size, a GEMM with its layout, a batched attention matmul with its per-matrix shape."""
     if kind == "memory":
-        return Kernel(kind=rec.kind, count=1, work=work, tensor_bytes=rec.tensor_bytes, tp_sharded=tp_sharded)
+        return Kernel(kind=rec.kind, count=1, work=work, tensor_bytes=rec.tensor_bytes, tp_sharded=tp_sharded,
+                      attention_core=core)
     batched = rec.gemm_mnk is not None and rec.gemm_batch > 1
     return Kernel(kind=kind, count=1, work=work, layout=rec.gemm_layout, tp_sharded=tp_sharded,
-                  mnk=rec.gemm_mnk if kind == "attention" and batched else None)
+                  mnk=rec.gemm_mnk if kind == "attention" and batched else None, attention_core=core)
 
 
 class _OpLog(TorchDispatchMode):
@@ -204,7 +206,7 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix
         if in_tp:
             sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
         if op.record is not None:
-            kernels.append(_kernel(op.kind, work, op.record, in_tp))
+            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core))
     return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
                      kernels=merge_kernels(kernels))
 
@@ -303,8 +305,9 @@ class _Tracker(TorchDispatchMode):
         linear = self.linear_stack[-1] if self.linear_stack else None
         rec = describe_op(func, args, kwargs, out, flops)
         kind = _op_kind(packet, rec, len(active))
+        in_core = kind == "attention" or any(core for _, core in out_tags)
         self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
-                            bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec))
+                            bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core))
         return out
 
 

@@ -15,8 +15,9 @@ memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and
                   Megatron's all-reduces per pattern, forward-only for a vocab-parallel embedding, backward and
                   the parallel cross-entropy's for the LM head, SP's all-gathers and reduce-scatters), over t
                   ranks inside one node; per-step ones (SP norm-gradient reductions) join the layer's γ
-  recompute       selective: the attention core again, 4·b·s²·(heads·head_dim)/t FLOPs (Narayanan et al.
-                  2021 eq. 3's attention term, forward); full: the whole forward and its TP comm again
+  recompute       selective: the attention core again: its captured kernels (Kernel.attention_core), else
+                  4·b·s²·(heads·head_dim)/t FLOPs (Narayanan et al. 2021 eq. 3's attention term, forward);
+                  full: the whole forward and its TP comm again
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022)
   model states    cost_models.memory.model_state_bytes on the layer's parameters ÷ t where TP shards them
   DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
@@ -34,6 +35,7 @@ gets C/N of a core when all N are busy (the same time-slicing Cluster.local appl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -188,7 +190,10 @@ class CostModel:
                     width = pat.num_heads * (pat.head_dim or (self.graph.hidden_size or 0) // pat.num_heads)
                     core_flops += 4.0 * mbs * self.graph.seq_len ** 2 * width / tp
         core_bytes = layer.saved_activation_bytes_attention_core * mbs / tp
-        if _has_kernels(layer) and (core_flops or core_bytes):
+        core = [k for k in layer.kernels_forward.kernels if k.attention_core]
+        if core:  # the captured attention-core kernels, priced as the pass prices them
+            sel = self._pass_s(dataclasses.replace(layer.kernels_forward, kernels=tuple(core)), tp, sp, mbs)
+        elif _has_kernels(layer) and (core_flops or core_bytes):
             kf = layer.kernels_forward
             sel = self.compute.kernels_time_s(
                 gemm_flops=0.0, gemm_count=0, attention_flops=core_flops, attention_count=kf.attention_count,
