@@ -122,9 +122,11 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
     dps = sorted({world_size // (t * p) for t in tps for p in divisors(world_size // t) if p <= graph.num_layers})
     fitting = [d for d in dps if batch % d == 0]
     if not fitting:
+        dp_min = min(dps)
+        below, above = (batch // dp_min) * dp_min, (batch // dp_min + 1) * dp_min
+        nearest = f"{below} or {above}" if below > 0 else f"{above}"
         return (f"global batch {batch} cannot be split over any data-parallel degree possible on {world_size} "
-                f"devices (dp ∈ {dps}); use a global batch divisible by one of them, e.g. "
-                f"{max(d for d in dps if d <= max(batch, 1)) if any(d <= batch for d in dps) else min(dps)}·k")
+                f"devices (dp ∈ {dps}); use a global batch divisible by one of them, e.g. {nearest}")
     return (f"no layout satisfies the pinned options ({_pins(o)}) with global batch {batch} on {world_size} "
             f"devices; data-parallel degrees that divide the batch: {fitting}. Unpin some options.")
 
