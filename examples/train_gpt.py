@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     if timing is not None:
         timing.__exit__(None, None, None)
         write_record(args, plan, pm, timer, overrides)
+    # Every rank finishes its last collective before any tears gloo down: a rank that leaves early can
+    # abort a peer still inside FSDP's final reduce ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
