@@ -13,6 +13,11 @@ What is adjusted, and why that is sound:
   this model's kernels (small shapes, cache misses, framework dispatch, DTensor wrappers) relative to
   the isolated micro-benchmarks. Processes sharing cores is modelled before that (Cluster.local divides
   the machine among the processes), so k is a property of model and machine, not of the layout.
+- Compute per process count. How much N processes slow each other beyond that core division (shared
+  caches, memory bandwidth, hyper-threaded or oversubscribed vCPUs) depends on N, not on the layout: the
+  ratio for the runs of N processes over k is kept per N (Profile.compute_scale_by_nproc) and applied by
+  Cluster.local(nproc=N). Measured here: 2 processes on the 2 vCPUs ran ~2× the single-process tables'
+  prediction while 4 and 8 ran close to the core-division model (`benchmarks/predict_vs_measure.py`).
 - Communication. Per group size K, the profiled collective tables of K ranks are multiplied by the
   same kind of ratio of the components carried by K-rank groups (tp_comm on tp = K, dp_comm on
   dp = K), which scales every collective of K ranks predicted from them by the same factor.
@@ -40,11 +45,17 @@ COMPUTE_KEYS = ("compute", "recompute", "optimizer")
 
 
 def scale_profile(profile: Profile, *, compute: float = 1.0, comm: dict[int, float] | None = None,
-                  note: str = "") -> Profile:
-    """`profile` with compute table times × `compute` and K-rank collective times × comm[K]."""
-    if not compute > 0 or any(not f > 0 for f in (comm or {}).values()):
-        raise ValueError(f"scale factors must be positive; got compute={compute}, comm={comm}")
+                  compute_by_nproc: dict[int, float] | None = None, note: str = "") -> Profile:
+    """`profile` with compute table times × `compute`, K-rank collective times × comm[K], and runs of
+    N processes' compute × compute_by_nproc[N] on top (kept in Profile.compute_scale_by_nproc)."""
+    factors = [compute, *(comm or {}).values(), *(compute_by_nproc or {}).values()]
+    if any(not f > 0 for f in factors):
+        raise ValueError(f"scale factors must be positive; got compute={compute}, comm={comm}, "
+                         f"compute_by_nproc={compute_by_nproc}")
     comm = comm or {}
+    by_nproc = dict(profile.compute_scale_by_nproc)
+    for n, f in (compute_by_nproc or {}).items():
+        by_nproc[n] = by_nproc.get(n, 1.0) * f
     notes = "; ".join(n for n in (profile.notes, note) if n)
     return dataclasses.replace(
         profile,
@@ -52,6 +63,7 @@ def scale_profile(profile: Profile, *, compute: float = 1.0, comm: dict[int, flo
         elementwise=tuple(dataclasses.replace(e, time_s=e.time_s * compute) for e in profile.elementwise),
         launch_overhead_s=profile.launch_overhead_s * compute,
         layer_times={k: v * compute for k, v in profile.layer_times.items()},
+        compute_scale_by_nproc=by_nproc,
         collectives=tuple(dataclasses.replace(c, time_s=c.time_s * comm.get(c.group_size, 1.0))
                           for c in profile.collectives),
         notes=notes)
@@ -63,12 +75,17 @@ class Calibration:
 
     compute_factor: float
     comm_factors: dict[int, float]  # group size → factor
+    # process count → compute factor relative to compute_factor (how much more or less N processes slow
+    # each other than the runs on average); only for counts some run had
+    compute_factors_by_nproc: dict[int, float] = dataclasses.field(default_factory=dict)
     measured_compute_s: float
     predicted_compute_s: float
     runs: int
 
     def describe(self) -> str:
-        comm = ", ".join(f"{k}-rank collectives ×{v:.3f}" for k, v in sorted(self.comm_factors.items()))
+        comm = ", ".join([f"{k}-rank collectives ×{v:.3f}" for k, v in sorted(self.comm_factors.items())]
+                         + [f"compute of {n} processes ×{v:.3f} more" for n, v in
+                            sorted(self.compute_factors_by_nproc.items()) if abs(v - 1.0) > 1e-12])
         return (f"calibrated from {self.runs} run(s): compute ×{self.compute_factor:.3f} (measured "
                 f"{self.measured_compute_s * 1e3:.1f} ms vs predicted {self.predicted_compute_s * 1e3:.1f} ms)"
                 + (f"; {comm}" if comm else ""))
@@ -87,11 +104,13 @@ def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
     if not records:
         raise ValueError("calibration needs at least one run record")
     compute: list[tuple[float, float]] = []
+    by_nproc: dict[int, list[tuple[float, float]]] = {}
     comm: dict[int, list[tuple[float, float]]] = {}
     for r in records:
         measured = r.breakdown()
         compute.append((sum(measured[k] for k in COMPUTE_KEYS),
                         sum(r.predicted_breakdown.get(k, 0.0) for k in COMPUTE_KEYS)))
+        by_nproc.setdefault(r.world_size, []).append(compute[-1])
         for key, size in (("tp_comm", r.config.tp), ("dp_comm", r.config.dp)):
             if size > 1 and r.predicted_breakdown.get(key, 0.0) > 0:
                 comm.setdefault(size, []).append((measured[key], r.predicted_breakdown[key]))
@@ -100,7 +119,9 @@ def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
         raise ValueError(f"cannot calibrate compute: measured {meas_c} s, predicted {pred_c} s "
                          f"(per run: {compute})")
     factors = {k: _ratio(v) for k, v in comm.items()}
-    return Calibration(compute_factor=_ratio(compute), comm_factors={k: f for k, f in factors.items() if f > 0},
+    overall = _ratio(compute)
+    return Calibration(compute_factor=overall, comm_factors={k: f for k, f in factors.items() if f > 0},
+                       compute_factors_by_nproc={n: _ratio(v) / overall for n, v in by_nproc.items()},
                        measured_compute_s=meas_c, predicted_compute_s=pred_c, runs=len(records))
 
 
@@ -126,4 +147,5 @@ def calibrate(records: Sequence[RunRecord], profile: Profile, *, names: Sequence
     for record, name in zip(records, names, strict=True):
         _check(record, profile, name)
     cal = fit_calibration(records)
-    return scale_profile(profile, compute=cal.compute_factor, comm=cal.comm_factors, note=cal.describe()), cal
+    return scale_profile(profile, compute=cal.compute_factor, comm=cal.comm_factors,
+                         compute_by_nproc=cal.compute_factors_by_nproc, note=cal.describe()), cal

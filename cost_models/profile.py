@@ -154,6 +154,10 @@ class Profile:
     model_name: str | None = None
     notes: str = ""
     clock: str = "wall"  # how kernels were timed: "wall", or "thread" (single-threaded CPU time)
+    # Compute-time factor for runs of N processes on this machine, relative to the tables, fitted from
+    # recorded runs (autopar calibrate): processes that share cores, caches and memory bandwidth slow each
+    # other by an amount that depends on how many run at once.
+    compute_scale_by_nproc: dict[int, float] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -161,6 +165,8 @@ class Profile:
             raise ValueError(f"Profile.device_kind={self.device_kind!r}; expected 'cpu' or 'cuda'")
         if self.launch_overhead_s < 0:
             raise ValueError("Profile.launch_overhead_s is negative")
+        if any(not (v > 0 and math.isfinite(v)) for v in self.compute_scale_by_nproc.values()):
+            raise ValueError(f"Profile.compute_scale_by_nproc needs positive factors: {self.compute_scale_by_nproc}")
         bad = {k: v for k, v in self.layer_times.items() if not (v > 0 and math.isfinite(v))}
         if bad:
             raise ValueError(f"Profile.layer_times has non-positive times: {bad}")
@@ -235,6 +241,7 @@ class Profile:
         d["elementwise"] = tuple(ElementwiseSample(**e) for e in d.get("elementwise", ()))
         d["collectives"] = tuple(CollectiveSample(**c) for c in d.get("collectives", ()))
         d["layer_times"] = {str(k): float(v) for k, v in d.get("layer_times", {}).items()}
+        d["compute_scale_by_nproc"] = {int(k): float(v) for k, v in d.get("compute_scale_by_nproc", {}).items()}
         return cls(**d)
 
     def to_json(self) -> str:

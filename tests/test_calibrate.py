@@ -4,6 +4,7 @@ runs from another machine or priced on another profile are refused."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -126,3 +127,23 @@ def test_from_three_runs_one_disturbed_run_does_not_set_the_factor(graph):
     records = [_record(plan, {"compute": f * pred - 0.01, "optimizer": 0.01}) for f in (2.0, 2.2, 9.0)]
     assert fit_calibration(records).compute_factor == pytest.approx(2.2)
     assert fit_calibration(records[:2]).compute_factor == pytest.approx(2.1)  # two runs: ratio of the sums
+
+
+def test_compute_factor_per_process_count_is_fitted_and_applied(graph):
+    """Runs of 2 processes ran 2.4× their predicted compute, runs of 4 processes 1.2×: the calibrated
+    profile predicts each process count's compute at its own measured ratio (overall factor × relative)."""
+    prof = _profile()
+    opts = {"zero_stage": 0, "sequence_parallel": False, "top_k": 0}
+    plans = {n: autopar.plan(graph, Cluster.local(nproc=n, profile=prof), global_batch_size=4,
+                             options=autopar.PlannerOptions(dp=n, **opts)) for n in (2, 4)}
+    ratio = {2: 2.4, 4: 1.2}
+    records = []
+    for n, p in plans.items():
+        pred = {k: p.estimate.breakdown[k] for k in ("compute", "optimizer")}
+        records.append(_record(p, {k: ratio[n] * v for k, v in pred.items()}))
+    new_prof, cal = calibrate(records, prof)
+    for n, p in plans.items():
+        assert cal.compute_factor * cal.compute_factors_by_nproc[n] == pytest.approx(ratio[n], rel=1e-9)
+        est = autopar.estimate(graph, Cluster.local(nproc=n, profile=new_prof), p.config, global_batch_size=4)
+        assert est.breakdown["compute"] == pytest.approx(ratio[n] * p.estimate.breakdown["compute"], rel=1e-6)
+    assert Profile.from_dict(json.loads(new_prof.to_json())).compute_scale_by_nproc == new_prof.compute_scale_by_nproc
