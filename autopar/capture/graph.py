@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "ModelGraph"]
+__all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "ModelGraph", "SequenceSpan", "sequence_span"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
@@ -305,3 +305,31 @@ class ModelGraph:
             f"ModelGraph({self.model_name}, {len(self.layers)} layers, {self.num_params / 1e6:.1f}M params, "
             f"{self.forward_flops / 1e9:.2f} GFLOP fwd/sample, dtype={self.dtype})"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceSpan:
+    """Where hidden states are split along the sequence under sequence parallelism (Korthikanti et al.
+    2022 §4.2.2). Codegen applies it and the planner prices it, so both read it from here.
+
+    scatter_after: the layer whose output is split (the embedding layer).
+    gather_after: the layer whose output is gathered back to the full sequence, or None when the
+      next layer is a vocab-parallel LM head that takes sequence shards (all-gather inside it).
+    Layers in between see sequence shards: their norms run on shards and their TP patterns all-gather
+    their input and reduce-scatter their output.
+    """
+
+    scatter_after: str
+    gather_after: str | None
+    sharded_layers: tuple[str, ...]  # layers whose inputs are sequence shards
+
+
+def sequence_span(graph: ModelGraph) -> SequenceSpan:
+    """From the first embedding layer through the last block/norm layer of the graph."""
+    names = [la.name for la in graph.layers]
+    first = next((la.name for la in graph.layers if la.kind == "embedding"), names[0])
+    last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
+    head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
+    start = names.index(first)
+    return SequenceSpan(scatter_after=first, gather_after=None if head_next else names[last],
+                        sharded_layers=tuple(names[start + 1:last + 1]))

@@ -19,7 +19,6 @@ are divided by tp, so code that views `(b, s, self.n_heads, head_dim)` sees the 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.capture.graph import LayerSpec, SequenceSpan, TPPattern, sequence_span
 from autopar.errors import PlanMismatchError
 
 __all__ = ["HEAD_COUNT_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
@@ -87,33 +86,6 @@ def _shared_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool):
         return args, {**kwargs, slot: x}
 
     return hook
-
-
-@dataclass(frozen=True, kw_only=True)
-class SequenceSpan:
-    """Where hidden states are split along the sequence under sequence parallelism.
-
-    scatter_after: the layer whose output is split (the embedding layer).
-    gather_after: the layer whose output is gathered back to the full sequence, or None when the
-      next layer is a vocab-parallel LM head that takes sequence shards (all-gather inside it).
-    Layers in between see sequence shards: their norms run on shards (SequenceParallel) and their
-    TP patterns all-gather their input and reduce-scatter their output.
-    """
-
-    scatter_after: str
-    gather_after: str | None
-    sharded_layers: tuple[str, ...]  # layers whose inputs are sequence shards
-
-
-def sequence_span(graph: ModelGraph) -> SequenceSpan:
-    """From the first embedding layer through the last block/norm layer of the graph."""
-    names = [la.name for la in graph.layers]
-    first = next((la.name for la in graph.layers if la.kind == "embedding"), names[0])
-    last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
-    head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
-    start = names.index(first)
-    return SequenceSpan(scatter_after=first, gather_after=None if head_next else names[last],
-                        sharded_layers=tuple(names[start + 1:last + 1]))
 
 
 def _gather_sequence_hook(tp_mesh: DeviceMesh):

@@ -40,11 +40,11 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
+from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph, sequence_span
 from autopar.planner.dp_costs import FLOOR_S, DPTail
 from autopar.planner.ilp import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
-from autopar.planner.tp_costs import sp_span, tp_collectives
+from autopar.planner.tp_costs import tp_collectives
 from cost_models import memory
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
@@ -132,7 +132,7 @@ class CostModel:
             lambda sched, pp, m, v: tuple(memory.inflight_microbatches(sched, pp, m, q, v) for q in range(pp)))
         self._ranks = lru_cache(maxsize=None)(self._rank_memory_key)
         self._inter = lru_cache(maxsize=None)(self._inter_node_key)
-        self._span = sp_span(graph)
+        self._span = sequence_span(graph)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile=None, memory_reserve_fraction: float = 0.1

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.capture.graph import LayerSpec, ModelGraph, SequenceSpan, sequence_span
 
-__all__ = ["ADAMW_GRAD_READS", "CE_BYTES_PER_TOKEN", "TPCollective", "sp_span", "tp_collectives"]
+__all__ = ["ADAMW_GRAD_READS", "CE_BYTES_PER_TOKEN", "TPCollective", "tp_collectives"]
 
 # torch.optim.AdamW (torch/optim/adamw.py → adam.py, _multi_tensor_adam / _single_tensor_adam) reads each
 # gradient three times: lerp_(grad) for the first moment and addcmul_(grad, grad) for the second.
@@ -43,31 +43,12 @@ class TPCollective(NamedTuple):
     n_bytes: float  # nccl-tests convention: all-reduce the buffer, all-gather the output, reduce-scatter the input
 
 
-class SPSpan(NamedTuple):
-    scatter_after: str
-    gather_after: str | None
-    sharded_layers: frozenset[str]
-
-
-def sp_span(graph: ModelGraph) -> SPSpan:
-    """Where codegen splits the sequence (codegen.tensor_parallel.sequence_span, restated without torch):
-    after the first embedding layer, through the last block or norm layer; gathered after that layer
-    unless a vocab-parallel LM head follows, which takes the shards itself."""
-    names = [la.name for la in graph.layers]
-    first = next((la.name for la in graph.layers if la.kind == "embedding"), names[0])
-    last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
-    head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
-    start = names.index(first)
-    return SPSpan(scatter_after=first, gather_after=None if head_next else names[last],
-                  sharded_layers=frozenset(names[start + 1:last + 1]))
-
-
 def tp_collectives(graph: ModelGraph, layer: LayerSpec, *, tp: int, sp: bool, micro_batch: int,
-                   span: SPSpan | None = None) -> tuple[TPCollective, ...]:
+                   span: SequenceSpan | None = None) -> tuple[TPCollective, ...]:
     """The collectives `layer` issues over its TP group (module docstring), in order of appearance."""
     if tp <= 1:
         return ()
-    span = span or (sp_span(graph) if sp else None)
+    span = span or (sequence_span(graph) if sp else None)
     b = micro_batch
     out: list[TPCollective] = []
     for p in layer.tp_patterns:
