@@ -24,6 +24,7 @@ When a `Profile` measured the same collective over the same number of local proc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +159,16 @@ class CommModel:
         table = self.profile.collective_table(op, group_size)
         return interpolate_time_s(table, n_bytes) if table else None
 
+    def _priced(self, op: str, n_bytes: float, group_size: int, ranks_per_node: int | None,
+                model: Callable[[int, int], float]) -> float:
+        """The time of collective `op`: zero for one rank or no bytes, else the profile's measured table,
+        else `model(ranks_per_node, nodes)` (the α-β formulas)."""
+        rpn, nodes = self._layout(group_size, ranks_per_node)
+        if group_size == 1 or n_bytes <= 0:
+            return 0.0
+        measured = self._measured(op, n_bytes, group_size, nodes)
+        return measured if measured is not None else model(rpn, nodes)
+
     def _pick(self, candidates: dict[str, float]) -> float:
         if self.algorithm == "auto":
             return min(candidates.values())
@@ -172,12 +183,10 @@ class CommModel:
 
     # ---- collectives ----
     def all_reduce_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
-        rpn, nodes = self._layout(group_size, ranks_per_node)
-        if group_size == 1 or n_bytes <= 0:
-            return 0.0
-        measured = self._measured("all_reduce", n_bytes, group_size, nodes)
-        if measured is not None:
-            return measured
+        return self._priced("all_reduce", n_bytes, group_size, ranks_per_node,
+                            lambda rpn, nodes: self._all_reduce_model(n_bytes, group_size, nodes))
+
+    def _all_reduce_model(self, n_bytes: float, group_size: int, nodes: int) -> float:
         flat = self._inter if nodes > 1 else self._intra
         cands = {"ring": _ring_ar(n_bytes, group_size, flat), "tree": _tree_ar(n_bytes, group_size, flat)}
         hier = [
@@ -190,12 +199,10 @@ class CommModel:
         return self._pick(cands)
 
     def _gather_like(self, op: str, n_bytes: float, group_size: int, ranks_per_node: int | None) -> float:
-        rpn, nodes = self._layout(group_size, ranks_per_node)
-        if group_size == 1 or n_bytes <= 0:
-            return 0.0
-        measured = self._measured(op, n_bytes, group_size, nodes)
-        if measured is not None:
-            return measured
+        return self._priced(op, n_bytes, group_size, ranks_per_node,
+                            lambda rpn, nodes: self._gather_model(n_bytes, group_size, nodes))
+
+    def _gather_model(self, n_bytes: float, group_size: int, nodes: int) -> float:
         flat = self._inter if nodes > 1 else self._intra
         cands = {"ring": _ring_ag(n_bytes, group_size, flat)}
         hier = [_ring_ag(n_bytes / loc, outer, link) + _ring_ag(n_bytes, loc, self._intra)
@@ -213,12 +220,10 @@ class CommModel:
         return self._gather_like("reduce_scatter", n_bytes, group_size, ranks_per_node)
 
     def broadcast_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
-        rpn, nodes = self._layout(group_size, ranks_per_node)
-        if group_size == 1 or n_bytes <= 0:
-            return 0.0
-        measured = self._measured("broadcast", n_bytes, group_size, nodes)
-        if measured is not None:
-            return measured
+        return self._priced("broadcast", n_bytes, group_size, ranks_per_node,
+                            lambda rpn, nodes: self._broadcast_model(n_bytes, group_size, nodes))
+
+    def _broadcast_model(self, n_bytes: float, group_size: int, nodes: int) -> float:
         flat = self._inter if nodes > 1 else self._intra
         cands = {"ring": _bcast(n_bytes, group_size, flat)}
         hier = [_bcast(n_bytes, outer, link) + _bcast(n_bytes, loc, self._intra)
@@ -230,16 +235,14 @@ class CommModel:
     def all_to_all_time_s(self, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
         """n_bytes is one rank's send buffer; (K−1)/K of it leaves the rank. Traffic to other nodes and
         inside the node are counted one after the other (conservative: NICs and NVLink may overlap)."""
-        rpn, nodes = self._layout(group_size, ranks_per_node)
-        if group_size == 1 or n_bytes <= 0:
-            return 0.0
-        measured = self._measured("all_to_all", n_bytes, group_size, nodes)
-        if measured is not None:
-            return measured
         k = group_size
-        local = (rpn - 1) * self._intra.alpha_s + (rpn - 1) / k * n_bytes / self._intra.beta_Bps
-        remote = (k - rpn) * self._inter.alpha_s + (k - rpn) / k * n_bytes / self._inter.beta_Bps
-        return local + remote
+
+        def model(rpn: int, nodes: int) -> float:
+            local = (rpn - 1) * self._intra.alpha_s + (rpn - 1) / k * n_bytes / self._intra.beta_Bps
+            remote = (k - rpn) * self._inter.alpha_s + (k - rpn) / k * n_bytes / self._inter.beta_Bps
+            return local + remote
+
+        return self._priced("all_to_all", n_bytes, group_size, ranks_per_node, model)
 
     def p2p_time_s(self, n_bytes: float, inter_node: bool) -> float:
         """One send/recv of n_bytes between two ranks (pipeline stage boundaries)."""

@@ -107,19 +107,16 @@ class CommClock:
 
     # ---- wrappers ----
     def _collective(self, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            axis = self._axis(kwargs.get("group"))
-            self.count(axis)
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.add(axis, time.perf_counter() - t0)
-            return _TimedWork(out, self, axis) if isinstance(out, dist.Work) else out
-        return timed
+        return self._timed(fn, lambda kwargs: self._axis(kwargs.get("group")))
 
     def _p2p(self, fn: Callable, axis: str) -> Callable:
+        return self._timed(fn, lambda kwargs: axis)
+
+    def _timed(self, fn: Callable, axis_of: Callable[[dict], str]) -> Callable:
+        """`fn` counted and timed on the axis `axis_of(kwargs)` names; async work is timed at its wait."""
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            axis = axis_of(kwargs)
             self.count(axis)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
