@@ -43,8 +43,9 @@ from cost_models.profiler.timing import time_callable
 TOLERANCE = 0.15
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GEMM_CASES = [(1536, 1536, 1536), (3000, 700, 1300), (2048, 4096, 1024)]
-ALLREDUCE_BYTES = [2**15, 2**19, 2**23]  # 32 KiB, 512 KiB, 8 MiB: midway between the quick table's points
-ROUNDS = 3
+# 45 KiB, 724 KiB, 11.3 MiB: midway in log-size between the profile table's points (×2 apart)
+ALLREDUCE_BYTES = [round(2**e / 64) * 64 for e in (15.5, 19.5, 23.5)]
+ROUNDS = 5
 
 
 def row(name: str, predicted_s: float, measured_s: float) -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost_models.hardware import LinkSpec
+from cost_models.monotone import nondecreasing_fit
 from cost_models.profile import CollectiveSample, Profile
 
 __all__ = ["Topology", "CommModel", "ALGORITHMS", "fit_link", "interpolate_time_s"]
@@ -91,9 +92,10 @@ def _divisors(k: int) -> list[int]:
 def interpolate_time_s(table: list[tuple[int, float]], n_bytes: float) -> float:
     """Time for n_bytes from measured (size, time) rows: log-log interpolation inside the range, the
     smallest time below it, and the last measured slope (bytes/s) beyond it. Times are first made
-    non-decreasing in size (a running max), so a larger message is never predicted faster."""
+    non-decreasing in size (the least-squares monotone fit), so a larger message is never predicted faster."""
+    table = sorted(table)
     sizes = np.array([float(s) for s, _ in table])
-    times = np.maximum.accumulate(np.array([t for _, t in table]))
+    times = np.array(nondecreasing_fit([t for _, t in table]))
     if n_bytes <= sizes[0]:
         return float(times[0])
     if n_bytes >= sizes[-1]:

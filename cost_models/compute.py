@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from cost_models.hardware import DeviceSpec
+from cost_models.monotone import nondecreasing_fit
 from cost_models.profile import GemmSample, Profile
 
 __all__ = ["ComputeModel", "GPU_GEMM_EFF_MAX", "GPU_GEMM_RAMP_S", "GPU_MEM_EFF", "GPU_LAUNCH_S", "GPU_TILE",
@@ -63,11 +64,11 @@ CPU_LAUNCH_S = 10e-6
 
 
 def _monotone_interp(xs: list[float], ts: list[float], x: float, tail_rate: float) -> float:
-    """Time at x from (x, time) rows: log-log interpolation, made non-decreasing; below the range the
-    smallest time (a floor); above it the last time plus (x − x_max) / tail_rate."""
+    """Time at x from (x, time) rows: log-log interpolation of the least-squares non-decreasing fit;
+    below the range the smallest time (a floor); above it the last time plus (x − x_max) / tail_rate."""
     order = np.argsort(xs)
     xa = np.asarray(xs, dtype=float)[order]
-    ta = np.maximum.accumulate(np.asarray(ts, dtype=float)[order])
+    ta = np.array(nondecreasing_fit([float(ts[i]) for i in order]))
     if x <= xa[0]:
         return float(ta[0])
     if x >= xa[-1]:
@@ -164,15 +165,17 @@ class ComputeModel:
         return roof + self.launch_s
 
     def gemm_time_s(self, m: int, n: int, k: int, dtype: str = "bfloat16", layout: str = "nn") -> float:
-        """Seconds for (m×k)·(k×n): an exact measured shape and layout if profiled, else the roofline on
-        the tile-padded FLOPs and the bytes of both operands and the result (measured tables of the same
-        operand layout when the profile has them)."""
+        """Seconds for (m×k)·(k×n): an exact measured shape and layout if profiled, else the FLOP rate of
+        the nearest measured shapes of that layout (`_shape_rate`), else the roofline on the tile-padded
+        FLOPs and the bytes of both operands and the result."""
         if min(m, n, k) <= 0:
             raise ValueError(f"gemm_time_s: m={m}, n={n}, k={k} must be positive")
-        if self.profile is not None:
-            for s in self.profile.gemm_samples(dtype, layout):
-                if (s.m, s.n, s.k, s.layout) == (m, n, k, layout):
-                    return s.time_s
+        rows = self.profile.gemm_samples(dtype, layout) if self.profile is not None else []
+        for s in rows:
+            if (s.m, s.n, s.k, s.layout) == (m, n, k, layout):
+                return s.time_s
+        if rows:  # the rate of the nearest measured shapes: at equal work, a large m×n output is slower
+            return max(2.0 * m * n * k / _shape_rate(rows, m, n, k), self.launch_s)
         pad_m = math.ceil(m / self.tile) * self.tile
         pad_n = math.ceil(n / self.tile) * self.tile
         flops = 2.0 * pad_m * pad_n * k

@@ -2,8 +2,9 @@
 
 One set of N processes is spawned; groups of 2, 4, ... N ranks are sub-groups of it. For each size a
 trial runs the op `iters` times between barriers; the time of a trial is the slowest rank's mean (the
-collective is done when the last rank is), and a sample is the median over trials — the quantity
-nccl-tests reports as "time", from which it derives algbw = size / time and busbw (profile.py).
+collective is done when the last rank is), and a sample is the mean over trials, which interleave the
+sizes so that each size is timed across the whole sweep — the quantity nccl-tests reports as "time"
+(its average over iterations), from which it derives algbw = size / time and busbw (profile.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ __all__ = ["collective_sizes", "collective_plan", "measure_collectives"]
 
 
 def collective_sizes(quick: bool) -> list[int]:
-    """1 KiB to 16 MiB (quick) or 256 MiB, ×4 apart: close enough that log-size interpolation between
-    two points stays within the noise of a shared machine (gloo switches algorithms with size)."""
-    return [2**e for e in range(10, 25, 2)] if quick else [2**e for e in range(10, 29, 2)]
+    """1 KiB to 16 MiB (quick) or 256 MiB, ×2 apart. gloo's time is not smooth in size (it switches
+    algorithms and chunking, and caches spill): measured here, points ×4 apart left log-size
+    interpolation 20-30% off at the midpoints for 2 processes, where ×2 apart stays within the noise."""
+    return [2**e for e in range(10, 25)] if quick else [2**e for e in range(10, 29)]
 
 
 def group_sizes(nproc: int) -> list[int]:
@@ -111,17 +113,27 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
     groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan})}
     try:
         for op, g in plan:
-            for n_bytes in sizes:
-                if rank < g:
-                    fn = _op_fn(op, n_bytes, g, rank, groups[g], device)
+            if rank < g:
+                # trials interleave the sizes, so each size's trials spread over the whole sweep of this op:
+                # on a shared machine the load changes over seconds, and a median over trials taken
+                # back to back would describe one moment, not the machine
+                fns = [_op_fn(op, n_bytes, g, rank, groups[g], device) for n_bytes in sizes]
+                iters = []
+                for fn in fns:
                     first = _timed(fn, 1, groups[g], device)  # also the warm-up
-                    iters = max(1, min(200, int(trial_s / max(first, 1e-7))))
-                    t = statistics.median(_timed(fn, iters, groups[g], device) for _ in range(trials))
-                    if op == "p2p":
-                        t /= 2.0
-                    if rank == 0:
+                    iters.append(max(1, min(200, int(trial_s / max(first, 1e-7)))))
+                times: list[list[float]] = [[] for _ in sizes]
+                for _ in range(trials):
+                    for i, fn in enumerate(fns):
+                        times[i].append(_timed(fn, iters[i], groups[g], device))
+                if rank == 0:
+                    for n_bytes, ts in zip(sizes, times, strict=True):
+                        # the mean over every timed op, as nccl-tests reports: what a training loop pays.
+                        # Per-op times here are heavy-tailed and often bimodal (ranks waking on another
+                        # vCPU or not), so a median of trials jumps between modes; the mean does not
+                        t = statistics.fmean(ts) / (2.0 if op == "p2p" else 1.0)
                         results.put(("sample", op, g, n_bytes, t))
-                dist.barrier()
+            dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:
