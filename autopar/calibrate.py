@@ -2,22 +2,24 @@
 
 What is adjusted, and why that is sound:
 
-- Compute. Every compute time the planner predicts from a profile comes from its measured tables —
-  GEMM and elementwise (time against work, interpolated log-log, extrapolated at the best rate) and
-  the eager-op floor (cost_models.compute). Multiplying every time in those tables by k multiplies
-  every predicted compute time by exactly k (the model is homogeneous of degree 1 in the table times),
-  so a plan re-priced on the calibrated profile predicts k× the compute it did. k is fitted on
-  measured / predicted of (compute + recompute + optimizer) over the runs given (`fit_calibration`: the
-  ratio of the sums for one or two runs, the median of the per-run ratios from three on, so that one run
-  disturbed by other work on a shared machine does not set the factor): the in-situ cost of
-  this model's kernels (small shapes, cache misses, framework dispatch, DTensor wrappers) relative to
-  the isolated micro-benchmarks. Processes sharing cores is modelled before that (Cluster.local divides
-  the machine among the processes), so k is a property of model and machine, not of the layout.
-- Compute per process count. How much N processes slow each other beyond that core division (shared
-  caches, memory bandwidth, hyper-threaded or oversubscribed vCPUs) depends on N, not on the layout: the
-  ratio for the runs of N processes over k is kept per N (Profile.compute_scale_by_nproc) and applied by
-  Cluster.local(nproc=N). Measured here: 2 processes on the 2 vCPUs ran ~2× the single-process tables'
-  prediction while 4 and 8 ran close to the core-division model (`benchmarks/predict_vs_measure.py`).
+- Kernel compute. Every kernel time the planner predicts from a profile comes from its measured tables —
+  GEMM and elementwise (time against work or shape, interpolated, extrapolated at the best rate) and the
+  eager-op floor (cost_models.compute). Multiplying every time in those tables by a multiplies every
+  predicted kernel time by exactly a (the model is homogeneous of degree 1 in the table times), so a
+  plan re-priced on the calibrated profile predicts a× the kernel time it did. a is the in-situ cost of
+  this model's kernels (small shapes, cold caches, framework dispatch between them, other tenants of a
+  shared machine) relative to the isolated micro-benchmarks. Processes sharing cores is modelled before
+  that (Cluster.local divides the cores among the processes), so a is a property of model and machine.
+- Host overhead. The planner prices DTensor's dispatch (tensor parallelism on CPU) from the profile's host
+  floor, not its kernel tables, and reports that part of its prediction (Estimate.host_s). It is scaled
+  by its own factor h: it is Python work that runs while the peer ranks wait in latency-bound
+  collectives, so it neither shares cores as kernels do nor gains from the same in-situ factor. Measured
+  here, one factor for both left the tensor-parallel layouts 25-35% off in opposite directions at 4 and
+  8 processes (`benchmarks/predict_vs_measure.py`).
+- The fit (`fit_calibration`), on measured / predicted (compute + recompute + optimizer): a from the runs
+  whose predicted host share is under HOST_SHARE (the ratio of sums for one or two runs, the median of the
+  per-run ratios from three on, so that one run disturbed by other work does not set it); h from the
+  others, on what a leaves: (measured − a·kernels) / host. With no run of one kind, h = a (one factor).
 - Communication. Per group size K, the profiled collective tables of K ranks are multiplied by the
   same kind of ratio of the components carried by K-rank groups (tp_comm on tp = K, dp_comm on
   dp = K), which scales every collective of K ranks predicted from them by the same factor.
@@ -39,31 +41,29 @@ from autopar.errors import ProfileMismatchError
 from autopar.record import RunRecord
 from cost_models.profile import Profile
 
-__all__ = ["scale_profile", "Calibration", "fit_calibration", "calibrate", "COMPUTE_KEYS"]
+__all__ = ["scale_profile", "Calibration", "fit_calibration", "calibrate", "COMPUTE_KEYS", "HOST_SHARE"]
 
 COMPUTE_KEYS = ("compute", "recompute", "optimizer")
+# a run whose predicted host overhead is below this share of its predicted compute calibrates the kernels
+HOST_SHARE = 0.1
 
 
-def scale_profile(profile: Profile, *, compute: float = 1.0, comm: dict[int, float] | None = None,
-                  compute_by_nproc: dict[int, float] | None = None, note: str = "") -> Profile:
-    """`profile` with compute table times × `compute`, K-rank collective times × comm[K], and runs of
-    N processes' compute × compute_by_nproc[N] on top (kept in Profile.compute_scale_by_nproc)."""
-    factors = [compute, *(comm or {}).values(), *(compute_by_nproc or {}).values()]
+def scale_profile(profile: Profile, *, compute: float = 1.0, host: float = 1.0,
+                  comm: dict[int, float] | None = None, note: str = "") -> Profile:
+    """`profile` with kernel table times (and the eager-op floor) × `compute`, the host floor × `host`,
+    and K-rank collective times × comm[K]."""
+    factors = [compute, host, *(comm or {}).values()]
     if any(not f > 0 for f in factors):
-        raise ValueError(f"scale factors must be positive; got compute={compute}, comm={comm}, "
-                         f"compute_by_nproc={compute_by_nproc}")
+        raise ValueError(f"scale factors must be positive; got compute={compute}, host={host}, comm={comm}")
     comm = comm or {}
-    by_nproc = dict(profile.compute_scale_by_nproc)
-    for n, f in (compute_by_nproc or {}).items():
-        by_nproc[n] = by_nproc.get(n, 1.0) * f
     notes = "; ".join(n for n in (profile.notes, note) if n)
     return dataclasses.replace(
         profile,
         gemm=tuple(dataclasses.replace(g, time_s=g.time_s * compute) for g in profile.gemm),
         elementwise=tuple(dataclasses.replace(e, time_s=e.time_s * compute) for e in profile.elementwise),
         launch_overhead_s=profile.launch_overhead_s * compute,
+        host_floor_s=profile.host_overhead_floor_s * host,
         layer_times={k: v * compute for k, v in profile.layer_times.items()},
-        compute_scale_by_nproc=by_nproc,
         collectives=tuple(dataclasses.replace(c, time_s=c.time_s * comm.get(c.group_size, 1.0))
                           for c in profile.collectives),
         notes=notes)
@@ -74,21 +74,17 @@ class Calibration:
     """The fitted factors and the sums they came from (seconds, summed over runs)."""
 
     compute_factor: float
+    host_factor: float
     comm_factors: dict[int, float]  # group size → factor
-    # process count → compute factor relative to compute_factor (how much more or less N processes slow
-    # each other than the runs on average); only for counts some run had
-    compute_factors_by_nproc: dict[int, float] = dataclasses.field(default_factory=dict)
     measured_compute_s: float
     predicted_compute_s: float
     runs: int
 
     def describe(self) -> str:
-        comm = ", ".join([f"{k}-rank collectives ×{v:.3f}" for k, v in sorted(self.comm_factors.items())]
-                         + [f"compute of {n} processes ×{v:.3f} more" for n, v in
-                            sorted(self.compute_factors_by_nproc.items()) if abs(v - 1.0) > 1e-12])
-        return (f"calibrated from {self.runs} run(s): compute ×{self.compute_factor:.3f} (measured "
-                f"{self.measured_compute_s * 1e3:.1f} ms vs predicted {self.predicted_compute_s * 1e3:.1f} ms)"
-                + (f"; {comm}" if comm else ""))
+        comm = ", ".join(f"{k}-rank collectives ×{v:.3f}" for k, v in sorted(self.comm_factors.items()))
+        return (f"calibrated from {self.runs} run(s): kernels ×{self.compute_factor:.3f}, host overhead "
+                f"×{self.host_factor:.3f} (compute measured {self.measured_compute_s * 1e3:.1f} ms vs predicted "
+                f"{self.predicted_compute_s * 1e3:.1f} ms)" + (f"; {comm}" if comm else ""))
 
 
 def _ratio(pairs: list[tuple[float, float]]) -> float:
@@ -100,28 +96,34 @@ def _ratio(pairs: list[tuple[float, float]]) -> float:
 
 
 def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
-    """Compute and per-group-size communication factors (module docstring)."""
+    """Kernel, host and per-group-size communication factors (module docstring)."""
     if not records:
         raise ValueError("calibration needs at least one run record")
-    compute: list[tuple[float, float]] = []
-    by_nproc: dict[int, list[tuple[float, float]]] = {}
+    rows: list[tuple[float, float, float]] = []  # (measured, predicted kernels, predicted host)
     comm: dict[int, list[tuple[float, float]]] = {}
     for r in records:
         measured = r.breakdown()
-        compute.append((sum(measured[k] for k in COMPUTE_KEYS),
-                        sum(r.predicted_breakdown.get(k, 0.0) for k in COMPUTE_KEYS)))
-        by_nproc.setdefault(r.world_size, []).append(compute[-1])
+        pred = sum(r.predicted_breakdown.get(k, 0.0) for k in COMPUTE_KEYS)
+        host = min(max(r.predicted_host_s, 0.0), pred)
+        rows.append((sum(measured[k] for k in COMPUTE_KEYS), pred - host, host))
         for key, size in (("tp_comm", r.config.tp), ("dp_comm", r.config.dp)):
             if size > 1 and r.predicted_breakdown.get(key, 0.0) > 0:
                 comm.setdefault(size, []).append((measured[key], r.predicted_breakdown[key]))
-    meas_c, pred_c = sum(m for m, _ in compute), sum(p for _, p in compute)
-    if pred_c <= 0 or meas_c <= 0 or any(p <= 0 for _, p in compute):
+    meas_c, pred_c = sum(m for m, _, _ in rows), sum(k + h for _, k, h in rows)
+    if pred_c <= 0 or meas_c <= 0 or any(k + h <= 0 for _, k, h in rows):
         raise ValueError(f"cannot calibrate compute: measured {meas_c} s, predicted {pred_c} s "
-                         f"(per run: {compute})")
+                         f"(per run, measured / kernels / host: {rows})")
+    kernel_runs = [(m, k) for m, k, h in rows if h <= HOST_SHARE * (k + h) and k > 0]
+    host_runs = [(m, k, h) for m, k, h in rows if h > HOST_SHARE * (k + h)]
+    if kernel_runs and host_runs:
+        a = _ratio(kernel_runs)
+        # what the kernels leave of the measured compute is host; at least a tenth of the prediction, so
+        # that one run where the kernels alone overshoot cannot zero the host overhead
+        h = _ratio([(max(m - a * k, 0.1 * h), h) for m, k, h in host_runs])
+    else:
+        a = h = _ratio([(m, k + h) for m, k, h in rows])
     factors = {k: _ratio(v) for k, v in comm.items()}
-    overall = _ratio(compute)
-    return Calibration(compute_factor=overall, comm_factors={k: f for k, f in factors.items() if f > 0},
-                       compute_factors_by_nproc={n: _ratio(v) / overall for n, v in by_nproc.items()},
+    return Calibration(compute_factor=a, host_factor=h, comm_factors={k: f for k, f in factors.items() if f > 0},
                        measured_compute_s=meas_c, predicted_compute_s=pred_c, runs=len(records))
 
 
@@ -147,5 +149,5 @@ def calibrate(records: Sequence[RunRecord], profile: Profile, *, names: Sequence
     for record, name in zip(records, names, strict=True):
         _check(record, profile, name)
     cal = fit_calibration(records)
-    return scale_profile(profile, compute=cal.compute_factor, comm=cal.comm_factors,
-                         compute_by_nproc=cal.compute_factors_by_nproc, note=cal.describe()), cal
+    return scale_profile(profile, compute=cal.compute_factor, host=cal.host_factor, comm=cal.comm_factors,
+                         note=cal.describe()), cal

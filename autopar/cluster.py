@@ -257,7 +257,6 @@ def _cpu_share(prof: Profile, n: int) -> Profile:
 
     factor = cpu_slowdown(nproc=n, cpu_count=prof.machine.cpu_count or 1,
                           profiled_threads=prof.threads_per_process, run_threads=_run_threads(n))
-    factor *= prof.compute_scale_by_nproc.get(n, 1.0)  # measured contention of n processes (calibration)
     if factor == 1.0:
         return prof
     return scale_profile(prof, compute=factor, note=f"compute x{factor:g}: {n} process(es) sharing "

@@ -31,6 +31,9 @@ class Estimate:
     mfu: float  # model FLOPs utilisation against the device's peak
     peak_memory_bytes: int  # the largest stage's peak per device
     breakdown: dict[str, float]  # keys from BREAKDOWN_KEYS, seconds, summing to step_time_s
+    # of breakdown's compute and optimizer: framework host overhead (DTensor dispatch on CPU), priced from
+    # the profile's host floor rather than its kernel tables; calibration scales the two apart
+    host_s: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = set(self.breakdown) - set(BREAKDOWN_KEYS)

@@ -101,6 +101,7 @@ class RunRecord:
     warmup_steps: int
     ranks: tuple[RankTiming, ...]
     model_spec: str = ""  # how to rebuild the model, e.g. "gpt-tiny seq_len=128 n_layers=4"
+    predicted_host_s: float = 0.0  # of the predicted compute and optimizer: host overhead (Estimate.host_s)
     notes: str = ""
     schema_version: int = RECORD_SCHEMA_VERSION
 
@@ -207,7 +208,8 @@ def build_record(plan: Plan, ranks: list[RankTiming], *, hostname: str, device_n
     return RunRecord(plan_fingerprint=plan_fingerprint(plan), model_name=plan.model_name,
                      graph_fingerprint=plan.graph_fingerprint, cluster_fingerprint=plan.cluster_fingerprint,
                      config=plan.config, predicted_step_time_s=plan.estimate.step_time_s,
-                     predicted_breakdown=dict(plan.estimate.breakdown), hostname=hostname, device_name=device_name,
+                     predicted_breakdown=dict(plan.estimate.breakdown), predicted_host_s=plan.estimate.host_s,
+                     hostname=hostname, device_name=device_name,
                      torch_version=torch_version, backend=backend, threads_per_process=threads_per_process,
                      created=created, warmup_steps=warmup_steps, ranks=tuple(sorted(ranks, key=lambda r: r.rank)),
                      model_spec=model_spec, notes=notes)

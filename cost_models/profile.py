@@ -154,10 +154,10 @@ class Profile:
     model_name: str | None = None
     notes: str = ""
     clock: str = "wall"  # how kernels were timed: "wall", or "thread" (single-threaded CPU time)
-    # Compute-time factor for runs of N processes on this machine, relative to the tables, fitted from
-    # recorded runs (autopar calibrate): processes that share cores, caches and memory bandwidth slow each
-    # other by an amount that depends on how many run at once.
-    compute_scale_by_nproc: dict[int, float] = field(default_factory=dict)
+    # The floor framework host overheads (DTensor dispatch) are priced in: launch_overhead_s as measured,
+    # before core sharing and the kernel calibration scale that (autopar.calibrate fits its own factor).
+    # None: launch_overhead_s.
+    host_floor_s: float | None = None
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -165,13 +165,17 @@ class Profile:
             raise ValueError(f"Profile.device_kind={self.device_kind!r}; expected 'cpu' or 'cuda'")
         if self.launch_overhead_s < 0:
             raise ValueError("Profile.launch_overhead_s is negative")
-        if any(not (v > 0 and math.isfinite(v)) for v in self.compute_scale_by_nproc.values()):
-            raise ValueError(f"Profile.compute_scale_by_nproc needs positive factors: {self.compute_scale_by_nproc}")
+        if self.host_floor_s is not None and not (self.host_floor_s >= 0 and math.isfinite(self.host_floor_s)):
+            raise ValueError(f"Profile.host_floor_s={self.host_floor_s}; it must be a non-negative time")
         bad = {k: v for k, v in self.layer_times.items() if not (v > 0 and math.isfinite(v))}
         if bad:
             raise ValueError(f"Profile.layer_times has non-positive times: {bad}")
 
     # ---- queries used by the cost models ----
+    @property
+    def host_overhead_floor_s(self) -> float:
+        return self.launch_overhead_s if self.host_floor_s is None else self.host_floor_s
+
     def gemm_samples(self, dtype: str, layout: str | None = None, *, batched: bool = False) -> list[GemmSample]:
         """Plain GEMM samples (batched ones with batched=True) of `dtype`; of `layout` too when given and
         measured (else every layout)."""
@@ -236,12 +240,15 @@ class Profile:
                 "Re-measure with `autopar profile --out profile.json`."
             )
         d = dict(d)
+        if d.pop("compute_scale_by_nproc", None):  # written by an earlier autopar's calibration
+            raise ProfileMismatch("this profile holds per-process-count compute factors from an earlier "
+                                  "`autopar calibrate`, which now fits kernels and host overhead instead; "
+                                  "calibrate the uncalibrated profile again with your run records")
         d["machine"] = MachineInfo(**d["machine"])
         d["gemm"] = tuple(GemmSample(**g) for g in d.get("gemm", ()))
         d["elementwise"] = tuple(ElementwiseSample(**e) for e in d.get("elementwise", ()))
         d["collectives"] = tuple(CollectiveSample(**c) for c in d.get("collectives", ()))
         d["layer_times"] = {str(k): float(v) for k, v in d.get("layer_times", {}).items()}
-        d["compute_scale_by_nproc"] = {int(k): float(v) for k, v in d.get("compute_scale_by_nproc", {}).items()}
         return cls(**d)
 
     def to_json(self) -> str:

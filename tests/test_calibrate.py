@@ -61,8 +61,15 @@ def test_scaled_profile_scales_every_prediction(graph):
     scaled = scale_profile(prof, compute=k_c, comm={2: k_2})
     est = autopar.estimate(graph, Cluster.local(nproc=4, profile=scaled), cfg, global_batch_size=4)
     b0, b1 = base.breakdown, est.breakdown
-    assert b1["compute"] == pytest.approx(k_c * b0["compute"], rel=1e-9)
-    assert b1["optimizer"] == pytest.approx(k_c * b0["optimizer"], rel=1e-9)
+    # kernels scale by k_c; the DTensor host overhead (priced from the host floor) does not
+    assert base.host_s > 0 and est.host_s == pytest.approx(base.host_s, rel=1e-12)
+    kernels = b0["compute"] + b0["optimizer"] - base.host_s
+    assert b1["compute"] + b1["optimizer"] == pytest.approx(k_c * kernels + base.host_s, rel=1e-9)
+    hosted = autopar.estimate(graph, Cluster.local(nproc=4, profile=scale_profile(prof, host=3.0)), cfg,
+                              global_batch_size=4)
+    assert hosted.host_s == pytest.approx(3.0 * base.host_s, rel=1e-9)
+    assert hosted.breakdown["compute"] + hosted.breakdown["optimizer"] == pytest.approx(kernels + 3 * base.host_s,
+                                                                                         rel=1e-9)
     assert b0["tp_comm"] > 0 and b1["tp_comm"] == pytest.approx(k_2 * b0["tp_comm"], rel=1e-9)
     # nothing but times changed
     assert [(g.m, g.n, g.k) for g in scaled.gemm] == [(g.m, g.n, g.k) for g in prof.gemm]
@@ -92,9 +99,15 @@ def test_fit_is_ratio_of_sums_and_refits_to_the_measurement(graph):
     measured = [{"compute": c, "optimizer": 0.01, "tp_comm": t, "dp_comm": 0.0} for c, t in ((0.30, 0.02), (0.20, 0.0))]
     records = [_record(p, m) for p, m in zip(plans, measured, strict=True)]
     cal = fit_calibration(records)
-    pred = sum(p.estimate.breakdown[k] for p in plans for k in ("compute", "recompute", "optimizer"))
-    meas = sum(m["compute"] + m["optimizer"] for m in measured)
-    assert cal.compute_factor == pytest.approx(meas / pred)
+    # the dp run (no host overhead) sets the kernel factor; the tp run's remainder sets the host factor
+    tp_plan, dp_plan = plans
+    assert dp_plan.estimate.host_s == 0 and tp_plan.estimate.host_s > 0
+    pred = {id(p): sum(p.estimate.breakdown[k] for k in ("compute", "recompute", "optimizer")) for p in plans}
+    a = (0.20 + 0.01) / pred[id(dp_plan)]
+    assert cal.compute_factor == pytest.approx(a)
+    kernels = pred[id(tp_plan)] - tp_plan.estimate.host_s
+    h = max(0.30 + 0.01 - a * kernels, 0.1 * tp_plan.estimate.host_s) / tp_plan.estimate.host_s
+    assert cal.host_factor == pytest.approx(h)
     # Both runs talk over groups of 2 (tp=2, then dp=2): one factor, the ratio of their summed comm times.
     comm_pred = plans[0].estimate.breakdown["tp_comm"] + plans[1].estimate.breakdown["dp_comm"]
     assert cal.comm_factors == {2: pytest.approx((0.02 + 0.0) / comm_pred)}
@@ -103,8 +116,7 @@ def test_fit_is_ratio_of_sums_and_refits_to_the_measurement(graph):
     assert est.breakdown["tp_comm"] == pytest.approx(cal.comm_factors[2] * plans[0].estimate.breakdown["tp_comm"],
                                                      rel=1e-6)
     total = est.breakdown["compute"] + est.breakdown["optimizer"]
-    assert total == pytest.approx(cal.compute_factor * sum(plans[0].estimate.breakdown[k]
-                                                           for k in ("compute", "optimizer")), rel=1e-6)
+    assert total == pytest.approx(a * kernels + h * tp_plan.estimate.host_s, rel=1e-6)
 
 
 def test_refuses_runs_of_another_machine_or_profile(graph):
@@ -129,21 +141,33 @@ def test_from_three_runs_one_disturbed_run_does_not_set_the_factor(graph):
     assert fit_calibration(records[:2]).compute_factor == pytest.approx(2.1)  # two runs: ratio of the sums
 
 
-def test_compute_factor_per_process_count_is_fitted_and_applied(graph):
-    """Runs of 2 processes ran 2.4× their predicted compute, runs of 4 processes 1.2×: the calibrated
-    profile predicts each process count's compute at its own measured ratio (overall factor × relative)."""
+def test_kernels_and_host_overhead_are_fitted_apart(graph):
+    """A data-parallel run (no host overhead) measured 2.4× its predicted kernels; a tensor-parallel run
+    measured 2.4× its kernels plus 1.3× its predicted DTensor host overhead. The fit recovers both
+    factors, and the calibrated profile predicts each run's measured compute."""
     prof = _profile()
     opts = {"zero_stage": 0, "sequence_parallel": False, "top_k": 0}
-    plans = {n: autopar.plan(graph, Cluster.local(nproc=n, profile=prof), global_batch_size=4,
-                             options=autopar.PlannerOptions(dp=n, **opts)) for n in (2, 4)}
-    ratio = {2: 2.4, 4: 1.2}
-    records = []
-    for n, p in plans.items():
-        pred = {k: p.estimate.breakdown[k] for k in ("compute", "optimizer")}
-        records.append(_record(p, {k: ratio[n] * v for k, v in pred.items()}))
+    plans = [autopar.plan(graph, Cluster.local(nproc=2, profile=prof), global_batch_size=4,
+                          options=autopar.PlannerOptions(tp=tp, dp=2 // tp, **opts)) for tp in (1, 2)]
+    assert plans[0].estimate.host_s == 0.0 and plans[1].estimate.host_s > 0.1 * plans[1].estimate.breakdown["compute"]
+    records, want = [], []
+    for p in plans:
+        pred = p.estimate.breakdown["compute"] + p.estimate.breakdown["optimizer"]
+        want.append(2.4 * (pred - p.estimate.host_s) + 1.3 * p.estimate.host_s)
+        records.append(_record(p, {"compute": want[-1] - 0.001, "optimizer": 0.001}))
     new_prof, cal = calibrate(records, prof)
-    for n, p in plans.items():
-        assert cal.compute_factor * cal.compute_factors_by_nproc[n] == pytest.approx(ratio[n], rel=1e-9)
-        est = autopar.estimate(graph, Cluster.local(nproc=n, profile=new_prof), p.config, global_batch_size=4)
-        assert est.breakdown["compute"] == pytest.approx(ratio[n] * p.estimate.breakdown["compute"], rel=1e-6)
-    assert Profile.from_dict(json.loads(new_prof.to_json())).compute_scale_by_nproc == new_prof.compute_scale_by_nproc
+    assert cal.compute_factor == pytest.approx(2.4, rel=1e-9) and cal.host_factor == pytest.approx(1.3, rel=1e-9)
+    for p, w in zip(plans, want, strict=True):
+        est = autopar.estimate(graph, Cluster.local(nproc=2, profile=new_prof), p.config, global_batch_size=4)
+        assert est.breakdown["compute"] + est.breakdown["optimizer"] == pytest.approx(w, rel=1e-6)
+        assert est.host_s == pytest.approx(1.3 * p.estimate.host_s, rel=1e-9)
+    assert Profile.from_dict(json.loads(new_prof.to_json())).host_floor_s == new_prof.host_floor_s
+
+
+def test_one_kind_of_run_gives_one_factor(graph):
+    prof = _profile()
+    plan = autopar.plan(graph, Cluster.local(nproc=2, profile=prof), global_batch_size=4,
+                        options=autopar.PlannerOptions(tp=2, dp=1, sequence_parallel=False, top_k=0))
+    pred = plan.estimate.breakdown["compute"] + plan.estimate.breakdown["optimizer"]
+    cal = fit_calibration([_record(plan, {"compute": 2.0 * pred})])
+    assert cal.compute_factor == cal.host_factor == pytest.approx(2.0)

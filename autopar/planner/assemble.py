@@ -56,6 +56,7 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
         "dp_comm": sol.tail_s - sol.tail_optimizer_s,
         "optimizer": sol.tail_optimizer_s,
     }
+    host = m * sum(st.host_s for st in mine) + sol.tail_optimizer_host_s
     step = sum(breakdown.values())  # equals sol.objective_s up to rounding; the breakdown must sum exactly
     g = costs.graph
     batch = c.config("none").global_batch_size
@@ -65,7 +66,7 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
     totals, _ = _rank_totals(solved, costs)
     return Estimate(step_time_s=step, tokens_per_s=batch * (g.seq_len or 1) / step,
                     tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
-                    peak_memory_bytes=int(max(totals)), breakdown=breakdown)
+                    peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host)
 
 
 def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:

@@ -64,8 +64,11 @@ ADAM_BYTES_PER_PARAM = 80
 # DTensor parameters, per step. Measured with `python benchmarks/host_overhead.py` (gpt-tiny, one thread,
 # thread CPU time, 1-rank mesh, 2-vCPU development machine): 0.80–0.86 ms at micro-batch 1 and 4 (a cost
 # per call, not per sample) and 0.29 ms. Kept as multiples of that machine's eager-op floor (dp_costs.FLOOR_S)
-# so that they follow the profile's launch_overhead_s: the CPU's speed, core sharing, calibration. Charged
-# on CPU only; GPUs run it on the host ahead of the device.
+# so that they follow the profile's host floor (Profile.host_overhead_floor_s: the CPU's speed and its own
+# calibration factor, but not core sharing: a TP rank dispatches while its peers wait in the latency-bound
+# TP collectives, and on 2 vCPUs the measured host share stayed at 1.4–2.0× this constant for 2, 4 and 8
+# processes where dividing the cores would have needed 2.0, 0.87 and 0.34 of a shared floor; see
+# `benchmarks/predict_vs_measure.py`). Charged on CPU only; GPUs run it on the host ahead of the device.
 TP_HOST_FLOORS_PER_GEMM = 0.85e-3 / FLOOR_S
 TP_OPTIMIZER_FLOORS_PER_GEMM = 0.29e-3 / FLOOR_S
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -182,7 +185,10 @@ class CostModel:
             tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
         tp_fwd, tp_bwd = tp_s["forward"], tp_s["backward"]
         if tp > 1 and layer.tp_patterns:  # DTensor dispatch on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
-            bwd += self.host_floor_s * TP_HOST_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count
+            host = self.dtensor_floor_s * TP_HOST_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count
+            bwd += host
+        else:
+            host = 0.0
         core_flops = 0.0
         if self.graph.seq_len:
             for pat in layer.tp_patterns:
@@ -208,7 +214,8 @@ class CostModel:
             input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp, recompute=k)
             for k in MODES)
         send_bytes = layer.boundary_bytes * mbs / (tp if sp else 1)
-        return {"compute": fwd + bwd, "backward": bwd, "tp_comm": tp_fwd + tp_bwd, "tp_step": tp_s["step"],
+        return {"compute": fwd + bwd, "host": host, "backward": bwd, "tp_comm": tp_fwd + tp_bwd,
+                "tp_step": tp_s["step"],
                 "recompute": recompute, "act": acts, "names": tuple(la.name for la in self.runs[ri]),
                 "time": tuple(fwd + bwd + tp_fwd + tp_bwd + r for r in recompute),
                 "send": (self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True))}
@@ -260,10 +267,20 @@ class CostModel:
 
     def _run_optimizer_s(self, ri: int, tp: int, shards: int) -> float:
         local = self._local_run(ri, tp) / shards
+        return self.compute.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32") + self._opt_host_s(ri, tp, shards)
+
+    def _opt_host_s(self, ri: int, tp: int, shards: int) -> float:
+        """Of the optimizer step: AdamW's DTensor dispatch over tensor-parallel parameters (on CPU)."""
         layer = self.runs[ri][0]
-        dtensor = (self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
-                   if tp > 1 and layer.tp_patterns else 0.0)
-        return self.compute.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32") + dtensor
+        if tp <= 1 or not layer.tp_patterns:
+            return 0.0
+        return self.dtensor_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
+
+    @property
+    def dtensor_floor_s(self) -> float:
+        """The floor DTensor's host overheads are counted in (TP_HOST_FLOORS_PER_GEMM): the profile's host
+        floor on CPU with gloo (not divided among processes, scaled by its own calibration), else 0."""
+        return self.profile.host_overhead_floor_s if self.cpu_cores and self.profile is not None else 0.0
 
     @property
     def host_floor_s(self) -> float:
@@ -329,7 +346,8 @@ class CostModel:
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
                 backward_s=tm["compute"] if overlaps else 0.0,
                 grad_sync_s=tail.layer_s(self._local_run(ri, c.tp) * self.elem) + tm["tp_step"],
-                optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"]))
+                optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"], host_s=tm["host"],
+                optimizer_host_s=self._opt_host_s(ri, c.tp, shards)))
         ranks = self.rank_memory(c)
         return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,
                             num_microbatches=c.num_microbatches,

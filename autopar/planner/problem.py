@@ -34,6 +34,10 @@ class Run:
     grad_sync_s: float  # γ
     optimizer_s: float  # ω
     send_s: tuple[float, float]  # π (intra-node, inter-node)
+    # of compute_s and optimizer_s: framework host overhead (DTensor dispatch on CPU), which calibration
+    # scales apart from kernel time (autopar.calibrate); not a variable of the ILP
+    host_s: float = 0.0
+    optimizer_host_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.count < 1 or len(self.layer_names) != self.count:
@@ -89,6 +93,7 @@ class StageEval:
     recompute_s: float
     tp_comm_s: float
     pp_comm_s: float
+    host_s: float  # of compute_s: framework host overhead (Run.host_s)
     memory_bytes: float  # model states + activations (+ workspace) of this stage
     state_bytes: float
     act_bytes: float
@@ -105,6 +110,7 @@ class InnerSolution:
     bottleneck_rank: int
     tail_s: float  # E
     tail_optimizer_s: float  # of E: the optimizer step on the rank that sets E
+    tail_optimizer_host_s: float  # of that optimizer step: framework host overhead (Run.optimizer_host_s)
     stages: tuple[StageEval, ...]
     rank_memory_bytes: tuple[float, ...]
     feasible: bool
@@ -130,7 +136,7 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
     ranks_t = [0.0] * p
     mem = [0.0] * p
     used_modes: list[set[str]] = [set() for _ in range(p)]
-    tail_opt, tail_dp = [0.0] * p, [problem.grad_sync_latency_s] * p
+    tail_opt, tail_opt_host, tail_dp = [0.0] * p, [0.0] * p, [problem.grad_sync_latency_s] * p
     for s, (n, mode) in enumerate(zip(layers_per_stage, modes, strict=False)):
         k, q = MODES.index(mode), s % p
         lay = [runs[of[i]] for i in range(pos, pos + n)]
@@ -149,9 +155,11 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
         mem[q] += state + act
         used_modes[q].add(mode)
         tail_opt[q] += sum(r.optimizer_s for r in lay)
+        tail_opt_host[q] += sum(r.optimizer_host_s for r in lay)
         tail_dp[q] += sum(r.grad_sync_s - r.backward_s for r in lay)
         stages.append(StageEval(index=s, rank=q, first_layer=pos, num_layers=n, mode=mode, time_s=t + ppc,
                                 compute_s=comp, recompute_s=rec, tp_comm_s=tpc, pp_comm_s=ppc,
+                                host_s=sum(r.host_s for r in lay),
                                 memory_bytes=state + act, state_bytes=state, act_bytes=act))
         pos += n
     for q in range(p):
@@ -175,5 +183,6 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
             violated = violated or f"memory_rank{q}"
     return InnerSolution(layers_per_stage=tuple(layers_per_stage), modes=tuple(modes),
                          objective_s=pipeline + tails[qe], pipeline_s=pipeline, bottleneck_rank=b,
-                         tail_s=tails[qe], tail_optimizer_s=tail_opt[qe], stages=tuple(stages),
+                         tail_s=tails[qe], tail_optimizer_s=tail_opt[qe], tail_optimizer_host_s=tail_opt_host[qe],
+                         stages=tuple(stages),
                          rank_memory_bytes=tuple(mem), feasible=not violated, violated=violated)
