@@ -14,8 +14,8 @@ What is adjusted, and why that is sound:
   floor, not its kernel tables, and reports that part of its prediction (Estimate.host_s). It is scaled
   by its own factor h: it is Python work that runs while the peer ranks wait in latency-bound
   collectives, so it neither shares cores as kernels do nor gains from the same in-situ factor. Measured
-  here, one factor for both left the tensor-parallel layouts 25-35% off in opposite directions at 4 and
-  8 processes (`benchmarks/predict_vs_measure.py`).
+  here (`benchmarks/predict_vs_measure.py`): one compute factor per process count left DP4 ZeRO-1 35%
+  under and PP+TP 9% over at 4 processes; the two factors bring all seven layouts within 20%.
 - The fit (`fit_calibration`), on measured / predicted (compute + recompute + optimizer): a from the runs
   whose predicted host share is under HOST_SHARE (the ratio of sums for one or two runs, the median of the
   per-run ratios from three on, so that one run disturbed by other work does not set it); h from the
