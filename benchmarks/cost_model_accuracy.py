@@ -11,8 +11,8 @@ what it has not measured?
    own size, layout and class) — not from a layer entry; beside it (not counted) the op-by-op prediction
    of the same block traced on this machine (cost_models.optrace).
 4. gloo all-reduce over 2 and 4 processes (4 on a 2-core machine is oversubscribed) at sizes midway (in
-   log-size) between the profile's table points: CommModel on the profile's table for that process
-   count (measured now when the profile lacks it) vs a fresh measurement with the same count and clock.
+   log-size) between the profile's table points: CommModel on tables the profiler measures at its own
+   sizes, each round paired in time with the measurement of the midpoints (`allreduce_cases`).
 Prints each case with its relative error and whether it is within 15%, and the load average at each
 stage. Other processes on the same cores change both sides of the comparison: `--clock thread` times
 kernels, GEMMs and the block single-threaded by CPU time on both sides (the collectives stay on the wall
@@ -35,7 +35,7 @@ from cost_models import catalog
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
 from cost_models.optrace import predict_ops_time_s, trace_ops
-from cost_models.profile import Profile
+from cost_models.profile import CollectiveSample, Profile
 from cost_models.profiler import profile_machine
 from cost_models.profiler.collectives import measure_collectives
 from cost_models.profiler.timing import time_callable
@@ -45,13 +45,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GEMM_CASES = [(1536, 1536, 1536), (3000, 700, 1300), (2048, 4096, 1024)]
 # 45 KiB, 724 KiB, 11.3 MiB: midway in log-size between the profile table's points (×2 apart)
 ALLREDUCE_BYTES = [round(2**e / 64) * 64 for e in (15.5, 19.5, 23.5)]
-ROUNDS = 5
+ROUNDS = 5  # paired rounds of (profiler table, measurement) for the collectives
 
 
-def row(name: str, predicted_s: float, measured_s: float) -> bool:
+def row(name: str, predicted_s: float, measured_s: float, note: str = "") -> bool:
     err = predicted_s / measured_s - 1.0
     ok = abs(err) <= TOLERANCE
-    print(f"{name:<56}{predicted_s * 1e3:>12.3f}{measured_s * 1e3:>12.3f}{err * 100:>+9.1f}%  {'ok' if ok else 'MISS'}")
+    print(f"{name:<56}{predicted_s * 1e3:>12.3f}{measured_s * 1e3:>12.3f}{err * 100:>+9.1f}%  {'ok' if ok else 'MISS'}"
+          + (f"  {note}" if note else ""))
     return ok
 
 
@@ -103,31 +104,36 @@ def block_cases(prof: Profile, device: torch.device, clock: str) -> list[bool]:
     return results
 
 
-def with_collective_tables(prof: Profile, groups: list[int]) -> Profile:
-    """The profile, plus all-reduce tables measured now for the group sizes it lacks: a table for 2
-    processes says nothing about 4 on a machine with fewer cores than processes."""
-    missing = [g for g in groups if not prof.collective_table("all_reduce", g)]
-    if not missing:
-        return prof
-    print(f"profile has no all_reduce table for {missing} processes: measuring them", flush=True)
-    extra = measure_collectives(max(missing), backend="gloo", quick=True, progress=lambda _m: None,
-                                plan=[("all_reduce", g) for g in missing])
-    return dataclasses.replace(prof, collectives=prof.collectives + tuple(extra))
-
-
 def allreduce_cases(prof: Profile, nproc: int) -> list[bool]:
+    """Each round runs the profiler's own all-reduce sweep (its table sizes, as `profile_machine` runs it)
+    and then the measurement at the midpoint sizes, seconds apart; the prediction prices the midpoints
+    from the median of the rounds' tables, the measurement is the median of the rounds. Pairing them in
+    time keeps the machine's drift out of the comparison: small gloo messages on these 2 shared vCPUs
+    drift ±20% over minutes, which a table measured once at the start would read as model error. The
+    error against the profile's own tables (measured minutes earlier) is printed beside, not counted."""
     groups = [g for g in (2, 4) if g <= nproc]
     plan = [("all_reduce", g) for g in groups]
-    # each round is a median over trials within seconds; on a shared machine a burst of other work can
-    # cover a whole round, so the measured time is the median of ROUNDS rounds a few seconds apart
-    rounds = [measure_collectives(nproc, backend="gloo", quick=False, progress=lambda _m: None,
-                                  sizes=ALLREDUCE_BYTES, plan=plan) for _ in range(ROUNDS)]
-    measured = [dataclasses.replace(first, time_s=statistics.median(r[i].time_s for r in rounds))
-                for i, first in enumerate(rounds[0])]
-    comm = CommModel(Topology(devices_per_node=nproc, intra=catalog.link("cpu-loopback"),
-                              inter=catalog.link("cpu-loopback")), profile=prof)
-    return [row(f"gloo all_reduce x{s.group_size} {s.n_bytes / 2**10:.0f} KiB",
-                comm.all_reduce_time_s(s.n_bytes, s.group_size, s.group_size), s.time_s) for s in measured]
+    tables, rounds = [], []
+    for _ in range(ROUNDS):
+        tables.append(measure_collectives(nproc, backend="gloo", quick=True, progress=lambda _m: None, plan=plan))
+        rounds.append(measure_collectives(nproc, backend="gloo", quick=False, progress=lambda _m: None,
+                                          sizes=ALLREDUCE_BYTES, plan=plan))
+
+    def median_of(runs: list[list[CollectiveSample]]) -> list[CollectiveSample]:
+        return [dataclasses.replace(first, time_s=statistics.median(r[i].time_s for r in runs))
+                for i, first in enumerate(runs[0])]
+
+    paired = dataclasses.replace(prof, collectives=tuple(median_of(tables)))
+    topo = Topology(devices_per_node=nproc, intra=catalog.link("cpu-loopback"), inter=catalog.link("cpu-loopback"))
+    comm, earlier = CommModel(topo, profile=paired), CommModel(topo, profile=prof)
+    results = []
+    for s in median_of(rounds):
+        own = earlier.all_reduce_time_s(s.n_bytes, s.group_size, s.group_size) if \
+            prof.collective_table("all_reduce", s.group_size) else float("nan")
+        results.append(row(f"gloo all_reduce x{s.group_size} {s.n_bytes / 2**10:.0f} KiB",
+                           comm.all_reduce_time_s(s.n_bytes, s.group_size, s.group_size), s.time_s,
+                           note=f"(profile's own table {(own / s.time_s - 1) * 100:+.1f}%)"))
+    return results
 
 
 def main() -> int:
@@ -155,7 +161,6 @@ def main() -> int:
     if prof.clock != args.clock:
         print(f"warning: the profile was timed with the {prof.clock} clock, this run with {args.clock}: "
               "not like with like")
-    prof = with_collective_tables(prof, [g for g in (2, 4) if g <= args.nproc])
     cm = ComputeModel(catalog.device("cpu"), prof)
     print(f"{'case':<56}{'pred ms':>12}{'meas ms':>12}{'error':>10}")
     print(f"clock: {args.clock}")
