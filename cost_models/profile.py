@@ -119,7 +119,7 @@ class CollectiveSample:
     op: str
     group_size: int
     n_bytes: int
-    time_s: float  # median over trials of the slowest rank's mean time per op
+    time_s: float  # mean over trials of the slowest rank's mean time per op (profiler.collectives)
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
