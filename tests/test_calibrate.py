@@ -171,3 +171,21 @@ def test_one_kind_of_run_gives_one_factor(graph):
     pred = plan.estimate.breakdown["compute"] + plan.estimate.breakdown["optimizer"]
     cal = fit_calibration([_record(plan, {"compute": 2.0 * pred})])
     assert cal.compute_factor == cal.host_factor == pytest.approx(2.0)
+
+
+def test_fsdp_host_overheads_are_in_compute_and_host_s(graph):
+    """On CPU, ZeRO-3's estimate carries the FSDP2 hooks in compute (one per layer with parameters and
+    micro-batch) and its DTensor optimizer in the optimizer step, and reports both in host_s."""
+    from autopar.planner.dp_costs import DTENSOR_OPTIMIZER_FLOORS, FSDP_HOOKS_FLOORS
+
+    cluster = Cluster.local(nproc=2, profile=_profile())
+    units = sum(1 for la in graph.layers if la.num_params > 0)
+    floor = cluster.profile.host_overhead_floor_s
+    m = 2
+    est = {z: autopar.estimate(graph, cluster, ParallelConfig(dp=2, zero_stage=z, micro_batch_size=1,
+                                                               num_microbatches=m), global_batch_size=2 * m)
+           for z in (0, 3)}
+    assert est[0].host_s == 0.0
+    assert est[3].host_s == pytest.approx(units * floor * (m * FSDP_HOOKS_FLOORS[3] + DTENSOR_OPTIMIZER_FLOORS))
+    assert est[3].breakdown["compute"] - est[0].breakdown["compute"] == \
+        pytest.approx(units * floor * m * FSDP_HOOKS_FLOORS[3])

@@ -120,13 +120,16 @@ def test_predicted_collective_count_is_what_the_runtime_issues(tmp_path, options
         assert r.calls_per_step.get("dp", 0) + r.calls_per_step.get("other", 0) == t.collectives_per_step(units)
 
 
-def test_fsdp_host_overheads_are_charged_on_cpu_per_unit_and_micro_batch():
+def test_fsdp_host_overheads_are_charged_on_cpu_per_unit_outside_the_tail():
     from autopar.planner.dp_costs import DTENSOR_OPTIMIZER_FLOORS, FSDP_HOOKS_FLOORS
 
     kw = dict(dp=4, world=8, microbatches=3, rank_grad_bytes=64e6, collective_s=coll, memory_s=lambda n: n / MEM)
     for zero in (2, 3):
         gpu = DPTail(zero_stage=zero, **kw)
         cpu = DPTail(zero_stage=zero, host_floor_s=2e-6, **kw)
-        extra = 2e-6 * (3 * FSDP_HOOKS_FLOORS[zero] + DTENSOR_OPTIMIZER_FLOORS)
-        assert cpu.layer_s(5e6) - gpu.layer_s(5e6) == pytest.approx(extra)
-    assert DPTail(zero_stage=0, host_floor_s=2e-6, **kw).layer_s(5e6) == DPTail(zero_stage=0, **kw).layer_s(5e6)
+        assert cpu.hooks_s == pytest.approx(2e-6 * FSDP_HOOKS_FLOORS[zero])  # per layer, per micro-batch
+        assert cpu.optimizer_host_s == pytest.approx(2e-6 * DTENSOR_OPTIMIZER_FLOORS)  # per layer, per step
+        assert gpu.hooks_s == gpu.optimizer_host_s == 0.0
+        assert cpu.layer_s(5e6) == gpu.layer_s(5e6)  # the tail holds communication only
+    plain = DPTail(zero_stage=0, host_floor_s=2e-6, **kw)
+    assert plain.hooks_s == plain.optimizer_host_s == 0.0

@@ -185,7 +185,7 @@ class CostModel:
             tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
         tp_fwd, tp_bwd = tp_s["forward"], tp_s["backward"]
         if tp > 1 and layer.tp_patterns:  # DTensor dispatch on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
-            host = self.dtensor_floor_s * TP_HOST_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count
+            host = self.host_floor_s * TP_HOST_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count
             bwd += host
         else:
             host = 0.0
@@ -274,19 +274,13 @@ class CostModel:
         layer = self.runs[ri][0]
         if tp <= 1 or not layer.tp_patterns:
             return 0.0
-        return self.dtensor_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
-
-    @property
-    def dtensor_floor_s(self) -> float:
-        """The floor DTensor's host overheads are counted in (TP_HOST_FLOORS_PER_GEMM): the profile's host
-        floor on CPU with gloo (not divided among processes, scaled by its own calibration), else 0."""
-        return self.profile.host_overhead_floor_s if self.cpu_cores and self.profile is not None else 0.0
+        return self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
 
     @property
     def host_floor_s(self) -> float:
-        """The eager-op floor host overheads are counted in: the profile's (as Cluster.local shares it among
-        processes and calibration scales it) on CPU with gloo, 0 (not charged) elsewhere."""
-        return self.compute.launch_s if self.cpu_cores else 0.0
+        """The floor framework host overheads are counted in (DTensor TP, FSDP2 hooks): the profile's host
+        floor on CPU with gloo (not divided among processes, scaled by its own calibration), else 0."""
+        return self.profile.host_overhead_floor_s if self.cpu_cores and self.profile is not None else 0.0
 
     # ---- communication as the runtime issues it ----
     def sharing_factor(self, group_size: int) -> float:
@@ -339,15 +333,18 @@ class CostModel:
             layer = group[0]
             tm = self._time(ri, c.tp, c.sequence_parallel, c.micro_batch_size)
             rec = tm["recompute"]
+            grad_bytes = self._local_run(ri, c.tp) * self.elem
+            # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
+            hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
             runs.append(Run(
                 name=layer.name, count=len(group), layer_names=tm["names"],
-                time_s=tm["time"], compute_s=(tm["compute"],) * 3,
+                time_s=tuple(t + hooks for t in tm["time"]), compute_s=(tm["compute"] + hooks,) * 3,
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
                 backward_s=tm["compute"] if overlaps else 0.0,
-                grad_sync_s=tail.layer_s(self._local_run(ri, c.tp) * self.elem) + tm["tp_step"],
-                optimizer_s=self._opt_run(ri, c.tp, shards), send_s=tm["send"], host_s=tm["host"],
-                optimizer_host_s=self._opt_host_s(ri, c.tp, shards)))
+                grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"],
+                optimizer_s=self._opt_run(ri, c.tp, shards) + opt_host, send_s=tm["send"],
+                host_s=tm["host"] + hooks, optimizer_host_s=self._opt_host_s(ri, c.tp, shards) + opt_host))
         ranks = self.rank_memory(c)
         return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,
                             num_microbatches=c.num_microbatches,

@@ -20,9 +20,11 @@ shards (DTensor dispatch per parameter). Measured per FSDP unit with `python ben
 (gpt-tiny, one thread, thread CPU time, this repository's 2-vCPU development machine, whose profiled
 eager-op floor is 0.90 µs): hooks 1.44 ms (ZeRO-2) and 1.76 ms (ZeRO-3) per unit per micro-batch,
 optimizer 1.30 ms per unit per step. Both are Python and dispatch work, so they are kept as multiples of
-the eager-op floor (the profile's launch_overhead_s: ~1600, ~1950 and ~1440 floors), which makes them
-follow the CPU's speed, its sharing among processes (Cluster.local) and calibration like every other
-compute time. They are charged with the layer's γ, and not on GPUs, where the host runs ahead.
+the eager-op floor (~1600, ~1950 and ~1440 floors of the profile's host floor, Profile.host_overhead_floor_s,
+the floor DTensor's tensor-parallel overheads are priced in too), which makes them follow the CPU's speed
+and the host-overhead calibration (autopar.calibrate). They are charged where the runtime spends them —
+the hooks with each layer's compute in every micro-batch (`hooks_s`), the optimizer part with the
+optimizer step (`optimizer_host_s`) — not in γ, and not on GPUs, where the host runs ahead.
 
 ZeRO-0/1 collectives span the rank's whole gradient, so they are linearised around the average
 rank's G (γ per byte plus a fixed γ0, exact where the measured time is affine in size); FSDP2's are
@@ -57,8 +59,8 @@ class DPTail:
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
                  host_floor_s: float = 0.0) -> None:
-        """host_floor_s: the eager-op floor FSDP2's host overheads are counted in (module docstring); 0 on
-        GPUs, where they are not charged."""
+        """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
+        where they are not charged."""
         self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
         self.host_floor_s = host_floor_s
         self._coll, self._mem = collective_s, memory_s
@@ -87,6 +89,16 @@ class DPTail:
             return 0
         return self.microbatches * (2 if self.zero_stage == 3 else 1)
 
+    @property
+    def hooks_s(self) -> float:
+        """FSDP2's hook CPU time around one layer with parameters, per micro-batch (0 without FSDP)."""
+        return self.host_floor_s * FSDP_HOOKS_FLOORS[self.zero_stage] if self.gathers_per_step else 0.0
+
+    @property
+    def optimizer_host_s(self) -> float:
+        """The optimizer's DTensor dispatch over one FSDP unit's shards, per step (0 without FSDP)."""
+        return self.host_floor_s * DTENSOR_OPTIMIZER_FLOORS if self.gathers_per_step else 0.0
+
     def layer_s(self, grad_bytes: float) -> float:
         """γ of a layer whose parameters (= gradients) take grad_bytes on this rank."""
         if grad_bytes <= 0:
@@ -94,9 +106,8 @@ class DPTail:
         if self.gathers_per_step == 0:
             return self.per_byte_s * grad_bytes
         k = self.gathers_per_step
-        host = self.host_floor_s * (self.microbatches * FSDP_HOOKS_FLOORS[self.zero_stage] + DTENSOR_OPTIMIZER_FLOORS)
         return (k * self._coll("all_gather", grad_bytes, self.dp) + self._coll("reduce_scatter", grad_bytes, self.dp)
-                + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes + host)
+                + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes)
 
     def collectives_per_step(self, layers_with_params: int) -> int:
         """Collectives one rank issues per step for data parallelism and the loss."""
