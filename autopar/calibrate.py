@@ -23,6 +23,11 @@ What is adjusted, and why that is sound:
 - Communication. Per group size K, the profiled collective tables of K ranks are multiplied by the
   same kind of ratio of the components carried by K-rank groups (tp_comm on tp = K, dp_comm on
   dp = K), which scales every collective of K ranks predicted from them by the same factor.
+- Point-to-point. The p2p table is multiplied by measured / predicted pp_comm of the pipelined runs. On
+  gloo a send returns only once the peer has posted its receive, so the measured send time of a pipeline
+  holds waits for the neighbour that a ping-pong table does not see (measured here: 15-60 ms per step
+  against ~1 ms predicted); pricing them into each boundary send makes schedules with more boundaries
+  (interleaving) cost what they do, which is what the planner's choice needs.
 - Nothing else: the pipeline bubble follows from the calibrated stage times; components predicted as
   zero (e.g. a data-parallel sync the planner assumes hidden) cannot be scaled, and stay in the report.
 
@@ -49,12 +54,13 @@ HOST_SHARE = 0.1
 
 
 def scale_profile(profile: Profile, *, compute: float = 1.0, host: float = 1.0,
-                  comm: dict[int, float] | None = None, note: str = "") -> Profile:
+                  comm: dict[int, float] | None = None, p2p: float = 1.0, note: str = "") -> Profile:
     """`profile` with kernel table times (and the eager-op floor) × `compute`, the host floor × `host`,
-    and K-rank collective times × comm[K]."""
-    factors = [compute, host, *(comm or {}).values()]
+    K-rank collective times × comm[K] and point-to-point times × `p2p`."""
+    factors = [compute, host, p2p, *(comm or {}).values()]
     if any(not f > 0 for f in factors):
-        raise ValueError(f"scale factors must be positive; got compute={compute}, host={host}, comm={comm}")
+        raise ValueError(f"scale factors must be positive; got compute={compute}, host={host}, p2p={p2p}, "
+                         f"comm={comm}")
     comm = comm or {}
     notes = "; ".join(n for n in (profile.notes, note) if n)
     return dataclasses.replace(
@@ -64,7 +70,8 @@ def scale_profile(profile: Profile, *, compute: float = 1.0, host: float = 1.0,
         launch_overhead_s=profile.launch_overhead_s * compute,
         host_floor_s=profile.host_overhead_floor_s * host,
         layer_times={k: v * compute for k, v in profile.layer_times.items()},
-        collectives=tuple(dataclasses.replace(c, time_s=c.time_s * comm.get(c.group_size, 1.0))
+        collectives=tuple(dataclasses.replace(c, time_s=c.time_s * (p2p if c.op == "p2p" else
+                                                                    comm.get(c.group_size, 1.0)))
                           for c in profile.collectives),
         notes=notes)
 
@@ -76,6 +83,7 @@ class Calibration:
     compute_factor: float
     host_factor: float
     comm_factors: dict[int, float]  # group size → factor
+    p2p_factor: float = 1.0
     measured_compute_s: float
     predicted_compute_s: float
     runs: int
@@ -84,7 +92,8 @@ class Calibration:
         comm = ", ".join(f"{k}-rank collectives ×{v:.3f}" for k, v in sorted(self.comm_factors.items()))
         return (f"calibrated from {self.runs} run(s): kernels ×{self.compute_factor:.3f}, host overhead "
                 f"×{self.host_factor:.3f} (compute measured {self.measured_compute_s * 1e3:.1f} ms vs predicted "
-                f"{self.predicted_compute_s * 1e3:.1f} ms)" + (f"; {comm}" if comm else ""))
+                f"{self.predicted_compute_s * 1e3:.1f} ms)" + (f"; {comm}" if comm else "")
+                + (f"; point-to-point ×{self.p2p_factor:.3f}" if self.p2p_factor != 1.0 else ""))
 
 
 def _ratio(pairs: list[tuple[float, float]]) -> float:
@@ -101,6 +110,7 @@ def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
         raise ValueError("calibration needs at least one run record")
     rows: list[tuple[float, float, float]] = []  # (measured, predicted kernels, predicted host)
     comm: dict[int, list[tuple[float, float]]] = {}
+    p2p: list[tuple[float, float]] = []
     for r in records:
         measured = r.breakdown()
         pred = sum(r.predicted_breakdown.get(k, 0.0) for k in COMPUTE_KEYS)
@@ -109,6 +119,8 @@ def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
         for key, size in (("tp_comm", r.config.tp), ("dp_comm", r.config.dp)):
             if size > 1 and r.predicted_breakdown.get(key, 0.0) > 0:
                 comm.setdefault(size, []).append((measured[key], r.predicted_breakdown[key]))
+        if r.config.pp > 1 and r.predicted_breakdown.get("pp_comm", 0.0) > 0 and measured["pp_comm"] > 0:
+            p2p.append((measured["pp_comm"], r.predicted_breakdown["pp_comm"]))
     meas_c, pred_c = sum(m for m, _, _ in rows), sum(k + h for _, k, h in rows)
     if pred_c <= 0 or meas_c <= 0 or any(k + h <= 0 for _, k, h in rows):
         raise ValueError(f"cannot calibrate compute: measured {meas_c} s, predicted {pred_c} s "
@@ -124,6 +136,7 @@ def fit_calibration(records: Sequence[RunRecord]) -> Calibration:
         a = h = _ratio([(m, k + h) for m, k, h in rows])
     factors = {k: _ratio(v) for k, v in comm.items()}
     return Calibration(compute_factor=a, host_factor=h, comm_factors={k: f for k, f in factors.items() if f > 0},
+                       p2p_factor=_ratio(p2p) if p2p else 1.0,
                        measured_compute_s=meas_c, predicted_compute_s=pred_c, runs=len(records))
 
 
@@ -150,4 +163,4 @@ def calibrate(records: Sequence[RunRecord], profile: Profile, *, names: Sequence
         _check(record, profile, name)
     cal = fit_calibration(records)
     return scale_profile(profile, compute=cal.compute_factor, host=cal.host_factor, comm=cal.comm_factors,
-                         note=cal.describe()), cal
+                         p2p=cal.p2p_factor, note=cal.describe()), cal

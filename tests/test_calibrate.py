@@ -189,3 +189,22 @@ def test_fsdp_host_overheads_are_in_compute_and_host_s(graph):
     assert est[3].host_s == pytest.approx(units * floor * (m * FSDP_HOOKS_FLOORS[3] + DTENSOR_OPTIMIZER_FLOORS))
     assert est[3].breakdown["compute"] - est[0].breakdown["compute"] == \
         pytest.approx(units * floor * m * FSDP_HOOKS_FLOORS[3])
+
+
+def test_pipeline_sends_are_calibrated_on_pp_comm(graph):
+    """A pipelined run whose sends took 10× the profiled point-to-point time: the p2p table is scaled by
+    10, so the calibrated plan predicts 10× the pp_comm, and collectives are untouched."""
+    prof = _profile()
+    plan = autopar.plan(graph, Cluster.local(nproc=2, profile=prof), global_batch_size=4,
+                        options=autopar.PlannerOptions(pp=2, dp=1, tp=1, schedule="1f1b", num_microbatches=2,
+                                                       top_k=0))
+    pred = plan.estimate.breakdown
+    assert pred["pp_comm"] > 0
+    rec = _record(plan, {"compute": pred["compute"], "optimizer": pred["optimizer"], "pp_comm": 10 * pred["pp_comm"]})
+    new_prof, cal = calibrate([rec], prof)
+    assert cal.p2p_factor == pytest.approx(10.0)
+    est = autopar.estimate(graph, Cluster.local(nproc=2, profile=new_prof), plan.config, global_batch_size=4,
+                           stages=plan.stages)
+    assert est.breakdown["pp_comm"] == pytest.approx(10 * pred["pp_comm"], rel=1e-6)
+    assert [c.time_s for c in new_prof.collectives if c.op != "p2p"] == \
+        [c.time_s for c in prof.collectives if c.op != "p2p"]
