@@ -84,6 +84,8 @@ class Kernel:
     attention_core: part of the attention core (the attention matmuls or fused kernel, and the scores'
       mask, softmax and dropout between them): what selective recompute runs again (Korthikanti et al.
       2022, §4.2). Forward kernels only.
+    op_sac_saved: op-level selective checkpointing keeps its output, so recompute under "op_sac" does not
+      run it again (autopar.capture.kernels.op_sac_saves). Forward kernels only.
     """
 
     kind: str
@@ -94,6 +96,7 @@ class Kernel:
     mnk: tuple[int, int, int] | None = None
     tp_sharded: bool = False
     attention_core: bool = False
+    op_sac_saved: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_KINDS:
@@ -108,7 +111,7 @@ class Kernel:
     def key(self) -> tuple:
         """Kernels with equal keys are identical and are merged into one entry (counts added)."""
         return (self.kind, self.work, self.tensor_bytes, self.layout, self.mnk, self.tp_sharded,
-                self.attention_core)
+                self.attention_core, self.op_sac_saved)
 
 
 def merge_kernels(kernels: list[Kernel] | tuple[Kernel, ...]) -> tuple[Kernel, ...]:
@@ -196,6 +199,11 @@ class LayerSpec:
     # Elements of each parameter tensor of the layer's norm modules (LayerNorm weight and bias, RMSNorm
     # weight): replicated under tensor parallelism, and reduced across the TP group under sequence parallelism.
     norm_param_numels: tuple[int, ...] = ()
+    # What op-level selective checkpointing keeps (the layer's inputs and the outputs of the ops its policy
+    # saves: autopar.capture.kernels.op_sac_saves) and, of that, the part inside TP patterns. None in
+    # graphs captured before op_sac existed: the planner then never prefers op_sac (costs.py).
+    saved_activation_bytes_op_sac: int | None = None
+    saved_activation_bytes_op_sac_tp_sharded: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "norm_param_numels", tuple(int(n) for n in self.norm_param_numels))
@@ -312,7 +320,9 @@ class SequenceSpan:
     """Where hidden states are split along the sequence under sequence parallelism (Korthikanti et al.
     2022 §4.2.2). Codegen applies it and the planner prices it, so both read it from here.
 
-    scatter_after: the layer whose output is split (the embedding layer).
+    scatter_after: the layer before the first block; the hidden states entering the first block are
+      split (at the block's input, so glue before it, such as positions built from the sequence
+      length, still sees the full sequence).
     gather_after: the layer whose output is gathered back to the full sequence, or None when the
       next layer is a vocab-parallel LM head that takes sequence shards (all-gather inside it).
     Layers in between see sequence shards: their norms run on shards and their TP patterns all-gather
@@ -321,15 +331,14 @@ class SequenceSpan:
 
     scatter_after: str
     gather_after: str | None
-    sharded_layers: tuple[str, ...]  # layers whose inputs are sequence shards
+    sharded_layers: tuple[str, ...]  # layers whose inputs are sequence shards, the first block first
 
 
 def sequence_span(graph: ModelGraph) -> SequenceSpan:
-    """From the first embedding layer through the last block/norm layer of the graph."""
+    """From the first block layer through the last block/norm layer of the graph."""
     names = [la.name for la in graph.layers]
-    first = next((la.name for la in graph.layers if la.kind == "embedding"), names[0])
+    start = next((i for i, la in enumerate(graph.layers) if la.kind == "block" and i > 0), 1)
     last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
     head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
-    start = names.index(first)
-    return SequenceSpan(scatter_after=first, gather_after=None if head_next else names[last],
-                        sharded_layers=tuple(names[start + 1:last + 1]))
+    return SequenceSpan(scatter_after=names[start - 1], gather_after=None if head_next else names[last],
+                        sharded_layers=tuple(names[start:last + 1]))

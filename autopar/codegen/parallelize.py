@@ -1,7 +1,8 @@
 """`parallelize`: a `Plan` applied to a model, on every rank of a torchrun job.
 
-The order is fixed (design.md §7, as torchtitan composes it): mesh → pipeline stage cut →
-tensor parallelism → activation recompute → ZeRO/data parallelism → optimizer → schedule.
+The order is fixed (docs/design.md, as torchtitan composes it): mesh → what crosses each pipeline cut
+(a dry run of the model's forward) → pipeline stages → tensor parallelism (tied weights tied again) →
+activation recompute → ZeRO/data parallelism → optimizer → schedule.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from torch import nn
 
 from autopar.capture.graph import ModelGraph
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
+from autopar.codegen.dataflow import trace_dataflow
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
-from autopar.codegen.pipeline import build_schedule, build_stage_module, check_stage_placement, layer_modules
+from autopar.codegen.pipeline import build_schedule, build_stage, check_stage_placement, layer_modules, stage_of_units
 from autopar.codegen.recompute import apply_recompute
 from autopar.codegen.runtime import ParallelModel
+from autopar.codegen.shared import SharedGradients, alias_groups, retie, stages_holding
 from autopar.codegen.tensor_parallel import apply_tensor_parallel, sequence_span
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
@@ -63,6 +66,28 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
+def _microbatch_inputs(graph: ModelGraph, example_inputs: Sequence[torch.Tensor] | None,
+                       micro_batch_size: int) -> tuple[torch.Tensor, ...]:
+    """Inputs shaped like one micro-batch (for the dry run that finds what crosses each pipeline cut)."""
+    if example_inputs is None:
+        if not graph.seq_len:
+            raise PlanMismatchError("parallelize needs example_inputs for a model whose graph has no sequence length")
+        return (torch.zeros(micro_batch_size, graph.seq_len, dtype=torch.long),)
+    return tuple(torch.zeros((micro_batch_size, *t.shape[1:]), dtype=t.dtype) if isinstance(t, torch.Tensor)
+                 and t.dim() >= 1 else t for t in example_inputs)
+
+
+def _fsdp_paths(part: nn.Module, paths: Sequence[str]) -> list[str]:
+    """Unit paths to shard as their own FSDP groups: not those holding a weight another unit shares
+    (one parameter belongs to one group; those stay in the stage's root group)."""
+    owner_of: dict[int, set[str]] = {}
+    for path in paths:
+        for p in part.get_submodule(path).parameters():
+            owner_of.setdefault(id(p), set()).add(path)
+    tied = {path for owners in owner_of.values() if len(owners) > 1 for path in owners}
+    return [p for p in paths if p not in tied]
+
+
 def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
                 example_inputs: Sequence[torch.Tensor] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
@@ -70,8 +95,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                 device: str | torch.device | None = None) -> ParallelModel:
     """Shard `model` as `plan` says and return the `ParallelModel` that trains it (call on every rank).
 
-    optimizer: a factory `params -> torch.optim.Optimizer` (it receives parameter groups).
-    loss_fn: `(logits, targets) -> mean loss`; `lm_cross_entropy` runs vocab-parallel under TP.
+    The model's own forward runs on every stage (`pipeline.py`); with pp = 1 it is the model itself,
+    sharded in place. optimizer: a factory `params -> torch.optim.Optimizer` (it receives parameter
+    groups). loss_fn: `(logits, targets) -> mean loss`; `lm_cross_entropy` runs vocab-parallel under TP.
     The model's parameters are modified in place (sharded); its weights are taken from rank 0.
     """
     graph = graph if graph is not None else _graph_of(model, example_inputs)
@@ -84,25 +110,31 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     model.to(dev)
     _broadcast_from_rank0(model)
 
+    units = stage_of_units(graph, plan)
+    flow = trace_dataflow(model, list(units), _microbatch_inputs(graph, example_inputs, cfg.micro_batch_size))
+    ios = flow.stages(units, len(plan.stages))
+    ties = alias_groups(model)
+    shared = SharedGradients(model, stages_holding(model, units, flow.replicated, len(plan.stages)),
+                             mesh.mesh.reshape(cfg.pp, cfg.dp, cfg.tp), cfg.pp)
     pp_rank = mesh["pp"].get_local_rank()
-    sp = cfg.sequence_parallel
-    span = sequence_span(graph) if sp else None
+    span = sequence_span(graph) if cfg.sequence_parallel else None
     parts: list[tuple[int, nn.Module]] = []
     for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
-        part = build_stage_module(model, graph, stage, sequence_shards=cfg.tp if sp else 1)
-        layers = [graph.layer(name) for name in part.layer_names]
+        part = build_stage(model, flow, ios, units, stage.index, device=dev)
+        layers = [graph.layer(name) for name in stage.layers]
         if cfg.tp > 1:
             apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)
+            retie(part, ties)
         for layer in layers:
             if layer.kind == "block":
                 for path in layer_modules(graph, layer.name):
                     apply_recompute(part.get_submodule(path), stage.recompute)
         if cfg.zero_stage >= 2 and cfg.dp > 1:
-            paths = [p for la in layers for p in layer_modules(graph, la.name)]
-            apply_fsdp(part, paths, mesh["dp"], zero_stage=cfg.zero_stage)
+            paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
+            apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage)
         parts.append((stage.index, part))
 
-    params = [p for _, part in parts for p in part.parameters()]
+    params = list({id(p): p for _, part in parts for p in part.parameters()}.values())
     if cfg.zero_stage == 1 and cfg.dp > 1:
         opt: torch.optim.Optimizer | ShardedOptimizer = ShardedOptimizer(params, optimizer, mesh["dp"])
     else:
@@ -111,4 +143,5 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
     schedule = build_schedule(plan, parts, mesh["pp"], dev, loss) if cfg.pp > 1 else None
     return ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
-                         loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev)
+                         loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev,
+                         shared_gradients=shared)

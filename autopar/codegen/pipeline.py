@@ -1,122 +1,190 @@
-"""Pipeline stages cut where the plan says, and the `torch.distributed.pipelining` schedule that runs them.
+"""Pipeline stages that run the model's own forward, and the `torch.distributed.pipelining` schedule over them.
 
-A stage is the ordered list of layer names of one `StagePlan`. `StageModule` holds exactly those
-layers under their original module paths (so parameter names, state dicts and checkpoints match
-the single-device model) and runs them one after another: the output of a layer is the input of
-the next, which is how capture defines layers for decoder-only models.
+A stage is a pruned copy of the model (same class, same module paths, so parameter names, state
+dicts and checkpoints stay those of the single-device model) in which the units of other stages
+are replaced by stand-ins. Its forward is the model's own `forward`, run from the top:
 
-Hugging Face decoders are the one structure handled explicitly: their decoder layers take the
-rotary position embeddings (computed once by `model.rotary_emb`, a parameter-free module that
-every stage keeps) and run causal attention without an explicit mask.
+- a unit of an earlier stage returns what that stage sent for this call (`dataflow.py` decides
+  which calls' outputs cross each cut), or, when nothing downstream reads it, a zero tensor of its
+  shape (the glue computed from it is never used);
+- the units of this stage run for real; their outputs that later stages read are kept;
+- the first call of a unit of a later stage ends the stage, which returns what it must send.
+Glue between units (position embeddings added beside the token embedding, scaled embeddings,
+masks, rotary tables, a tied head) therefore runs exactly as the model wrote it, on every stage
+that needs it. With pp = 1 the one stage is the model itself.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.capture.graph import ModelGraph
+from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
 from autopar.errors import PlanMismatchError
-from autopar.plan import Plan, StagePlan
+from autopar.plan import Plan
 
-__all__ = ["StageModule", "layer_modules", "build_stage_module", "build_schedule"]
-
-
-class _Dropped(nn.Module):
-    """Placeholder for a layer that lives on another pipeline stage; calling it is a bug."""
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("this layer belongs to another pipeline stage")
+__all__ = ["layer_modules", "stage_of_units", "build_stage", "check_stage_placement", "build_schedule"]
 
 
 def layer_modules(graph: ModelGraph, name: str) -> tuple[str, ...]:
-    """Module paths making up layer `name`: the layer's own path when it is a module, else its modules."""
+    """Module paths (units) making up layer `name`: the layer's own path when it is a module, else its modules."""
     layer = graph.layer(name)
     return layer.modules or (layer.name,)
 
 
-def _prune(module: nn.Module, prefix: str, drop: set[str]) -> nn.Module:
-    """A shallow copy of `module` whose descendants in `drop` are placeholders; kept leaves are shared."""
-    if prefix in drop:
-        return _Dropped()
-    if not any(d == prefix or d.startswith(prefix + ".") or not prefix for d in drop):
+def stage_of_units(graph: ModelGraph, plan: Plan) -> dict[str, int]:
+    """unit path → index of the stage holding it."""
+    return {unit: stage.index for stage in plan.stages for name in stage.layers for unit in layer_modules(graph, name)}
+
+
+class _StageExit(Exception):  # noqa: N818 - control flow, never seen by users
+    """Raised by the first unit of a later stage: this stage's part of the forward is done."""
+
+
+class _StandIn(nn.Module):
+    """Takes the place of a unit that lives on another stage (holds no parameters)."""
+
+    def __init__(self, unit: str, runner: _StageRunner) -> None:
+        super().__init__()
+        self.unit = unit
+        object.__setattr__(self, "_runner", runner)  # not a submodule: no state of its own
+
+    def forward(self, *args, **kwargs):
+        return self._runner.stand_in(self.unit)
+
+    def extra_repr(self) -> str:
+        return f"stand-in for {self.unit}"
+
+
+def _prune(module: nn.Module, prefix: str, replace: Mapping[str, nn.Module]) -> nn.Module:
+    """A shallow copy of `module` whose descendants named in `replace` are swapped; kept subtrees are shared.
+
+    Copied modules get their own parameter, buffer, child and hook tables, so hooks and sharding
+    applied to one stage's copy never leak into another's or into the original model.
+    """
+    if prefix in replace:
+        return replace[prefix]
+    if not any(d.startswith(prefix + ".") or not prefix for d in replace):
         return module
     clone = copy.copy(module)
-    clone.__dict__ = dict(module.__dict__)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    clone._modules = {name: _prune(child, f"{prefix}.{name}" if prefix else name, drop)
+    clone.__dict__ = {k: (copy.copy(v) if k.startswith("_") and isinstance(v, (dict, set)) else v)
+                      for k, v in module.__dict__.items()}
+    clone._modules = {name: _prune(child, f"{prefix}.{name}" if prefix else name, replace)
                       for name, child in module._modules.items()}
     return clone
 
 
-def _hf_rotary(root: nn.Module) -> tuple[str, nn.Module] | None:
-    inner = getattr(root, "model", None)
-    rotary = getattr(inner, "rotary_emb", None)
-    if isinstance(rotary, nn.Module) and isinstance(getattr(inner, "layers", None), nn.ModuleList):
-        return "model.rotary_emb", rotary
-    return None
+class _StageRunner:
+    """Per-forward bookkeeping of one stage: calls seen, values received, outputs to send."""
+
+    def __init__(self, *, flow: DataFlow, io: StageIO, stage_of_unit: Mapping[str, int], num_stages: int,
+                 device: torch.device, forward: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self.flow, self.io, self.stage_of_unit = flow, io, stage_of_unit
+        self.index, self.num_stages = io.index, num_stages
+        self.forward, self.kwargs = forward, kwargs
+        self._sends = set(io.sends)
+        self.counts: dict[str, int] = {}
+        self.received: dict[CallKey, Any] = {}
+        self.produced: dict[CallKey, Any] = {}
+        self.device = device
+
+    def _next_key(self, unit: str) -> CallKey:
+        key = (unit, self.counts.get(unit, 0))
+        self.counts[unit] = key[1] + 1
+        return key
+
+    def stand_in(self, unit: str) -> Any:
+        if self.stage_of_unit[unit] > self.index:
+            raise _StageExit
+        key = self._next_key(unit)
+        if key in self.received:
+            return self.received[key]
+        record = self.flow.calls[key]
+        leaves = [torch.zeros(m.shape, dtype=m.dtype, device=self.device) if isinstance(m, LeafMeta) else m
+                  for m in record.leaves]
+        return tree_unflatten(leaves, record.spec)
+
+    def record_output(self, unit: str, out: Any) -> None:
+        key = self._next_key(unit)
+        if key in self._sends:
+            self.produced[key] = out
+
+    def run(self, *args: torch.Tensor) -> Any:
+        self.counts, self.received, self.produced = {}, {}, {}
+        if self.index == 0:
+            inputs = args
+        else:
+            self._unpack(args)
+            # only the inputs' shapes matter here: no value this stage uses depends on theirs (io.needs_input_values)
+            inputs = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) if m is not None else None
+                           for m in self.flow.inputs)
+        try:
+            out = self.forward(*inputs, **self.kwargs)
+        except _StageExit:
+            return self._pack()
+        if self.index != self.num_stages - 1:
+            raise PlanMismatchError(f"the model's forward ended inside pipeline stage {self.index} of "
+                                    f"{self.num_stages}; the later stages' modules were never called")
+        return model_logits(out)
+
+    def _unpack(self, args: Sequence[torch.Tensor]) -> None:
+        it = iter(args)
+        for key in self.io.receives:
+            record = self.flow.calls[key]
+            leaves = [next(it) if isinstance(m, LeafMeta) else m for m in record.leaves]
+            self.received[key] = tree_unflatten(leaves, record.spec)
+
+    def _pack(self) -> tuple[torch.Tensor, ...]:
+        out: list[torch.Tensor] = []
+        for key in self.io.sends:
+            value = self.received.get(key, self.produced.get(key))
+            if value is None and key not in self.received:
+                raise PlanMismatchError(f"pipeline stage {self.index} never produced the output of {key[0]!r} "
+                                        "that a later stage reads; re-plan with `autopar plan`")
+            leaves, _ = tree_flatten(value)
+            # a value passed through unchanged leaves as a view, so backward sees an op of this stage
+            out.extend(t.view_as(t) if key in self.received else t for t in leaves if isinstance(t, torch.Tensor))
+        return tuple(out)
 
 
-class StageModule(nn.Module):
-    """The layers of one stage, under their original paths, run in plan order.
+def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_of_unit: Mapping[str, int],
+                index: int, *, device: torch.device) -> nn.Module:
+    """Stage `index` as a pruned copy of `model` whose forward sends/receives what `ios` says.
 
-    `sequence_shards`: the tensor-parallel degree when sequence parallelism splits the hidden
-    states along the sequence (position embeddings are then made for the full length).
+    With one stage in all, the model itself (its forward then returns the logits).
     """
-
-    def __init__(self, model: nn.Module, graph: ModelGraph, layers: Sequence[str], *,
-                 sequence_shards: int = 1) -> None:
-        super().__init__()
-        keep = {m for name in layers for m in layer_modules(graph, name)}
-        drop = {m for la in graph.layers for m in layer_modules(graph, la.name)} - keep
-        rotary = _hf_rotary(model)
-        if rotary:
-            drop.discard(rotary[0])
-        pruned = _prune(model, "", drop)
-        for name, child in pruned.named_children():
-            self.add_module(name, child)
-        for name, p in pruned.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        self.layer_names = tuple(la for la in layers if not rotary or la != rotary[0])
-        self._rotary_path = rotary[0] if rotary else None
-        self._calls = tuple(tuple(p for p in layer_modules(graph, la) if p != self._rotary_path)
-                            for la in self.layer_names)
-        self._hf_layers_prefix = "model.layers." if rotary else None
-        self.sequence_shards = sequence_shards
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        position = None
-        for paths in self._calls:
-            for path in paths:
-                module = self.get_submodule(path)
-                if self._hf_layers_prefix and path.startswith(self._hf_layers_prefix):
-                    if position is None:
-                        position = self._position_embeddings(x)
-                    x = module(x, position_embeddings=position[0], position_ids=position[1])
-                else:
-                    x = module(x)
-        return x
-
-    def _position_embeddings(self, hidden: torch.Tensor):
-        seq_len = hidden.size(1) * self.sequence_shards
-        position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-        rotary = self.get_submodule(self._rotary_path)
-        return rotary(hidden, position_ids=position_ids), position_ids
-
-
-def build_stage_module(model: nn.Module, graph: ModelGraph, stage: StagePlan, *,
-                       sequence_shards: int = 1) -> StageModule:
-    missing = [la for la in stage.layers if la not in {x.name for x in graph.layers}]
-    if missing:
-        raise PlanMismatchError(f"plan stage {stage.index} names layers {missing} that the model graph lacks; "
-                                "re-plan for this model")
-    return StageModule(model, graph, stage.layers, sequence_shards=sequence_shards)
+    num_stages = len(ios)
+    io = ios[index]
+    if io.needs_input_values:
+        raise PlanMismatchError(
+            f"pipeline stage {index} computes values from the model's input tensors outside its modules (e.g. a mask "
+            "built from the token ids); autopar sends only module outputs between stages. Use pp=1 for this model")
+    if num_stages > 1 and flow.random_glue:
+        raise PlanMismatchError(
+            f"the model's forward draws random numbers outside its modules ({', '.join(flow.random_glue)}); under "
+            "pipelining that code runs again on later stages and would draw different numbers. Move it into a "
+            "module (e.g. nn.Dropout) or use pp=1")
+    forward = type(model).forward
+    runner = _StageRunner(flow=flow, io=io, stage_of_unit=stage_of_unit, num_stages=num_stages,
+                          device=device, forward=lambda *a, **k: None,
+                          kwargs=forward_kwargs(model))
+    others = {u for u, s in stage_of_unit.items() if s != index and u not in flow.replicated}
+    stage = _prune(model, "", {u: _StandIn(u, runner) for u in others}) if others else model
+    runner.forward = forward.__get__(stage)
+    for unit, s in stage_of_unit.items():
+        if s == index and any(k[0] == unit for k in io.sends):
+            stage.get_submodule(unit).register_forward_hook(
+                lambda mod, args, out, unit=unit: runner.record_output(unit, out))
+    stage.forward = runner.run  # the instance attribute: the stage protocol around the model's own forward
+    return stage
 
 
 def check_stage_placement(plan: Plan) -> None:

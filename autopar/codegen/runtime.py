@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from autopar.codegen import state as state_io
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
 from autopar.codegen.loss import gather_vocab
+from autopar.codegen.shared import SharedGradients
 from autopar.codegen.timing import CommClock, StepTimer
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
@@ -37,7 +38,7 @@ class ParallelModel:
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, parts: Sequence[tuple[int, nn.Module]],
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, shared_gradients: SharedGradients | None = None) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -47,6 +48,7 @@ class ParallelModel:
         self.optimizer = optimizer
         self.vocab_parallel = vocab_parallel
         self.device = device
+        self.shared_gradients = shared_gradients
         self.timer: StepTimer | None = None
 
     # ---- where this rank sits ----
@@ -99,6 +101,10 @@ class ParallelModel:
                 f"(mbs·m = {self.config.micro_batch_size}·{self.config.num_microbatches}); "
                 "pass pm.local_batch(global_batch)"
             )
+
+    def _parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once (stages on one rank may share some)."""
+        return list({id(p): p for m in self.modules for p in m.parameters()}.values())
 
     # ---- training ----
     def train(self, mode: bool = True) -> ParallelModel:
@@ -156,7 +162,9 @@ class ParallelModel:
                 local_loss = self._run(inputs, targets, backward=True)
             with timer.phase("grad_sync") if timer else nullcontext():
                 if self.config.zero_stage < 2 or self.config.dp == 1:
-                    average_gradients((p for m in self.modules for p in m.parameters()), self.mesh["dp"])
+                    average_gradients(self._parameters(), self.mesh["dp"])
+                if self.shared_gradients is not None:
+                    self.shared_gradients.sync(self.modules)
             with timer.phase("optimizer") if timer else nullcontext():
                 self.optimizer.step()
             with timer.phase("loss") if timer else nullcontext():

@@ -98,12 +98,20 @@ def _gather_sequence_hook(tp_mesh: DeviceMesh):
     return hook
 
 
-def _scatter_sequence_hook(tp_mesh: DeviceMesh):
-    """Forward hook: replicated local output → this rank's sequence shard (backward: all-gather)."""
+def _scatter_input_hook(tp_mesh: DeviceMesh):
+    """Pre-hook: the full-sequence hidden states entering the first sharded layer → this rank's sequence
+    shard (backward: all-gather)."""
 
-    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        rep = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
-        return rep.redistribute(tp_mesh, [Shard(1)]).to_local()
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        kind, slot = _first_tensor_slot(args, kwargs)
+        x = args[slot] if kind == "arg" else kwargs[slot]
+        if isinstance(x, DTensor):
+            return None
+        shard = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)])
+        x = shard.to_local()
+        if kind == "arg":
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, slot: x}
 
     return hook
 
@@ -163,8 +171,9 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
             for name, sub in _layer_module(module, layer).named_modules(prefix=layer.name):
                 if is_norm(sub) and any(True for _ in sub.parameters(recurse=False)):
                     parallelize_module(module, tp_mesh, {name: SequenceParallel(use_local_output=True)})
-        # after the layer's own hooks, so these see its final (local) output
-        if span is not None and layer.name == span.scatter_after:
-            _layer_module(module, layer).register_forward_hook(_scatter_sequence_hook(tp_mesh))
-        elif span is not None and layer.name == span.gather_after:
+        if span is not None and span.sharded_layers and layer.name == span.sharded_layers[0]:
+            _layer_module(module, layer).register_forward_pre_hook(_scatter_input_hook(tp_mesh), with_kwargs=True,
+                                                                   prepend=True)
+        # after the layer's own hooks, so this sees its final (local) output
+        if span is not None and layer.name == span.gather_after:
             _layer_module(module, layer).register_forward_hook(_gather_sequence_hook(tp_mesh))

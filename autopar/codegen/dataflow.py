@@ -1,0 +1,267 @@
+"""What the model's own forward passes between its units, found by running it once on fake tensors.
+
+Pipeline stages run the model's own `forward` (see `pipeline.py`); this module tells each stage
+which values it must receive. One dry run of the forward, on fake tensors at the micro-batch
+shape, tags every tensor with the *unit calls* it was computed from (its taint):
+
+- a unit with parameters (embedding, block, norm, head) starts a new taint: its outputs carry
+  only its own call;
+- every other op (top-level glue: adding a position embedding, scaling, building masks,
+  rotary tables, slicing) propagates the union of its inputs' taints;
+- a parameter-free unit whose outputs carry no unit taint (a rotary-table module, which reads
+  only positions) is *replicated*: it runs again on every stage that calls it;
+- the model inputs carry a taint of their own, so a stage that would need the inputs' values
+  (rather than just their shape) is recognised.
+
+A unit call of stage s whose inputs carry the taint of a call of stage r < s needs that call's
+outputs on every stage r+1..s; so do the model's outputs on the last stage. Those outputs are
+what crosses each cut; everything else (glue) is recomputed from them on the stage that uses it,
+which is exact because glue is deterministic (random glue is refused under pipelining).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_only
+
+from autopar.capture.meta import swap_tensors
+from autopar.errors import PlanMismatchError
+
+__all__ = ["CallKey", "LeafMeta", "DataFlow", "StageIO", "trace_dataflow", "forward_kwargs", "model_logits"]
+
+CallKey = tuple[str, int]  # (unit path, how many times it was called before this call)
+INPUT = ("<inputs>", 0)  # taint of the model's inputs
+_RANDOM_OPS = ("dropout", "rand", "bernoulli", "multinomial", "normal")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafMeta:
+    """Shape and dtype of one tensor leaf of a unit call's output (None for a non-tensor leaf)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallRecord:
+    key: CallKey
+    spec: TreeSpec  # pytree structure of the output
+    leaves: tuple[LeafMeta | Any, ...]  # LeafMeta for tensors, the value itself otherwise
+    inputs_taint: frozenset[CallKey]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageIO:
+    """What stage `index` receives (calls of earlier stages) and sends (for later stages), in call order."""
+
+    index: int
+    receives: tuple[CallKey, ...]
+    sends: tuple[CallKey, ...]
+    needs_input_values: bool
+
+    def nbytes(self, flow: DataFlow, which: str = "sends") -> int:
+        """Bytes of the tensors crossing this stage's outgoing (or incoming) cut, per micro-batch."""
+        keys = self.sends if which == "sends" else self.receives
+        return sum(math_prod(leaf.shape) * leaf.dtype.itemsize
+                   for k in keys for leaf in flow.calls[k].leaves if isinstance(leaf, LeafMeta))
+
+
+def math_prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataFlow:
+    """The unit calls of one forward, in order, with what each was computed from."""
+
+    order: tuple[CallKey, ...]  # non-replicated unit calls, in call order
+    calls: Mapping[CallKey, CallRecord]
+    replicated: frozenset[str]  # parameter-free units that read no unit output: run on every stage
+    output_taint: frozenset[CallKey]
+    random_glue: tuple[str, ...]  # random ops outside units (recomputing them would draw new numbers)
+    inputs: tuple[LeafMeta | None, ...]  # the model's positional inputs (None: not a tensor)
+
+    def stages(self, stage_of_unit: Mapping[str, int], num_stages: int) -> tuple[StageIO, ...]:
+        """Receive/send sets per stage for units placed by `stage_of_unit` (contiguous in call order)."""
+        self._check_order(stage_of_unit)
+        last_use: dict[CallKey, int] = {}
+        input_needed = [False] * num_stages
+
+        def use(taint: frozenset[CallKey], stage: int) -> None:
+            for src in taint:
+                if src == INPUT:
+                    input_needed[stage] = True
+                elif stage_of_unit[src[0]] < stage:
+                    last_use[src] = max(last_use.get(src, -1), stage)
+
+        for key in self.order:
+            use(self.calls[key].inputs_taint, stage_of_unit[key[0]])
+        use(self.output_taint, num_stages - 1)
+        ios = []
+        for s in range(num_stages):
+            crossing = [k for k in self.order if stage_of_unit[k[0]] < s <= last_use.get(k, -1)]
+            leaving = [k for k in self.order if stage_of_unit[k[0]] <= s < last_use.get(k, -1)]
+            ios.append(StageIO(index=s, receives=tuple(crossing), sends=tuple(leaving),
+                               needs_input_values=input_needed[s] and s > 0))
+        for io in ios:
+            for key in (*io.receives, *io.sends):
+                bad = [leaf for leaf in self.calls[key].leaves
+                       if isinstance(leaf, LeafMeta) and not leaf.dtype.is_floating_point]
+                if bad:
+                    raise PlanMismatchError(
+                        f"a pipeline cut before stage {io.index} would carry an integer output of module "
+                        f"{key[0]!r} ({bad[0].dtype}); pipelining sends only floating-point activations. "
+                        "Re-plan with the cut elsewhere (or pp=1)")
+        return tuple(ios)
+
+    def _check_order(self, stage_of_unit: Mapping[str, int]) -> None:
+        missing = sorted({k[0] for k in self.order} - set(stage_of_unit))
+        if missing:
+            raise PlanMismatchError(f"modules {missing} run in the model's forward but are in no stage of the plan; "
+                                    "re-plan for this model with `autopar plan`")
+        seen = -1
+        for key in self.order:
+            stage = stage_of_unit[key[0]]
+            if stage < seen:
+                raise PlanMismatchError(
+                    f"module {key[0]!r} (stage {stage}) is called after modules of stage {seen}: the stages do not "
+                    "follow the model's call order (a module called twice, or cuts out of order). Re-plan with "
+                    "`autopar plan`, or use pp=1 for this model")
+            seen = stage
+
+
+class _Taint(TorchFunctionMode):
+    """Tags each tensor produced by a torch function with the union of its tensor inputs' tags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[int, frozenset[CallKey]] = {}
+        self.alive: list[torch.Tensor] = []  # keeps tagged tensors alive, so ids are not reused
+        self.depth = 0  # > 0 inside a unit
+        self.random_glue: list[str] = []
+
+    def tag(self, value: Any) -> frozenset[CallKey]:
+        out: frozenset[CallKey] = frozenset()
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                out |= self.tags.get(id(t), frozenset())
+        return out
+
+    def set(self, value: Any, taint: frozenset[CallKey]) -> None:
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.tags[id(t)] = taint
+                self.alive.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        taint = self.tag((args, kwargs))
+        name = getattr(func, "__name__", "")
+        if self.depth == 0 and any(r in name for r in _RANDOM_OPS) and _is_random_call(name, args, kwargs):
+            self.random_glue.append(name)
+        mutated = name.endswith("_") and not name.endswith("__") or name == "__setitem__"
+        if mutated and args and isinstance(args[0], torch.Tensor):
+            self.set(args[0], self.tag(args[0]) | taint)
+        if taint:
+            self.set(out, taint)
+        return out
+
+
+def _is_random_call(name: str, args: tuple, kwargs: dict) -> bool:
+    """Dropout counts only when it is active (p > 0 in training)."""
+    if "dropout" not in name:
+        return True
+    p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
+    training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
+    return bool(p) and bool(training)
+
+
+def forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments every training forward gets: no KV cache (it is for inference)."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+
+def model_logits(out: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, `.logits` of a Hugging Face output, or item 0."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise PlanMismatchError(f"the model returned a {type(out).__name__}; autopar trains models whose forward returns "
+                            "the logits (a tensor, an object with .logits, or a tuple starting with them)")
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Sequence[torch.Tensor]) -> DataFlow:
+    """Run `model(*example_inputs)` once on fake tensors and record the taint of every unit call."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _Taint()
+    records: dict[CallKey, CallRecord] = {}
+    order: list[CallKey] = []
+    replicated: set[str] = set()
+    counts: dict[str, int] = {}
+    pending: dict[str, list[frozenset[CallKey]]] = {}
+    handles = []
+
+    def pre(name: str):
+        def hook(module, args, kwargs):
+            pending.setdefault(name, []).append(mode.tag((args, kwargs)))
+            mode.depth += 1
+        return hook
+
+    def post(name: str, with_params: bool):
+        def hook(module, args, kwargs, out):
+            mode.depth -= 1
+            inputs_taint = pending[name].pop()
+            internal = mode.tag(out)
+            if not with_params and not any(k != INPUT for k in internal | inputs_taint):
+                replicated.add(name)  # reads no unit output: recomputed wherever it is called
+                return None
+            key = (name, counts.get(name, 0))
+            counts[name] = key[1] + 1
+            leaves, spec = tree_flatten(out)
+            metas = tuple(LeafMeta(shape=tuple(t.shape), dtype=t.dtype) if isinstance(t, torch.Tensor) else t
+                          for t in leaves)
+            records[key] = CallRecord(key=key, spec=spec, leaves=metas, inputs_taint=inputs_taint)
+            order.append(key)
+            mode.set(out, frozenset({key}))
+            return None
+        return hook
+
+    for name in units:
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+        handles.append(module.register_forward_hook(post(name, _has_params(module)), with_kwargs=True))
+    try:
+        with fake, swap_tensors(model, fake.from_tensor):
+            inputs = tree_map_only(torch.Tensor, fake.from_tensor, tuple(example_inputs))
+            with mode:
+                mode.set(inputs, frozenset({INPUT}))
+                out = model(*inputs, **forward_kwargs(model))
+                output_taint = mode.tag(model_logits(out))
+    finally:
+        for h in handles:
+            h.remove()
+    replicated -= {k[0] for k in order}  # a unit that once read a unit output is never replicated
+    return DataFlow(order=tuple(order), calls=records, replicated=frozenset(replicated), output_taint=output_taint,
+                    random_glue=tuple(dict.fromkeys(mode.random_glue)),
+                    inputs=tuple(LeafMeta(shape=tuple(t.shape), dtype=t.dtype) if isinstance(t, torch.Tensor)
+                                 else None for t in example_inputs))
