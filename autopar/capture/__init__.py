@@ -103,7 +103,9 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
             flow = (flow_from_fx(traced.graph_module, rec.node_bytes, unit_names) if runner is not model
                     else flow_from_export(traced.exported, unit_names) if traced.exported is not None else [])
             layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
-            input_bytes, boundary_bytes = liveness(flow, layer_of, len(groups))
+            param_units = frozenset(u.name for u in units
+                                    if any(True for _ in model.get_submodule(u.name).parameters()))
+            input_bytes, boundary_bytes = liveness(flow, layer_of, len(groups), param_units)
             return assemble(
                 model=model, model_name=getattr(model, "zoo_name", None) or type(model).__name__,
                 groups=groups, rec=rec, stats=stats, input_bytes=input_bytes, boundary_bytes=boundary_bytes,

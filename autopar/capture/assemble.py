@@ -14,6 +14,7 @@ from autopar.capture.graph import Kernel, KernelMix, LayerSpec, ModelGraph, TPPa
 from autopar.capture.layers import LayerGroup
 from autopar.capture.probe import CallStats
 from autopar.capture.record import Recording
+from autopar.capture.units import CONTAINERS
 
 __all__ = ["assemble"]
 
@@ -30,6 +31,8 @@ class _Sums:
     saved: int = 0
     saved_tp_sharded: int = 0
     saved_core: int = 0
+    saved_op_sac: int = 0
+    saved_op_sac_tp_sharded: int = 0
     kernels_forward: KernelMix = field(default_factory=KernelMix)
     kernels_backward: KernelMix = field(default_factory=KernelMix)
     signatures: list[str] = field(default_factory=list)
@@ -54,11 +57,19 @@ def _pair_patterns(unit: str, stats: CallStats) -> list[TPPattern]:
 
 
 def _vocab_modules(model: nn.Module, vocab: int | None) -> dict[str, str]:
-    """Fully qualified name → "embedding" / "lm_head" for modules whose size is the vocabulary."""
+    """Fully qualified name → "embedding" / "lm_head" for modules whose size is the vocabulary.
+
+    Modules inside a stack of blocks are never the vocabulary's: a projection inside a block can be as
+    wide as the vocabulary by coincidence (a fused q|k|v of a small model).
+    """
     found: dict[str, str] = {}
     if vocab is None:
         return found
+    in_blocks = {f"{name}.{sub}" for name, c in model.named_modules() if isinstance(c, CONTAINERS)
+                 for sub, _ in c.named_modules() if sub}
     for name, m in model.named_modules():
+        if name in in_blocks:
+            continue
         if isinstance(m, nn.Embedding) and m.num_embeddings == vocab:
             found[name] = "embedding"
         elif isinstance(m, nn.Linear) and m.out_features == vocab:
@@ -165,6 +176,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved += st.saved_bytes
         s.saved_tp_sharded += st.saved_bytes_tp_sharded
         s.saved_core += st.saved_bytes_attention_core
+        s.saved_op_sac += st.saved_bytes_op_sac
+        s.saved_op_sac_tp_sharded += st.saved_bytes_op_sac_tp_sharded
         s.signatures.append(call.signature)
         vocab_patterns = _vocab_patterns(call.unit, st, vocab_modules, vocab)
         vocab_names = {c for p in vocab_patterns for c in p.column}
@@ -192,6 +205,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.bytes_read += cost.bytes_read
         s.bytes_written += cost.bytes_written
         s.saved += cost.saved_bytes
+        s.saved_op_sac += cost.saved_bytes  # top-level glue is never checkpointed
         moved = float(cost.bytes_read + cost.bytes_written)
         gemm = [Kernel(kind="gemm", count=1, work=cost.forward_flops)] if cost.forward_flops > 0 else []
         top = KernelMix(gemm_flops=cost.forward_flops, gemm_count=len(gemm), memory_bytes=moved, memory_count=1,
@@ -235,6 +249,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             input_bytes=per_sample(input_bytes[i]), saved_activation_bytes=per_sample(s.saved),
             saved_activation_bytes_tp_sharded=per_sample(s.saved_tp_sharded),
             saved_activation_bytes_attention_core=per_sample(s.saved_core),
+            saved_activation_bytes_op_sac=per_sample(s.saved_op_sac),
+            saved_activation_bytes_op_sac_tp_sharded=per_sample(s.saved_op_sac_tp_sharded),
             boundary_bytes=per_sample(boundary_bytes[i]),
             tp_patterns=tuple(dataclasses.replace(p, allreduce_bytes_per_sample=per_sample(
                 p.allreduce_bytes_per_sample)) for p in patterns),

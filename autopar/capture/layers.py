@@ -6,9 +6,11 @@ module) joins the layer before it. Units that never ran keep their parameters in
 layer of the unit registered just before them.
 
 Liveness: a value produced in layer i (or a model input, "layer -1") and used in layer j > i is live
-across every boundary i..j-1, so a pipeline cut there must send it; those bytes summed are the
-boundary bytes. The values a layer reads from earlier layers are its input bytes, what full
-recompute keeps (Korthikanti et al. 2022, §5: "2sbh", the layer input, per transformer layer).
+across every boundary i..j-1, so a pipeline cut there must send it — unless it is computed from the
+inputs alone (positions, masks, rotary tables), which every stage recomputes; those bytes summed are
+the boundary bytes, what codegen sends (`autopar/codegen/dataflow.py`). The values a layer reads
+from earlier layers are its input bytes, what full recompute keeps (Korthikanti et al. 2022, §5:
+"2sbh", the layer input, per transformer layer).
 """
 
 from __future__ import annotations
@@ -61,8 +63,31 @@ def group_layers(model: nn.Module, units: tuple[Unit, ...], called: list[str]) -
                        in_container=by_name[g[0]].in_container) for g in groups]
 
 
-def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: int) -> tuple[list[int], list[int]]:
-    """(input_bytes, boundary_bytes) per layer, whole example batch; see the module docstring."""
+def _from_units(flow: list[FlowNode], param_units: frozenset[str]) -> list[bool]:
+    """Whether each value is computed from the output of a unit with parameters (or is one).
+
+    The others (model inputs, positions, masks, rotary tables) depend only on the inputs' shapes or
+    values: every pipeline stage recomputes them instead of receiving them (codegen/dataflow.py), so
+    they never cross a cut.
+    """
+    producers: list[list[int]] = [[] for _ in flow]
+    for i, node in enumerate(flow):
+        for u in node.users:
+            producers[u].append(i)
+    out = []
+    for i, node in enumerate(flow):
+        out.append(not node.is_input and (node.unit in param_units or any(out[p] for p in producers[i] if p < i)))
+    return out
+
+
+def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: int,
+             param_units: frozenset[str] | None = None) -> tuple[list[int], list[int]]:
+    """(input_bytes, boundary_bytes) per layer, whole example batch; see the module docstring.
+
+    `param_units`: units holding parameters; when given, only values computed from their outputs
+    count as crossing a boundary (see `_from_units`).
+    """
+    crosses = _from_units(flow, param_units) if param_units is not None else [True] * len(flow)
     level = []
     current = 0
     for node in flow:
@@ -82,7 +107,7 @@ def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: in
             continue
         user_levels = {level[u] for u in node.users}
         last = max(user_levels)
-        if last > level[i]:
+        if last > level[i] and crosses[i]:
             diff[max(level[i], 0)] += node.nbytes
             diff[min(last, num_layers)] -= node.nbytes
         for lv in user_levels:

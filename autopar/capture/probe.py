@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
-from autopar.capture.kernels import SDPA_OPS, gpu_kernels
+from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
 from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
@@ -103,6 +103,10 @@ class CallStats:
     linear_io: tuple[tuple[str, int, int, float], ...]
     kernels_forward: KernelMix = KernelMix()
     kernels_backward: KernelMix = KernelMix()
+    # what op-level selective checkpointing keeps (autopar.capture.kernels.op_sac_saves): the call's inputs
+    # and the outputs of the ops its policy saves; and of that, the part inside TP patterns
+    saved_bytes_op_sac: int = 0
+    saved_bytes_op_sac_tp_sharded: int = 0
 
 
 @dataclass
@@ -115,6 +119,7 @@ class _Op:
     bytes_moved: int = 0
     record: OpRecord | None = None  # shape, layout, memory class and largest tensor (cost_models.optrace)
     core: bool = False  # in the attention core (Kernel.attention_core)
+    sac_saved_bytes: int = 0  # output bytes op_sac keeps (0: op_sac runs the op again in backward)
 
 
 def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
@@ -130,15 +135,17 @@ def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
     return "memory"
 
 
-def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool, core: bool = False) -> Kernel:
+def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool, core: bool = False,
+            sac_saved: bool = False) -> Kernel:
     """One kernel as the planner prices it: a memory-bound op in its measured class at its largest
     tensor's size, a GEMM with its layout, a batched attention matmul with its per-matrix shape."""
     if kind == "memory":
         return Kernel(kind=rec.kind, count=1, work=work, tensor_bytes=rec.tensor_bytes, tp_sharded=tp_sharded,
-                      attention_core=core)
+                      attention_core=core, op_sac_saved=sac_saved)
     batched = rec.gemm_mnk is not None and rec.gemm_batch > 1
     return Kernel(kind=kind, count=1, work=work, layout=rec.gemm_layout, tp_sharded=tp_sharded,
-                  mnk=rec.gemm_mnk if kind == "attention" and batched else None, attention_core=core)
+                  mnk=rec.gemm_mnk if kind == "attention" and batched else None, attention_core=core,
+                  op_sac_saved=sac_saved)
 
 
 class _OpLog(TorchDispatchMode):
@@ -206,7 +213,7 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix
         if in_tp:
             sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
         if op.record is not None:
-            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core))
+            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0))
     return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
                      kernels=merge_kernels(kernels))
 
@@ -256,6 +263,7 @@ class _Tracker(TorchDispatchMode):
         self.saved: dict[int, int] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.matmuls = 0  # OP_SAC_MATMUL_OPS so far (op_sac's counter)
 
     def tag(self, t: torch.Tensor) -> Tag:
         return self.tags.get(storage_key(t), _CONSTANT)
@@ -306,8 +314,11 @@ class _Tracker(TorchDispatchMode):
         rec = describe_op(func, args, kwargs, out, flops)
         kind = _op_kind(packet, rec, len(active))
         in_core = kind == "attention" or any(core for _, core in out_tags)
+        self.matmuls += packet in OP_SAC_MATMUL_OPS
+        sac = tensor_bytes(outs) if op_sac_saves(packet, self.matmuls) else 0
         self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
-                            bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core))
+                            bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
+                            sac_saved_bytes=sac))
         return out
 
 
@@ -316,6 +327,13 @@ def _fresh(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.detach().requires_grad_(x.requires_grad)
     return x
+
+
+def _fused(linears: dict[str, nn.Module], row: str, cols: frozenset[str]) -> bool:
+    """A column linear wider than the row linear's input is several projections in one (q|k|v, gate|up):
+    splitting its output features into tp contiguous blocks would give a rank parts of different
+    projections, so such a pair is not sharded (it stays replicated, and is priced so)."""
+    return any(linears[c].out_features > linears[row].in_features for c in cols)
 
 
 def _resolve_pairs(candidates: list[tuple[str, frozenset[str]]]) -> list[tuple[str, frozenset[str]]]:
@@ -374,7 +392,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
         forward_flops = counter.get_total_flops()
-        pairs = _resolve_pairs(candidates)
+        pairs = [(row, cols) for row, cols in _resolve_pairs(candidates) if not _fused(linears, row, cols)]
         column_sets = [cols for _, cols in pairs]
         tp_linears = {row for row, _ in pairs}.union(*column_sets) if pairs else set()
 
@@ -408,6 +426,9 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
     kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears)
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
+    inputs = tensor_bytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t not in state])
+    sac_sharded = sum(op.sac_saved_bytes for op in tracker.ops if op.linear not in tp_linears and sharded(op.src)
+                      or op.linear in tp_linears and op.linear not in {row for row, _ in pairs})
     return CallStats(
         forward_flops=float(forward_flops),
         backward_flops=float(backward_flops),
@@ -423,4 +444,6 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
                         for name, (i, o) in io.items()),
         kernels_forward=kernels_forward,
         kernels_backward=_backward_mix(op_log.ops, kernels_forward, op_log.kernels),
+        saved_bytes_op_sac=inputs + sum(op.sac_saved_bytes for op in tracker.ops),
+        saved_bytes_op_sac_tp_sharded=sac_sharded,
     )

@@ -232,7 +232,7 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
             mode.depth -= 1
             inputs_taint = pending[name].pop()
             internal = mode.tag(out)
-            if not with_params and not any(k != INPUT for k in internal | inputs_taint):
+            if not with_params and not any(k != INPUT for k in internal):
                 replicated.add(name)  # reads no unit output: recomputed wherever it is called
                 return None
             key = (name, counts.get(name, 0))

@@ -1,0 +1,66 @@
+"""Tiny configs of Hugging Face causal-LM families for the conformance suite (transformers' own classes).
+
+Each config is the family's architecture at test size: 2 layers, hidden 64, 4 query heads (2 key/value
+heads where the family has grouped-query attention), vocabulary 128, fp32, dropout 0, SDPA attention
+(eager where the family has no SDPA path). Tied embeddings are kept where the family ties them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, POSITIONS = 128, 64, 4, 2, 2, 96, 64
+
+
+def _common(**extra) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, max_position_embeddings=POSITIONS, bos_token_id=0, eos_token_id=1,
+                pad_token_id=2)
+    base.update(extra)
+    return base
+
+
+def _families() -> dict[str, Callable[[], nn.Module]]:
+    import transformers as hf
+
+    def make(config_cls, model_cls, attention="sdpa", **kw):
+        def build():
+            cfg = config_cls(**kw)
+            cfg._attn_implementation = attention
+            return model_cls(cfg)
+        return build
+
+    gqa = dict(num_key_value_heads=KV_HEADS)
+    return {
+        "gpt2": make(hf.GPT2Config, hf.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                     n_positions=POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=1),
+        "gpt_neox": make(hf.GPTNeoXConfig, hf.GPTNeoXForCausalLM, **_common(hidden_dropout=0.0,
+                                                                             attention_dropout=0.0)),
+        "gemma": make(hf.GemmaConfig, hf.GemmaForCausalLM, **_common(**gqa, head_dim=HIDDEN // HEADS)),
+        "llama": make(hf.LlamaConfig, hf.LlamaForCausalLM, **_common(**gqa, tie_word_embeddings=False)),
+        "llama_tied": make(hf.LlamaConfig, hf.LlamaForCausalLM, **_common(**gqa, tie_word_embeddings=True)),
+        "mistral": make(hf.MistralConfig, hf.MistralForCausalLM, **_common(**gqa, sliding_window=None)),
+        "qwen2": make(hf.Qwen2Config, hf.Qwen2ForCausalLM, **_common(**gqa, tie_word_embeddings=True)),
+        "qwen3": make(hf.Qwen3Config, hf.Qwen3ForCausalLM, **_common(**gqa, head_dim=HIDDEN // HEADS)),
+        "olmo": make(hf.OlmoConfig, hf.OlmoForCausalLM, **_common(**gqa)),
+        "phi3": make(hf.Phi3Config, hf.Phi3ForCausalLM, **_common(**gqa)),
+        "stablelm": make(hf.StableLmConfig, hf.StableLmForCausalLM, **_common(**gqa)),
+        "granite": make(hf.GraniteConfig, hf.GraniteForCausalLM, **_common(**gqa)),
+        "gemma2": make(hf.Gemma2Config, hf.Gemma2ForCausalLM, attention="eager",
+                       **_common(**gqa, head_dim=HIDDEN // HEADS)),
+        "phi": make(hf.PhiConfig, hf.PhiForCausalLM, **_common(resid_pdrop=0.0, embd_pdrop=0.0)),
+    }
+
+
+FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo", "phi3",
+            "stablelm", "granite", "gemma2", "phi")
+
+
+def build_family(name: str, seed: int = 0) -> nn.Module:
+    """The tiny model of family `name`, in fp32, with weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    return _families()[name]().float()
