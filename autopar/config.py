@@ -12,10 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cost_models.memory import RECOMPUTE_MODES
+
 __all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE_MODES = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 
 

@@ -28,7 +28,11 @@ __all__ = [
     "SCHEDULES",
 ]
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+# Activation recompute per layer, from the most memory to the least: none; "selective" drops the attention
+# core (Korthikanti et al. 2022 §4.2); "op_sac" saves matmul and attention outputs and recomputes every
+# second matmul and all pointwise ops (torchtitan's op-level selective activation checkpointing); "full"
+# keeps only the layer input (Chen et al. 2016). The one list of modes autopar uses.
+RECOMPUTE_MODES = ("none", "selective", "op_sac", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # Fraction of device memory kept free for the caching allocator's fragmentation, the CUDA context and
@@ -95,6 +99,9 @@ def korthikanti_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int,
     full recompute keeps only the 2·sbh layer input (divided by t under SP, as Megatron stores it).
     """
     _check_recompute(recompute)
+    if recompute == "op_sac":
+        raise ValueError("Korthikanti et al.'s Table 2 has no op-level policy; price op_sac from a captured "
+                         "layer (layer_activation_bytes with the bytes the policy keeps)")
     for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden), ("heads", heads),
                     ("tp", tp)):
         _check_positive_int(name, v)
@@ -115,7 +122,9 @@ def layer_activation_bytes(*, saved_bytes: float, tp_sharded_bytes: float, atten
 
     saved_bytes: everything saved for backward (no parallelism); tp_sharded_bytes: the part inside
     tensor-parallel regions (÷ tp); attention_core_bytes: the part selective recompute drops (it lies
-    inside the TP regions); input_bytes: what full recompute keeps. Returns bytes per device.
+    inside the TP regions); input_bytes: what full recompute keeps. For "op_sac", saved_bytes and
+    tp_sharded_bytes are what the op-level policy keeps (LayerSpec.saved_activation_bytes_op_sac), and
+    nothing further is dropped. Returns bytes per device.
     """
     _check_recompute(recompute)
     _check_positive_int("micro_batch", micro_batch)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["gpu_kernels", "SDPA_OPS"]
+__all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "op_sac_saves"]
 
 aten = torch.ops.aten
 
@@ -39,6 +39,24 @@ SDPA_OPS = frozenset(
         "_scaled_dot_product_fused_attention_overrideable",
     ) if hasattr(aten, name)
 )
+
+# Op-level selective activation checkpointing ("op_sac", as torchtitan's activation_checkpoint.py runs it):
+# inside a recomputed block the outputs of fused attention, of reduce-scatters (sequence parallelism) and
+# of every odd-numbered matmul against a weight are saved; every second such matmul and every other op
+# (pointwise, norms, eager attention's batched matmuls) runs again in backward. torchtitan lists aten.mm
+# only, as its bias-free models produce; a linear with a bias dispatches addmm, counted alike here.
+OP_SAC_MATMUL_OPS = frozenset({aten.mm, aten.addmm})
+_OP_SAC_ALWAYS_SAVED = SDPA_OPS | frozenset(
+    op for op in (getattr(getattr(torch.ops, "_c10d_functional", None), "reduce_scatter_tensor", None),)
+    if op is not None)
+
+
+def op_sac_saves(packet: Any, matmul_index: int) -> bool:
+    """Whether op_sac keeps the output of an op (overload packet); `matmul_index` counts the block's
+    OP_SAC_MATMUL_OPS from 1 up to and including this op (in forward, and again from 1 in recompute)."""
+    if packet in OP_SAC_MATMUL_OPS:
+        return matmul_index % 2 == 1
+    return packet in _OP_SAC_ALWAYS_SAVED
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
