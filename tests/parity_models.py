@@ -18,7 +18,8 @@ from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.state import full_gradients
 from autopar.config import ParallelConfig
-from autopar.plan import Estimate, Plan, StagePlan
+from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
+from hf_families import FAMILIES, build_family
 
 SEQ, BATCH, VOCAB, HIDDEN, HEADS, LAYERS = 16, 8, 128, 64, 4, 2
 LR, STEPS = 1e-3, 5
@@ -32,6 +33,8 @@ def optimizer(params):
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
+    if kind in FAMILIES:
+        return build_family(kind, seed)
     torch.manual_seed(seed)
     if kind == "gpt":
         model, _ = autopar.zoo.build("gpt-tiny", seq_len=SEQ, device="cpu", dropout=0.0, n_layers=LAYERS,
@@ -101,8 +104,9 @@ def make_plan(graph: ModelGraph, **config: Any) -> Plan:
     stages = tuple(StagePlan(index=i, layers=tuple(names[bounds[i]:bounds[i + 1]]), pp_rank=i % cfg.pp,
                              recompute=cfg.recompute, time_per_microbatch_s=0.0, peak_memory_bytes=0)
                    for i in range(n_chunks))
-    est = Estimate(step_time_s=0.0, tokens_per_s=0.0, tflops_per_device=0.0, mfu=0.0, peak_memory_bytes=0,
-                   breakdown={})
+    # hand-made: a nominal one-second step, consistent with its breakdown (plans are validated on use)
+    est = Estimate(step_time_s=1.0, tokens_per_s=float(cfg.global_batch_size * SEQ), tflops_per_device=0.0, mfu=0.0,
+                   peak_memory_bytes=0, breakdown={k: float(k == "compute") for k in BREAKDOWN_KEYS})
     return Plan(config=cfg, stages=stages, estimate=est, model_name=graph.model_name,
                 graph_fingerprint=graph.fingerprint, cluster_name="local", cluster_fingerprint="-",
                 global_batch_size=cfg.global_batch_size, seq_len=SEQ)
@@ -134,14 +138,25 @@ def excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
     return per[worst], worst
 
 
-def parity_case(kind: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Run in every rank: reference vs parallel losses per step and the largest final-weight error."""
+_GRAPHS: dict[str, ModelGraph] = {}
+_REFERENCES: dict[tuple[str, int], tuple] = {}
+
+
+def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
+    """Run in every rank: reference vs parallel losses per step and the largest final-weight error.
+
+    The graph and the single-device reference depend on the model only, so a process running several
+    cases of one model computes them once.
+    """
     model = build_model(kind)
-    reference = copy.deepcopy(model)
-    graph = graph_of(kind, model)
+    if kind not in _GRAPHS:
+        _GRAPHS[kind] = graph_of(kind, model)
+    graph = _GRAPHS[kind]
     plan = make_plan(graph, **config)
-    data = batches()
-    ref_losses, ref_state, ref_grads = train_reference(reference, data)
+    data = batches(steps)
+    if (kind, steps) not in _REFERENCES:
+        _REFERENCES[kind, steps] = train_reference(copy.deepcopy(model), data)
+    ref_losses, ref_state, ref_grads = _REFERENCES[kind, steps]
     pm = parallelize(model, plan, graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
     losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
     full = pm.full_state_dict()
@@ -154,5 +169,5 @@ def parity_case(kind: str, config: dict[str, Any]) -> dict[str, Any]:
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
 
 
-def parity_cases(cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    return [parity_case(kind, cfg) for kind, cfg in cases]
+def parity_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS) -> list[dict[str, Any]]:
+    return [parity_case(kind, cfg, steps) for kind, cfg in cases]

@@ -132,6 +132,50 @@ def _check_divisible(layer: LayerSpec, pattern: TPPattern, tp: int) -> None:
         )
 
 
+def _width_check(name: str, width: int):
+    """Pre-hook: a module inside a pattern that expects full-width inputs must not get a rank's slice."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if x is not None and not isinstance(x, DTensor) and x.dim() and x.size(-1) != width:
+            raise PlanMismatchError(
+                f"module {name!r} ({type(module).__name__}) normalises or projects {width} features, but under "
+                f"tensor parallelism it receives one rank's {x.size(-1)}: it mixes all heads (or all hidden "
+                "units) and cannot run on a shard. Re-plan with tp=1 for this model")
+        return None
+
+    return hook
+
+
+def _replicate_inner_norms(module: nn.Module, owner: str, pattern: TPPattern, tp_mesh: DeviceMesh) -> None:
+    """Parameters inside a pattern that are not its projections.
+
+    Per-head norms (Qwen3's q/k norms: a weight of head_dim elements) see only this rank's heads, so
+    their gradients are partial sums: they become replicated DTensors over local inputs declared
+    sharded on dim 0 (a row-wise op, so any dim but the normalised one is a valid split) and DTensor
+    sums their gradients over the TP group. Any other such module must see full-width inputs (a norm
+    of the block's input, when the projections sit directly in the block): checked on every call,
+    refused when it would run on a shard. A non-norm module of head width is refused outright.
+    """
+    projections = {*pattern.column, *pattern.row}
+    head_dim = pattern.head_dim if pattern.kind == "attention" else None
+    for name, sub in module.get_submodule(owner).named_modules(prefix=owner):
+        if name in projections or any(name.startswith(p + ".") for p in projections):
+            continue
+        own = [p for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own:
+            continue
+        width = own[0].size(-1) if own[0].dim() else 0
+        if head_dim and width == head_dim and is_norm(sub):
+            parallelize_module(module, tp_mesh, {name: SequenceParallel(sequence_dim=0, use_local_output=True)})
+        elif head_dim and width == head_dim:
+            raise PlanMismatchError(
+                f"module {name!r} ({type(sub).__name__}) holds per-head parameters inside the tensor-parallel "
+                f"region of {owner!r} and is not a norm; autopar cannot shard it faithfully. Re-plan with tp=1")
+        elif width:
+            sub.register_forward_pre_hook(_width_check(name, width), with_kwargs=True)
+
+
 def _layer_module(module: nn.Module, layer: LayerSpec) -> nn.Module:
     try:
         return module.get_submodule(layer.name)
@@ -155,6 +199,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                              for name in pattern.row})
                 parallelize_module(module, tp_mesh, plan)
                 owner_module = module.get_submodule(owner)
+                _replicate_inner_norms(module, owner, pattern, tp_mesh)
                 owner_module.register_forward_pre_hook(_shared_input_hook(tp_mesh, sp), with_kwargs=True)
                 if pattern.kind == "attention":
                     _rewrite_head_counts(owner_module, pattern, tp)
@@ -169,7 +214,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                     for name in pattern.column})
         if span is not None and layer.name in span.sharded_layers:
             for name, sub in _layer_module(module, layer).named_modules(prefix=layer.name):
-                if is_norm(sub) and any(True for _ in sub.parameters(recurse=False)):
+                if is_norm(sub) and any(not isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
                     parallelize_module(module, tp_mesh, {name: SequenceParallel(use_local_output=True)})
         if span is not None and span.sharded_layers and layer.name == span.sharded_layers[0]:
             _layer_module(module, layer).register_forward_pre_hook(_scatter_input_hook(tp_mesh), with_kwargs=True,

@@ -1,0 +1,50 @@
+"""Conformance: transformers' causal-LM families train under every layout as they do on one process.
+
+Each family (tests/hf_families.py: tied and untied embeddings, position embeddings added beside the
+token embedding, model-level rotary tables, fused q|k|v and gate|up projections, parallel
+attention/MLP blocks, logit soft-capping) runs 3 AdamW steps under dp2, tp2, pp2 with 1F1B, and two
+families under tp2×pp2×dp2 with ZeRO-3, each against the same initial model trained on one process
+on the whole batch: losses at every step, final weights and last gradients within rtol 1e-4 /
+atol 1e-5, and the state dict under the single-device names (the checks of tests/test_parity.py).
+Cases share their processes (one gloo job per layout), so every family is captured once per job.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_harness import run_distributed
+from hf_families import FAMILIES
+from test_parity import _check
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 3
+PP = dict(pp=2, num_microbatches=2, schedule="1f1b")
+
+
+def _run(cases: list, world_size: int, timeout_s: float = 600.0) -> None:
+    from parity_models import parity_cases
+
+    per_rank = run_distributed(parity_cases, world_size, cases, STEPS, timeout_s=timeout_s)
+    _check(per_rank[0])
+    for other in per_rank[1:]:  # the reported loss is the global mean on every rank
+        assert [r["losses"] for r in other] == [r["losses"] for r in per_rank[0]]
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_families_data_parallel(half):
+    _run([(f, dict(dp=2)) for f in FAMILIES[half::2]], 2)
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_families_tensor_parallel(half):
+    _run([(f, dict(tp=2)) for f in FAMILIES[half::2]], 2)
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_families_pipeline_1f1b(half):
+    _run([(f, PP) for f in FAMILIES[half::2]], 2)
+
+
+def test_families_3d_zero3_on_eight_ranks():
+    _run([(f, dict(tp=2, pp=2, dp=2, zero_stage=3, num_microbatches=2)) for f in ("gpt2", "gemma")], 8)
