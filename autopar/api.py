@@ -11,11 +11,12 @@ from typing import Any
 
 from autopar.capture.graph import ModelGraph
 from autopar.config import ParallelConfig, PlannerOptions
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.planner.assemble import build_estimate, build_plan
 from autopar.planner.costs import CostModel
 from autopar.planner.search import price, search
+from autopar.validate import MAX_GLOBAL_BATCH, check_options, check_positive_int, check_stages_for_graph
 
 __all__ = ["plan", "estimate", "parallelize"]
 
@@ -23,6 +24,11 @@ __all__ = ["plan", "estimate", "parallelize"]
 def _graph(model: Any, example_inputs: tuple | None) -> ModelGraph:
     if isinstance(model, ModelGraph):
         return model
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"model is a {type(model).__name__}; pass an nn.Module with example_inputs=(x,), or a "
+                           "ModelGraph from autopar.capture(model, x) (zoo models: autopar.zoo.build(name))")
     if example_inputs is None:
         raise AutoparError("plan/estimate got an nn.Module without example_inputs; pass example_inputs=(x,) "
                            "or a ModelGraph from autopar.capture(model, x)")
@@ -31,13 +37,36 @@ def _graph(model: Any, example_inputs: tuple | None) -> ModelGraph:
     return capture(model, example_inputs)
 
 
+def _cluster(cluster: Any) -> Any:
+    from autopar.cluster import Cluster
+
+    if not isinstance(cluster, Cluster):
+        raise AutoparError(f"cluster is a {type(cluster).__name__} ({cluster!r:.60}); pass a Cluster: "
+                           "Cluster.preset(name, nodes=N), Cluster.from_file(path) or Cluster.local()")
+    return cluster
+
+
+def _check_stages(stages: Any, config: ParallelConfig, graph: ModelGraph) -> list[StagePlan]:
+    """A plan's stages, in index order, that fit `config` and hold `graph`'s layers exactly once, in order."""
+    if not all(isinstance(st, StagePlan) for st in stages):
+        raise AutoparError("stages must be StagePlans, e.g. plan.stages of a plan made for this model")
+    ordered = sorted(stages, key=lambda st: st.index)
+    want = config.pp * config.virtual_stages
+    if [st.index for st in ordered] != list(range(want)):
+        raise PlanMismatchError(f"stages have indices {[st.index for st in ordered]}; layout {config} has pp × "
+                                f"virtual_stages = {want} stages, 0..{want - 1}; pass the stages of a plan with "
+                                "this layout")
+    check_stages_for_graph(ordered, graph, where="stages")
+    return ordered
+
+
 def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, global_batch_size: int,
          profile: Any = None, options: PlannerOptions | None = None) -> Plan:
     """The fastest layout of `model` (an nn.Module with example_inputs, or a ModelGraph) on `cluster`
     that fits memory: the exact optimum of the modelled step time, with runner-ups and solver status."""
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise AutoparError(f"global_batch_size={global_batch_size!r}; it must be a positive integer")
-    options = options or PlannerOptions()
+    check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH)
+    options = check_options(options)
+    cluster = _cluster(cluster)
     costs = CostModel.for_cluster(_graph(model, example_inputs), cluster, profile, options.memory_reserve_fraction)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
@@ -53,19 +82,20 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     With `stages` (a plan's own `plan.stages`): exactly those cuts and per-stage recompute modes, so
     `estimate(graph, cluster, plan.config, stages=plan.stages)` reproduces `plan.estimate` even when the
     plan mixes recompute modes across stages. Raises InfeasiblePlanError naming the violated constraint."""
+    if not isinstance(config, ParallelConfig):
+        raise AutoparError(f"config is a {type(config).__name__}; pass a ParallelConfig, e.g. "
+                           "ParallelConfig(tp=2, dp=4) or ParallelConfig.parse('tp=2,dp=4')")
+    if global_batch_size is not None:
+        check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH)
     if global_batch_size is not None and global_batch_size != config.global_batch_size:
         raise AutoparError(f"config {config} has dp·mbs·m = {config.global_batch_size}, not the global batch "
                            f"{global_batch_size}; adjust micro_batch_size or num_microbatches")
-    options = options or PlannerOptions()
+    options = check_options(options)
+    cluster = _cluster(cluster)
     costs = CostModel.for_cluster(_graph(model, example_inputs), cluster, profile, options.memory_reserve_fraction)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
-    ordered = sorted(stages, key=lambda st: st.index)
-    names = [n for st in ordered for n in st.layers]
-    expected = [la.name for la in costs.graph.layers]
-    if names != expected:
-        raise AutoparError(f"stages hold layers {names[:3]}… but {costs.graph.model_name} has {expected[:3]}…; "
-                           f"pass the stages of a plan made for this model")
+    ordered = _check_stages(stages, config, costs.graph)
     return build_estimate(price(costs, config, options, stage_modes=tuple(st.recompute for st in ordered),
                                 layers_per_stage=tuple(len(st.layers) for st in ordered)), costs)
 
@@ -105,7 +135,7 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple, opti
     if isinstance(plan_or_cluster, Plan):
         the_plan = plan_or_cluster
     else:
-        cluster = plan_or_cluster
+        cluster = _cluster(plan_or_cluster)
         probe = ParallelConfig(dp=cluster.world_size)  # only its world size matters for the launch check
         init_distributed(probe, resolve_device(device))
         the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, options)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterSpecError, ProfileMismatchError
+from autopar.validate import MAX_DEVICES
 
 try:  # Python ≥ 3.11
     import tomllib
@@ -103,9 +105,13 @@ class Cluster:
         for f in ("nodes", "devices_per_node"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Cluster.{f}={v!r}; it must be a positive integer")
+                raise ClusterSpecError(f"Cluster.{f}={v!r}; it must be a positive integer")
+        if self.nodes * self.devices_per_node > MAX_DEVICES:
+            raise ClusterSpecError(f"cluster {self.name!r} has {self.nodes:,} nodes × {self.devices_per_node:,} "
+                                   f"devices = {self.nodes * self.devices_per_node:,}; autopar plans for at most "
+                                   f"{MAX_DEVICES:,} devices")
         if self.backend not in BACKENDS:
-            raise ValueError(f"Cluster.backend={self.backend!r}; expected one of {BACKENDS}")
+            raise ClusterSpecError(f"Cluster.backend={self.backend!r}; expected one of {BACKENDS}")
 
     # ---- derived ----
     @property
@@ -293,6 +299,46 @@ def _refine_device(device: DeviceSpec, prof: Profile) -> DeviceSpec:
                                source=f"{device.source}; refined by profile {prof.created} ({prof.device_name})")
 
 
+# Sane ranges of the numbers a cluster file gives, in its units: an order of magnitude or more beyond
+# today's largest parts (B200: 180 GB HBM3e at 8 TB/s, 2.25 PFLOP/s dense BF16; NVLink 5: 900 GB/s per
+# direction; NVIDIA HGX B200 datasheet, 2024), so a typo of a unit (GB for GiB, B/s for GB/s) is caught.
+_RANGES: dict[str, tuple[float, float]] = {
+    "memory_GiB": (1e-3, 1e5),
+    "memory_bandwidth_GBps": (1e-3, 1e5),
+    "peak_TFLOPs": (1e-6, 1e5),
+    "bandwidth_GBps": (1e-6, 1e4),
+    "latency_us": (0.0, 1e6),
+    "efficiency": (1e-3, 1.0),
+}
+
+
+def _check_number(where: str, key: str, value: Any) -> None:
+    lo, hi = _RANGES[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ClusterSpecError(f"{where}: {key} = {value!r} must be a number in [{lo:g}, {hi:g}]")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise ClusterSpecError(f"{where}: {key} = {value!r} is outside the sane range [{lo:g}, {hi:g}]; "
+                               f"check the number and its unit ({key.rsplit('_', 1)[-1]})")
+
+
+def _check_device_table(dev: dict[str, Any], where: str) -> None:
+    for key in ("memory_GiB", "memory_bandwidth_GBps"):
+        if key in dev:
+            _check_number(f"{where}: [device]", key, dev[key])
+    peaks = dev.get("peak_TFLOPs")
+    if "peak_TFLOPs" in dev:
+        if not isinstance(peaks, dict) or not peaks:
+            raise ClusterSpecError(f"{where}: [device] peak_TFLOPs = {peaks!r} must be a table of dtype → TFLOP/s, "
+                                   "e.g. {{ bfloat16 = 312, float32 = 19.5 }}")
+        for dtype, v in peaks.items():
+            _check_number(f"{where}: [device] peak_TFLOPs.{dtype}", "peak_TFLOPs", v)
+    if "kind" in dev and dev["kind"] not in ("gpu", "cpu"):
+        raise ClusterSpecError(f"{where}: [device] kind = {dev['kind']!r}; expected 'gpu' or 'cpu'")
+    for key in ("name", "source", "notes"):
+        if key in dev and not isinstance(dev[key], str):
+            raise ClusterSpecError(f"{where}: [device] {key} = {dev[key]!r} must be a string")
+
+
 def _require(data: dict[str, Any], key: str, where: str, kind: type, hint: str) -> Any:
     if key not in data:
         raise ClusterSpecError(f"{where}: missing field {key!r} ({hint})")
@@ -313,6 +359,9 @@ def _link_field(data: dict[str, Any], key: str, where: str) -> LinkSpec:
         unknown = sorted(set(value) - set(_LINK_KEYS))
         if unknown:
             raise ClusterSpecError(f"{where}: [{key}] has unknown field(s) {unknown}; accepted: {list(_LINK_KEYS)}")
+        for k in ("bandwidth_GBps", "latency_us", "efficiency"):
+            if k in value:
+                _check_number(f"{where}: [{key}]", k, value[k])
         try:
             return catalog.link_from_table(f"{data.get('name', 'cluster')}-{key}",
                                            {"source": f"cluster file {where}", **value})
@@ -321,7 +370,11 @@ def _link_field(data: dict[str, Any], key: str, where: str) -> LinkSpec:
     raise ClusterSpecError(f"{where}: missing or invalid {key!r}; expected {hint}")
 
 
-def _cluster_from_mapping(data: dict[str, Any], where: str) -> Cluster:
+def _cluster_from_mapping(data: Any, where: str) -> Cluster:
+    if not isinstance(data, dict):
+        kind = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(data), "a number")
+        raise ClusterSpecError(f"{where} holds {kind} ({json.dumps(data)[:40]}); a cluster file "
+                               f"is one table/object with fields {list(_FILE_KEYS)}")
     unknown = sorted(set(data) - set(_FILE_KEYS))
     if unknown:
         raise ClusterSpecError(f"{where}: unknown field(s) {unknown}; accepted fields are {list(_FILE_KEYS)}")
@@ -339,6 +392,7 @@ def _cluster_from_mapping(data: dict[str, Any], where: str) -> Cluster:
         unknown = sorted(set(dev) - set(_DEVICE_KEYS))
         if unknown:
             raise ClusterSpecError(f"{where}: [device] has unknown field(s) {unknown}; accepted: {list(_DEVICE_KEYS)}")
+        _check_device_table(dev, where)
         try:
             device = catalog.device_from_table(str(dev.get("name", "custom")), {"source": f"cluster file {where}",
                                                                                 **dev})
@@ -348,6 +402,11 @@ def _cluster_from_mapping(data: dict[str, Any], where: str) -> Cluster:
         raise ClusterSpecError(f"{where}: missing or invalid 'device'; expected a catalog name "
                                f"({', '.join(catalog.devices())}) or a table with memory_GiB, "
                                "memory_bandwidth_GBps, peak_TFLOPs and source")
+    if "name" in data and (not isinstance(data["name"], str) or not data["name"]):
+        raise ClusterSpecError(f"{where}: name = {data['name']!r} must be a non-empty string")
+    if nodes * per_node > MAX_DEVICES:
+        raise ClusterSpecError(f"{where}: nodes × devices_per_node = {nodes:,} × {per_node:,} = "
+                               f"{nodes * per_node:,} devices; autopar plans for at most {MAX_DEVICES:,}")
     backend = data.get("backend", "gloo" if device.kind == "cpu" else "nccl")
     if backend not in BACKENDS:
         raise ClusterSpecError(f"{where}: backend = {backend!r}; accepted values: {', '.join(BACKENDS)}")

@@ -123,10 +123,13 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         from autopar.errors import PlanMismatchError
+        from autopar.validate import check_plan  # validate imports this module
 
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            plan = cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanMismatchError(
                 f"cannot read plan {path}: {e}; write one with `autopar plan ... --out {path}`"
             ) from e
+        check_plan(plan, where=f"plan {path}")
+        return plan

@@ -6,11 +6,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
+from autopar.validate import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    MAX_TOP_K,
+    check_output_path,
+    check_positive_int,
+    check_saved_plan,
+)
 
 __all__ = ["register"]
 
@@ -21,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "cuts for the fastest layout that fits memory (exact ILP).")
     p.add_argument("model", metavar="MODEL", help="zoo name (e.g. gpt3-175b), path/file.py:factory or pkg.mod:factory")
     p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
-    p.add_argument("--nodes", type=int, default=1, help="nodes of a preset cluster")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
     p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
@@ -69,16 +78,57 @@ def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | Non
     from autopar.cluster import Cluster
 
     for flag, value in (("--nodes", nodes), ("--nproc", nproc)):
-        if value is not None and value < 1:
-            raise AutoparError(f"{flag} {value}: it must be a positive integer")
+        if value is not None:
+            check_positive_int(flag, value, bound=MAX_DEVICES)
     if nproc is not None and spec != "local":
         raise AutoparError(f"--nproc applies to --cluster local only; for {spec!r} give --nodes "
                            "(devices per node come from the preset or file)")
     if spec == "local":
+        if nodes not in (None, 1):
+            raise AutoparError(f"--nodes {nodes} does not apply to --cluster local (one machine); give --nproc "
+                               "for its number of processes")
         return Cluster.local(nproc=nproc, profile=profile)
     if Path(spec).suffix.lower() in (".toml", ".json") or Path(spec).exists():
+        for flag, value in (("--nodes", nodes), ("--profile", profile)):
+            if value is not None:
+                raise AutoparError(f"{flag} does not apply to the cluster file {spec}: its nodes and numbers are "
+                                   "its own; edit the file (or use a preset with --nodes and --profile)")
         return Cluster.from_file(spec)
     return Cluster.preset(spec, nodes=nodes or 1, profile=profile)
+
+
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """Numbers and output paths of `autopar plan`, checked before any capture or search."""
+    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "mbs"):
+        value = getattr(args, flag)
+        if value is not None:
+            check_positive_int(f"--{flag.replace('_', '-')}", value,
+                               bound=MAX_GLOBAL_BATCH if flag in ("global_batch_size", "mbs") else None)
+    if not 0 <= args.top <= MAX_TOP_K:
+        raise AutoparError(f"--top {args.top}: keep 0 to {MAX_TOP_K} runner-up layouts")
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise AutoparError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    _check_outputs(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if getattr(args, "out", None) is not None:
+        check_output_path(args.out, "--out")
+    if args.timeline is not None:
+        if not args.timeline.lower().endswith((".png", ".svg")):
+            raise AutoparError(f"--timeline {args.timeline}: use a .png or .svg file name")
+        check_output_path(args.timeline, "--timeline")
+
+
+def _check_dtype(cluster, dtype) -> None:
+    """The cluster's device must run the training dtype (its catalog entry lists a peak for it)."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        cluster.device.peak_flops_for(name)
+    except KeyError:
+        runs = [d for d in ("float32", "bfloat16", "float16") if d in cluster.device.peak_flops]
+        raise AutoparError(f"--dtype {name}: device {cluster.device.name} of cluster {cluster.name!r} has no "
+                           f"{name} throughput in the catalog; use --dtype {' or '.join(runs)}") from None
 
 
 def _graph(model: str, seq_len: int | None, dtype=None):
@@ -92,13 +142,15 @@ def _graph(model: str, seq_len: int | None, dtype=None):
 def _plan(args: argparse.Namespace) -> int:
     import autopar
 
+    _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
-                          schedule=args.schedule, recompute=args.recompute, top_k=max(0, args.top),
+                          schedule=args.schedule, recompute=args.recompute, top_k=args.top,
                           time_limit_s=args.time_limit)
     from autopar.models import training_dtype
 
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
+    _check_dtype(cluster, dtype)
     plan = autopar.plan(_graph(args.model, args.seq_len, dtype), cluster, global_batch_size=args.global_batch_size,
                         options=opts)
     if args.out:
@@ -124,14 +176,22 @@ def _emit(plan: Plan, args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(path: str) -> Plan:
+    """A plan file, checked against what can be rebuilt of its model and cluster (autopar.validate)."""
+    plan = Plan.load(path)
+    check_saved_plan(plan, where=f"plan {path}")
+    return plan
+
+
 def _show(args: argparse.Namespace) -> int:
-    return _emit(Plan.load(args.plan), args)
+    _check_outputs(args)
+    return _emit(_load(args.plan), args)
 
 
 def _diff(args: argparse.Namespace) -> int:
     from autopar.report.text import render_diff
 
-    a, b = Plan.load(args.a), Plan.load(args.b)
+    a, b = _load(args.a), _load(args.b)
     if args.json:
         print(json.dumps({"a": a.to_dict(), "b": b.to_dict(),
                           "changed": sorted(k for k, v in a.config.to_dict().items() if b.config.to_dict()[k] != v)}))
@@ -144,10 +204,16 @@ def _explain(args: argparse.Namespace) -> int:
     import autopar
     from autopar.models import training_dtype
     from autopar.report.text import render_explain
+    from autopar.validate import check_plan_for_cluster, check_plan_for_graph
 
     plan = Plan.load(args.plan)
     alt = _alternative(plan, args.config)
-    cluster = _cluster(args.cluster or plan.cluster_name, args.nodes or _nodes(plan), None, None)
+    spec = args.cluster or plan.cluster_name
+    from autopar.cluster import Cluster
+
+    nodes = args.nodes if args.nodes is not None or spec not in Cluster.presets() else _nodes(plan)
+    nproc = plan.world_size if spec == "local" else None
+    cluster = _cluster(spec, nodes, nproc, None)
     dtype = training_dtype("local" if plan.cluster_name == "local" else "cluster")
     graph = _graph(args.model or plan.model_name, plan.seq_len, dtype)
     if graph.fingerprint != plan.graph_fingerprint:
@@ -155,6 +221,8 @@ def _explain(args: argparse.Namespace) -> int:
             f"{args.plan} was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}), "
             f"but MODEL {args.model or plan.model_name!r} captures to fingerprint {graph.fingerprint}; pass "
             "--model with the model the plan was made from (same factory, sequence length and dtype)")
+    check_plan_for_graph(plan, graph, where=f"plan {args.plan}")
+    check_plan_for_cluster(plan, cluster, where=f"plan {args.plan}")
     est, reason = None, None
     try:
         own = plan.stages if alt == plan.config else None  # the plan itself: price its own stages exactly

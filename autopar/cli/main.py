@@ -1,6 +1,7 @@
 """`autopar` entry point. Each sub-command lives in its own module exposing `register(subparsers)`,
 which adds a parser whose `func(args) -> int` runs it. User errors (AutoparError) print one line and
-exit 1; usage errors exit 2 (argparse).
+exit 1; usage errors exit 2 (argparse); any other exception is a bug of autopar's and prints one line
+saying so (exit 1), with the traceback under `--debug`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 from autopar.errors import AutoparError
 
@@ -24,9 +26,13 @@ COMMAND_MODULES = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Plan and apply parallelism for PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for command in sub.choices.values():  # `autopar plan ... --debug` works as well as `autopar --debug plan ...`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an internal error")
     return parser
 
 
@@ -43,6 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ValueError as e:  # invalid values in our frozen dataclasses, raised from user input
         print(f"autopar: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # anything else is autopar's fault, not the input's
+        if args.debug:
+            traceback.print_exc()
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        print(f"autopar: internal error: {type(e).__name__}: {first} — this is a bug in autopar; please report it "
+              f"with the command line and the output of the same command with --debug "
+              f"(autopar {' '.join(sys.argv[1:] if argv is None else argv)} --debug)", file=sys.stderr)
         return 1
 
 

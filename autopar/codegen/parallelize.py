@@ -41,6 +41,9 @@ def _graph_of(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None) -
 
 def check_plan(plan: Plan, graph: ModelGraph) -> None:
     """The plan must have been made for this model graph, and its tp must split every TP pattern."""
+    from autopar.validate import check_plan_for_graph  # stages cover the layers once, in order; numbers sane
+
+    check_plan_for_graph(plan, graph)
     if plan.graph_fingerprint != graph.fingerprint:
         raise PlanMismatchError(
             f"the plan was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}) but this "
