@@ -64,3 +64,34 @@ def build_family(name: str, seed: int = 0) -> nn.Module:
     """The tiny model of family `name`, in fp32, with weights drawn from `seed`."""
     torch.manual_seed(seed)
     return _families()[name]().float()
+
+
+class SkipLM(nn.Module):
+    """A user's own model, not a transformers family: separate token and position embeddings summed at
+    top level, a root-level parameter read by top-level code (a learned output scale), a skip connection
+    from the embeddings to the head across every block, and an LM head tied to the token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, HIDDEN)
+        self.pos = nn.Embedding(POSITIONS, HIDDEN)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, batch_first=True,
+                                                               norm_first=True) for _ in range(3))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+        self.out_scale = nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.size(1), device=ids.device)
+        x0 = self.tok(ids) + self.pos(positions)
+        x = x0
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.size(1), device=ids.device)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x + x0) * self.out_scale)
+
+
+def build_custom(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"skip_tied": SkipLM}[name]().float()

@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 import torch
+from hf_families import FAMILIES, build_custom, build_family
 from torch import nn
 
 import autopar
@@ -19,7 +20,6 @@ from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.state import full_gradients
 from autopar.config import ParallelConfig
 from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
-from hf_families import FAMILIES, build_family
 
 SEQ, BATCH, VOCAB, HIDDEN, HEADS, LAYERS = 16, 8, 128, 64, 4, 2
 LR, STEPS = 1e-3, 5
@@ -35,6 +35,8 @@ def optimizer(params):
 def build_model(kind: str, seed: int = 0) -> nn.Module:
     if kind in FAMILIES:
         return build_family(kind, seed)
+    if kind == "skip_tied":
+        return build_custom(kind, seed)
     torch.manual_seed(seed)
     if kind == "gpt":
         model, _ = autopar.zoo.build("gpt-tiny", seq_len=SEQ, device="cpu", dropout=0.0, n_layers=LAYERS,

@@ -48,3 +48,13 @@ def test_families_pipeline_1f1b(half):
 
 def test_families_3d_zero3_on_eight_ranks():
     _run([(f, dict(tp=2, pp=2, dp=2, zero_stage=3, num_microbatches=2)) for f in ("gpt2", "gemma")], 8)
+
+
+def test_own_model_with_skip_connection_tied_head_and_root_parameter():
+    """Not a transformers family: embeddings summed at top level, a skip connection from them to the head
+    across every block (three tensors cross the cut), a head tied to the token embedding (a replica on
+    each end of the pipeline, including two stages on one rank under interleaving) and a root-level
+    parameter read by top-level code (held by every stage)."""
+    _run([("skip_tied", dict(dp=2)), ("skip_tied", PP),
+          ("skip_tied", dict(pp=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
+          ("skip_tied", dict(pp=2, num_microbatches=2, schedule="gpipe", recompute="full"))], 2)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture.graph import Kernel, KernelMix, LayerSpec, ModelGraph, TPPattern, merge_kernels
+from autopar.capture.graph import Kernel, KernelMix, LayerSpec, ModelGraph, SharedParam, TPPattern, merge_kernels
 from autopar.capture.layers import LayerGroup
 from autopar.capture.probe import CallStats
 from autopar.capture.record import Recording
@@ -54,6 +54,24 @@ def _pair_patterns(unit: str, stats: CallStats) -> list[TPPattern]:
             out.append(TPPattern(kind="mlp", column=cols, row=(row,),
                                  allreduce_bytes_per_sample=pair.row_out_bytes))
     return out
+
+
+def _shared_params(model: nn.Module, groups: list[LayerGroup], holders: dict[int, list[int]],
+                   top_level: set[int]) -> tuple[SharedParam, ...]:
+    """Parameters held by several layers, or read by top-level code only (see `SharedParam`)."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    out = []
+    for key, ns in names.items():
+        layers = () if key in top_level else tuple(groups[i].name for i in holders.get(key, ()))
+        if key in top_level or len(layers) > 1:
+            p = tensors[key]
+            out.append(SharedParam(names=tuple(ns), layers=layers, num_params=p.numel(),
+                                   param_bytes=p.numel() * p.element_size()))
+    return tuple(out)
 
 
 def _vocab_modules(model: nn.Module, vocab: int | None) -> dict[str, str]:
@@ -217,19 +235,18 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
                                                  Kernel(kind="elementwise", count=1, work=2 * moved)))
         s.signatures.append(f"top:{cost.forward_flops}:{cost.saved_bytes}")
 
-    # Parameters: each counted once, in the first layer that holds it (tied weights stay with the embedding).
-    seen: set[int] = set()
+    # Parameters: each in every layer that holds it (a tied head holds the embedding's weight too: on
+    # another pipeline stage it is a replica); ones above the units are charged to the first layer.
     params: list[list[torch.Tensor]] = [[] for _ in groups]
+    holders: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
-        for u in g.units:
-            for p in model.get_submodule(u).parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params[i].append(p)
-    for p in model.parameters():  # owned by a container above the units: charged to the first layer
-        if id(p) not in seen:
-            seen.add(id(p))
-            params[0].append(p)
+        here = {id(p): p for u in g.units for p in model.get_submodule(u).parameters()}
+        params[i] = list(here.values())
+        for key in here:
+            holders.setdefault(key, []).append(i)
+    top_level = [p for p in model.parameters() if id(p) not in holders]
+    params[0].extend(top_level)
+    shared = _shared_params(model, groups, holders, {id(p) for p in top_level})
 
     def per_sample(x: float) -> int:
         return int(round(x / batch))
@@ -268,5 +285,5 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         hidden_size=_config_int(model, _HIDDEN_ATTRS) or (vocab_embedding.embedding_dim if vocab_embedding else None),
         num_attention_heads=attention.num_heads if attention else None,
         num_kv_heads=(attention.num_kv_heads or attention.num_heads) if attention else None,
-        vocab_size=vocab, capture_method=method, capture_time_s=seconds, metadata=metadata,
+        vocab_size=vocab, shared_params=shared, capture_method=method, capture_time_s=seconds, metadata=metadata,
     )

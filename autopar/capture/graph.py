@@ -20,7 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "ModelGraph", "SequenceSpan", "sequence_span"]
+__all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "SharedParam", "ModelGraph", "SequenceSpan",
+           "sequence_span"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
@@ -221,6 +222,18 @@ class LayerSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SharedParam:
+    """A parameter that several layers hold (a head tied to the token embedding), or that the model's own
+    code reads outside every layer (held by every pipeline stage). Each holding layer counts its bytes:
+    a pipeline stage keeps a replica, and the replicas' gradients are summed over the holding stages."""
+
+    names: tuple[str, ...]  # every name it has in the model's state dict
+    layers: tuple[str, ...]  # the layers holding it; () when only top-level code reads it
+    num_params: int
+    param_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelGraph:
     """Ordered layers of a model plus totals; the input of the planner and of codegen."""
 
@@ -234,6 +247,7 @@ class ModelGraph:
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
     vocab_size: int | None = None
+    shared_params: tuple[SharedParam, ...] = ()
     capture_method: str = "symbolic_trace"  # or "export"
     capture_time_s: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -279,6 +293,8 @@ class ModelGraph:
         payload.pop("capture_time_s", None)
         payload.pop("capture_method", None)
         payload.pop("metadata", None)
+        if not payload.get("shared_params"):
+            payload.pop("shared_params", None)  # graphs without shared weights keep their fingerprints
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -289,6 +305,8 @@ class ModelGraph:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelGraph:
         d = dict(d)
+        d["shared_params"] = tuple(SharedParam(**{**sp, "names": tuple(sp["names"]), "layers": tuple(sp["layers"])})
+                                   for sp in d.get("shared_params", ()))
         layers = []
         for ld in d.pop("layers"):
             ld = dict(ld)

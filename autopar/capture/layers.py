@@ -6,11 +6,12 @@ module) joins the layer before it. Units that never ran keep their parameters in
 layer of the unit registered just before them.
 
 Liveness: a value produced in layer i (or a model input, "layer -1") and used in layer j > i is live
-across every boundary i..j-1, so a pipeline cut there must send it — unless it is computed from the
-inputs alone (positions, masks, rotary tables), which every stage recomputes; those bytes summed are
-the boundary bytes, what codegen sends (`autopar/codegen/dataflow.py`). The values a layer reads
-from earlier layers are its input bytes, what full recompute keeps (Korthikanti et al. 2022, §5:
-"2sbh", the layer input, per transformer layer).
+across every boundary i..j-1. Pipeline stages run the model's own code, so what a cut sends is the
+outputs of the units that later units read (directly or through top-level glue, which each stage
+recomputes; values computed from the inputs alone — positions, masks, rotary tables — are never
+sent): those bytes are the boundary bytes, exactly what codegen sends (`autopar/codegen/dataflow.py`).
+The values a layer reads from earlier layers are its input bytes, what full recompute keeps
+(Korthikanti et al. 2022, §5: "2sbh", the layer input, per transformer layer).
 """
 
 from __future__ import annotations
@@ -63,31 +64,65 @@ def group_layers(model: nn.Module, units: tuple[Unit, ...], called: list[str]) -
                        in_container=by_name[g[0]].in_container) for g in groups]
 
 
-def _from_units(flow: list[FlowNode], param_units: frozenset[str]) -> list[bool]:
-    """Whether each value is computed from the output of a unit with parameters (or is one).
+def _unit_sources(flow: list[FlowNode], param_units: frozenset[str], num_layers: int,
+                  layer_of_unit: dict[str, int]) -> list[int]:
+    """Boundary bytes as codegen sends them: the outputs of unit calls, not the glue computed from them.
 
-    The others (model inputs, positions, masks, rotary tables) depend only on the inputs' shapes or
-    values: every pipeline stage recomputes them instead of receiving them (codegen/dataflow.py), so
-    they never cross a cut.
+    Each value carries the set of units it was computed from (its taint): a unit with parameters is a
+    source; top-level glue propagates its inputs' taints; a parameter-free unit is a source when it
+    reads a tainted value, else it reads only the inputs and every stage recomputes it. A source of
+    layer i read by a unit of layer j > i (or by the model's output) crosses the cuts i..j-1 — the
+    same rule `autopar/codegen/dataflow.py` applies to the model's eager forward.
     """
     producers: list[list[int]] = [[] for _ in flow]
     for i, node in enumerate(flow):
         for u in node.users:
-            producers[u].append(i)
-    out = []
+            if u > i:
+                producers[u].append(i)
+    taint: list[frozenset[str]] = []
+    source_bytes: dict[str, int] = {}
+    last_use: dict[str, int] = {}
     for i, node in enumerate(flow):
-        out.append(not node.is_input and (node.unit in param_units or any(out[p] for p in producers[i] if p < i)))
-    return out
+        outside = [p for p in producers[i] if flow[p].unit != node.unit or node.unit is None]
+        read = frozenset().union(*(taint[p] for p in outside)) if outside else frozenset()
+        if node.is_input:
+            taint.append(frozenset())
+            continue
+        if node.unit is not None and node.unit in layer_of_unit:
+            here = layer_of_unit[node.unit]
+            for src in read:
+                if layer_of_unit[src] < here:
+                    last_use[src] = max(last_use.get(src, -1), here)
+            inside = frozenset().union(*(taint[p] for p in producers[i] if p not in outside)) \
+                if len(outside) < len(producers[i]) else frozenset()
+            is_source = node.unit in param_units or bool(read - {node.unit}) or node.unit in inside
+            taint.append(frozenset({node.unit}) if is_source else frozenset())
+            if is_source and any(flow[u].unit != node.unit for u in node.users):
+                source_bytes[node.unit] = source_bytes.get(node.unit, 0) + node.nbytes
+        elif node.is_output:
+            for src in read:
+                last_use[src] = max(last_use.get(src, -1), num_layers - 1)
+            taint.append(read)
+        else:
+            taint.append(read)
+    diff = [0] * (num_layers + 1)
+    for src, last in last_use.items():
+        diff[layer_of_unit[src]] += source_bytes.get(src, 0)
+        diff[last] -= source_bytes.get(src, 0)
+    boundary, running = [], 0
+    for i in range(num_layers):
+        running += diff[i]
+        boundary.append(running)
+    return boundary
 
 
 def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: int,
              param_units: frozenset[str] | None = None) -> tuple[list[int], list[int]]:
     """(input_bytes, boundary_bytes) per layer, whole example batch; see the module docstring.
 
-    `param_units`: units holding parameters; when given, only values computed from their outputs
-    count as crossing a boundary (see `_from_units`).
+    `param_units`: units holding parameters; when given, boundary bytes are the unit outputs that
+    codegen sends (see `_unit_sources`), else every live value.
     """
-    crosses = _from_units(flow, param_units) if param_units is not None else [True] * len(flow)
     level = []
     current = 0
     for node in flow:
@@ -107,7 +142,7 @@ def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: in
             continue
         user_levels = {level[u] for u in node.users}
         last = max(user_levels)
-        if last > level[i] and crosses[i]:
+        if last > level[i]:
             diff[max(level[i], 0)] += node.nbytes
             diff[min(last, num_layers)] -= node.nbytes
         for lv in user_levels:
@@ -118,4 +153,6 @@ def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: in
     for i in range(num_layers):
         running += diff[i]
         boundary.append(running)
+    if param_units is not None:
+        boundary = _unit_sources(flow, param_units, num_layers, layer_of_unit)
     return inputs, boundary

@@ -202,14 +202,20 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
                    device: torch.device, loss_fn):
     """The planned schedule over this rank's stages `[(stage_index, module), ...]`.
 
-    scale_grads=True divides gradients by the number of micro-batches, so a mean loss per micro-batch
-    gives the gradient of the mean over the whole batch.
+    Each micro-batch's loss is divided by the number of micro-batches before backward, so the
+    gradients are those of the mean over the whole batch (the losses the schedule reports are
+    summed, not averaged, to get that mean). The schedule's own `scale_grads` would divide each
+    stage's gradients after backward instead, twice for a weight two stages of this rank share.
     """
     cfg = plan.config
+    m = cfg.num_microbatches
     group = pp_mesh.get_group()
     stages = [PipelineStage(mod, index, len(plan.stages), device, group=group) for index, mod in stage_modules]
+
+    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / m
+
     if cfg.schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=cfg.num_microbatches, loss_fn=loss_fn,
-                                       scale_grads=True)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
     cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages[0], n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)

@@ -143,7 +143,7 @@ class ParallelModel:
         run(*args, target=target, losses=losses)
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.stack([loss.detach().float() for loss in losses]).sum()  # each is loss / m (build_schedule)
 
     def _global_mean(self, local_loss: torch.Tensor) -> float:
         """Mean over data-parallel ranks; every tensor-parallel rank of the last stage holds a copy."""
