@@ -81,7 +81,10 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     Without `stages`: the layout's best stage cuts (an ILP) with `config.recompute` on every stage.
     With `stages` (a plan's own `plan.stages`): exactly those cuts and per-stage recompute modes, so
     `estimate(graph, cluster, plan.config, stages=plan.stages)` reproduces `plan.estimate` even when the
-    plan mixes recompute modes across stages. Raises InfeasiblePlanError naming the violated constraint."""
+    plan mixes recompute modes across stages. A layout over memory is priced all the same (its best cuts
+    cannot fit, so its even ones): `Estimate.fits` is False, `violated` names the broken constraint and
+    `memory_breakdown` says where the bytes go. Raises InfeasiblePlanError for a layout that cannot run at
+    all (degrees that do not match the cluster or the model)."""
     if not isinstance(config, ParallelConfig):
         raise AutoparError(f"config is a {type(config).__name__}; pass a ParallelConfig, e.g. "
                            "ParallelConfig(tp=2, dp=4) or ParallelConfig.parse('tp=2,dp=4')")

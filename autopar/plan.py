@@ -34,6 +34,12 @@ class Estimate:
     # of breakdown's compute and optimizer: framework host overhead (DTensor dispatch on CPU), priced from
     # the profile's host floor rather than its kernel tables; calibration scales the two apart
     host_s: float = 0.0
+    # whether the layout fits device memory; a layout over memory is still priced (autopar.estimate), with
+    # the constraint it breaks (e.g. "memory_rank0") and what it needs against what is usable
+    fits: bool = True
+    violated: str = ""
+    memory_breakdown: dict[str, int] = field(default_factory=dict)  # the peak rank's bytes by category
+    memory_capacity_bytes: int = 0  # usable per device (device memory less the reserve); 0 when unknown
 
     def __post_init__(self) -> None:
         unknown = set(self.breakdown) - set(BREAKDOWN_KEYS)

@@ -102,3 +102,29 @@ def test_stages_out_of_call_order_are_refused():
     stage_of["model.layers.0"], stage_of["model.layers.1"] = 1, 0
     with pytest.raises(PlanMismatchError, match="call order"):
         flow.stages(stage_of, 2)
+
+
+def _refused_on_one_stage() -> str:
+    """Rank 1's stage needs the inputs' values (refused there); rank 0's stage builds fine."""
+    from parity_models import make_plan, optimizer
+
+    from autopar.codegen import parallelize
+
+    torch.manual_seed(0)
+    model = _MaskFromIds()
+    graph = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
+    plan = make_plan(graph, pp=2, num_microbatches=2)
+    try:
+        parallelize(model, plan, graph=graph, optimizer=optimizer)
+    except PlanMismatchError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.multiproc
+def test_a_failure_on_one_rank_stops_every_rank_with_its_name():
+    from dist_harness import run_distributed
+
+    messages = run_distributed(_refused_on_one_stage, 2, timeout_s=120)
+    assert "model's input tensors" in messages[1]
+    assert messages[0].startswith("rank 1 could not build its part of the plan") and "input tensors" in messages[0]

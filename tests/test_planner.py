@@ -180,10 +180,21 @@ def test_cluster_smaller_than_the_model_says_how_many_devices() -> None:
     assert "\n" not in str(e.value)
 
 
-def test_estimate_of_an_impossible_layout_names_the_constraint() -> None:
+def test_estimate_of_a_layout_over_memory_prices_it_and_names_the_constraint() -> None:
+    graph, cluster = gpt_graph(layers=24, hidden=2048), fake_cluster(memory_gib=8)
+    cfg = ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8)
+    est = autopar.estimate(graph, cluster, cfg)
+    assert not est.fits and est.violated == "memory_rank0"
+    # the per-category bytes are the peak and exceed what is usable; ~0.4B parameters at 16 bytes (ZeRO-0)
+    assert sum(est.memory_breakdown.values()) == est.peak_memory_bytes > est.memory_capacity_bytes
+    assert est.memory_capacity_bytes == int(8 * GiB * 0.9)
+    params = sum(la.num_params for la in graph.layers)
+    assert est.memory_breakdown["optimizer"] == pytest.approx(12 * params, rel=1e-6)
+    assert est.step_time_s > 0 and sum(est.breakdown.values()) == pytest.approx(est.step_time_s)
+    # the planner never chooses it: pinned to that layout, nothing fits
     with pytest.raises(InfeasiblePlanError, match="memory_rank"):
-        autopar.estimate(gpt_graph(layers=24, hidden=2048), fake_cluster(memory_gib=8),
-                         ParallelConfig(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=8))
+        autopar.plan(graph, cluster, global_batch_size=8,
+                     options=PlannerOptions(tp=1, pp=1, zero_stage=0, micro_batch_size=1, recompute="none"))
     with pytest.raises(InfeasiblePlanError, match="devices"):
         autopar.estimate(gpt_graph(), fake_cluster(), ParallelConfig(tp=2, pp=1, dp=2))
 

@@ -155,9 +155,8 @@ def test_estimate_of_a_plans_own_stages_reproduces_its_step_time(plans) -> None:
         assert est.breakdown == pytest.approx(plan.estimate.breakdown, rel=1e-12, abs=1e-15)
         if len({s.recompute for s in plan.stages}) > 1:
             checked += 1
-            try:
-                uniform = autopar.estimate(graph, cluster, plan.config)
-            except autopar.InfeasiblePlanError:
+            uniform = autopar.estimate(graph, cluster, plan.config)
+            if not uniform.fits:  # priced, but over memory: not a layout the planner could choose
                 continue
             assert uniform.step_time_s >= plan.estimate.step_time_s * (1 - 1e-12)
     assert checked >= 1

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "autopar.cli.cmd_clusters",
     "autopar.cli.cmd_profile",
     "autopar.cli.cmd_plan",
+    "autopar.cli.cmd_estimate",
     "autopar.cli.cmd_report",
 )
 

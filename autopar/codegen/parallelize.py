@@ -91,6 +91,24 @@ def _fsdp_paths(part: nn.Module, paths: Sequence[str]) -> list[str]:
     return [p for p in paths if p not in tied]
 
 
+def _agree(failure: BaseException | None) -> None:
+    """Every rank learns whether any rank failed to build its stages, and all raise together.
+
+    Building a stage can fail on some ranks only (a construct on one pipeline stage that tensor
+    parallelism cannot shard); its peers would otherwise block in the next collective until the
+    process-group timeout. The failing rank re-raises its own error; the others name it.
+    """
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)
+    if failure is not None:
+        raise failure
+    failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise PlanMismatchError(f"rank {rank} could not build its part of the plan ({msg}); every rank stops")
+
+
 def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
                 example_inputs: Sequence[torch.Tensor] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
@@ -122,20 +140,25 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     pp_rank = mesh["pp"].get_local_rank()
     span = sequence_span(graph) if cfg.sequence_parallel else None
     parts: list[tuple[int, nn.Module]] = []
-    for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
-        part = build_stage(model, flow, ios, units, stage.index, device=dev)
-        layers = [graph.layer(name) for name in stage.layers]
-        if cfg.tp > 1:
-            apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)
-            retie(part, ties)
-        for layer in layers:
-            if layer.kind == "block":
-                for path in layer_modules(graph, layer.name):
-                    apply_recompute(part.get_submodule(path), stage.recompute)
-        if cfg.zero_stage >= 2 and cfg.dp > 1:
-            paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
-            apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage)
-        parts.append((stage.index, part))
+    failure: BaseException | None = None
+    try:
+        for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
+            part = build_stage(model, flow, ios, units, stage.index, device=dev)
+            layers = [graph.layer(name) for name in stage.layers]
+            if cfg.tp > 1:
+                apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)
+                retie(part, ties)
+            for layer in layers:
+                if layer.kind == "block":
+                    for path in layer_modules(graph, layer.name):
+                        apply_recompute(part.get_submodule(path), stage.recompute)
+            if cfg.zero_stage >= 2 and cfg.dp > 1:
+                paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
+                apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage)
+            parts.append((stage.index, part))
+    except Exception as e:  # held until every rank has reported, so no rank waits for a failed peer
+        failure = e
+    _agree(failure)
 
     params = list({id(p): p for _, part in parts for p in part.parameters()}.values())
     if cfg.zero_stage == 1 and cfg.dp > 1:

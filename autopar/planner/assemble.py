@@ -63,10 +63,13 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
     model_flops = batch * (g.forward_flops + g.backward_flops)
     world = costs.world_size
     peak = costs.device.peak_flops_for(g.dtype)
-    totals, _ = _rank_totals(solved, costs)
+    totals, by_rank = _rank_totals(solved, costs)
+    top = max(range(len(totals)), key=lambda q: totals[q])
     return Estimate(step_time_s=step, tokens_per_s=batch * (g.seq_len or 1) / step,
                     tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
-                    peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host)
+                    peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host,
+                    fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
+                    memory_capacity_bytes=int(costs.usable_bytes))
 
 
 def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:

@@ -141,8 +141,9 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
           stage_modes: tuple[str, ...] | None = None, layers_per_stage: tuple[int, ...] | None = None) -> Solved:
     """The planner's objective for one given layout. By default its best stage cuts (an ILP) with
     `config.recompute` on every stage; with `layers_per_stage` and `stage_modes` (a plan's own stages)
-    exactly those cuts and per-stage modes, evaluated without search. Raises InfeasiblePlanError naming
-    the constraint the layout violates."""
+    exactly those cuts and per-stage modes, evaluated without search. A layout over memory comes back
+    priced with `solution.feasible` False and the memory row it breaks (by default on even cuts); other
+    violations raise InfeasiblePlanError naming the constraint."""
     _check_layout(costs, config)
     cand = Candidate.of(config)
     if layers_per_stage is not None or stage_modes is not None:
@@ -153,19 +154,28 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
             sol = evaluate(pr, tuple(layers_per_stage), tuple(stage_modes))
         except ValueError as e:
             raise InfeasiblePlanError(f"layout {config} with stages {layers_per_stage}: {e}") from None
-        if not sol.feasible:
+        if not sol.feasible and not sol.violated.startswith("memory_"):
             raise InfeasiblePlanError(f"layout {config} with {layers_per_stage} layers per stage and recompute "
                                       f"{stage_modes} violates constraint {sol.violated}")
-        return Solved(candidate=cand, solution=sol)
+        return Solved(candidate=cand, solution=sol)  # over memory: priced, with feasible False
     pr = costs.problem(cand, (config.recompute,))
     bnd = tight_bound(pr)
     sol = None
     if bnd.value_s < float("inf"):
         sol = solve(pr, time_limit_s=options.time_limit_s if options else 60.0, bound=bnd,
                     start=incumbent(pr, bnd))
-    if sol is None:
-        raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr, bnd))
+    if sol is None:  # over memory everywhere: price its evenly cut stages, marked as not fitting
+        sol = evaluate(pr, _even_cuts(pr.num_layers, pr.num_stages), (config.recompute,) * pr.num_stages)
+        if sol.feasible:  # the ILP found nothing, yet even cuts fit: should not happen; keep the old message
+            raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr, bnd))
     return Solved(candidate=cand, solution=sol)
+
+
+def _even_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage as even as possible (the larger stages last, where the LM head's rank has no
+    embedding): what a layout that does not fit is priced with."""
+    base, extra = divmod(num_layers, num_stages)
+    return tuple(base + (1 if s >= num_stages - extra else 0) for s in range(num_stages))
 
 
 def _check_layout(costs: CostModel, c: ParallelConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan
 
-__all__ = ["render_plan", "render_diff", "render_explain", "gib", "fmt_s"]
+__all__ = ["render_plan", "render_diff", "render_explain", "render_estimate", "memory_lines", "gib", "fmt_s"]
 
 
 
@@ -95,6 +95,25 @@ def render_diff(a: Plan, b: Plan) -> str:
     return "\n".join(lines)
 
 
+def memory_lines(e: Estimate) -> list[str]:
+    """Whether the layout fits, then its peak rank's bytes by category against what is usable."""
+    cap = e.memory_capacity_bytes
+    head = (f"  memory         fits: peak {gib(e.peak_memory_bytes)} of {gib(cap)} usable" if e.fits else
+            f"  memory         DOES NOT FIT: constraint {e.violated} is violated; peak {gib(e.peak_memory_bytes)} "
+            f"per device, {gib(cap)} usable ({e.peak_memory_bytes / cap:.0%}); the planner never chooses it")
+    rows = [head] if cap else []
+    for k, v in sorted(e.memory_breakdown.items(), key=lambda kv: -kv[1]):
+        if v:
+            rows.append(f"    {k:<14} {gib(v):>12}")
+    return rows
+
+
+def render_estimate(config: ParallelConfig, e: Estimate) -> str:
+    """`autopar estimate`: the layout, its step time and breakdown, and its memory against the device's."""
+    return "\n".join([f"layout         {config}", f"               {_estimate_line(e)}", *_breakdown(e),
+                      *memory_lines(e)])
+
+
 def render_explain(plan: Plan, config: ParallelConfig, estimate: Estimate | None, reason: str | None) -> str:
     lines = [f"chosen       {plan.config}", f"             {_estimate_line(plan.estimate)}",
              f"alternative  {config}"]
@@ -102,6 +121,8 @@ def render_explain(plan: Plan, config: ParallelConfig, estimate: Estimate | None
         lines.append(f"             not possible: {reason}")
         return "\n".join(lines)
     lines.append(f"             {_estimate_line(estimate)}")
+    if not estimate.fits:
+        lines += memory_lines(estimate)
     slower = estimate.step_time_s / plan.estimate.step_time_s - 1
     lines.append(f"             {'slower' if slower >= 0 else 'FASTER'} by {abs(slower):.2%}; where the time goes:")
     lines.append(f"  {'':<16} {'chosen':>12} {'alternative':>12}")

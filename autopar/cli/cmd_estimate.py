@@ -1,0 +1,55 @@
+"""`autopar estimate MODEL --cluster ... --config ...`: price one given layout, as `autopar.estimate` does.
+A layout over memory is priced all the same and shown as not fitting, with where its bytes go."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+from autopar.validate import MAX_GLOBAL_BATCH, check_positive_int
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("estimate", help="price one layout of a model on a cluster (step time, MFU, memory)",
+                              description="Price a given layout with the planner's objective; a layout over "
+                                          "memory is priced too and reported as not fitting.")
+    p.add_argument("model", metavar="MODEL", help="zoo name (e.g. llama3-405b), path/file.py:factory or pkg.mod:factory")
+    p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
+    p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
+    p.add_argument("--config", required=True,
+                   help='the layout, e.g. "tp=8,pp=16,dp=128,mbs=1,m=16,schedule=interleaved_1f1b,v=8,sp=1"')
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="training dtype of a zoo MODEL (default as `autopar plan`)")
+    p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
+    p.add_argument("--json", action="store_true", help="print the layout and its estimate as JSON")
+    p.set_defaults(func=_estimate)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.cli.cmd_plan import _check_dtype, _cluster, _graph
+    from autopar.models import training_dtype
+    from autopar.report.text import render_estimate
+
+    if args.seq_len is not None:
+        check_positive_int("--seq-len", args.seq_len, bound=MAX_GLOBAL_BATCH)
+    try:
+        config = ParallelConfig.parse(args.config)
+    except (ValueError, TypeError) as e:
+        raise AutoparError(f"--config {args.config!r}: {e}") from None
+    cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
+    dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
+    _check_dtype(cluster, dtype)
+    est = autopar.estimate(_graph(args.model, args.seq_len, dtype), cluster, config)
+    if args.json:
+        print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))
+    else:
+        print(render_estimate(config, est))
+    return 0
