@@ -1,4 +1,4 @@
-"""`autopar plan | show | diff | explain` end to end on a tiny zoo model; exit codes per design.md §3."""
+"""`autopar plan | show | diff | explain` end to end on a tiny zoo model; exit codes per docs/design.md §3."""
 
 from __future__ import annotations
 
@@ -92,10 +92,25 @@ def test_explain_names_the_constraint_an_infeasible_layout_violates(tmp_path, ca
     cfg = "tp=1,pp=1,dp=2,zero=0,mbs=32,recompute=none"
     assert main(["explain", str(plan), "--cluster", str(cluster), "--config", cfg]) == 0
     out = capsys.readouterr().out
-    assert "not possible" in out and "memory_rank0" in out and "GiB per device" in out
+    assert "DOES NOT FIT" in out and "memory_rank0" in out and "GiB per device" in out and "activations" in out
     assert main(["explain", str(plan), "--cluster", str(cluster), "--config", cfg, "--json"]) == 0
-    violates = json.loads(capsys.readouterr().out)["alternative"]["violates"]
-    assert "constraint memory_rank0" in violates
+    alt = json.loads(capsys.readouterr().out)["alternative"]
+    assert "constraint memory_rank0" in alt["violates"]
+    assert alt["estimate"]["fits"] is False and alt["estimate"]["violated"] == "memory_rank0"
+    est = alt["estimate"]
+    assert sum(est["memory_breakdown"].values()) == est["peak_memory_bytes"] > est["memory_capacity_bytes"]
+
+
+def test_estimate_command_prices_a_layout_and_says_when_it_does_not_fit(tmp_path, capsys) -> None:
+    cluster = tmp_path / "small.toml"
+    cluster.write_text(SMALL_CLUSTER)
+    args = ["estimate", "gpt-tiny", "--cluster", str(cluster), "--seq-len", "256"]
+    assert main([*args, "--config", "tp=1,pp=1,dp=2,mbs=32,m=1"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT: constraint memory_rank0" in out and "MFU" in out
+    assert main([*args, "--config", "tp=1,pp=1,dp=2,mbs=8,m=4", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)["estimate"]
+    assert est["fits"] is True and est["peak_memory_bytes"] <= est["memory_capacity_bytes"]
 
 
 def test_errors_exit_1_and_usage_errors_exit_2(capsys) -> None:

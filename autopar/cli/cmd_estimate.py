@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("estimate", help="price one layout of a model on a cluster (step time, MFU, memory)",
                               description="Price a given layout with the planner's objective; a layout over "
                                           "memory is priced too and reported as not fitting.")
-    p.add_argument("model", metavar="MODEL", help="zoo name (e.g. llama3-405b), path/file.py:factory or pkg.mod:factory")
+    p.add_argument("model", metavar="MODEL", help="zoo name (e.g. llama3-8b), path/file.py:factory or pkg.mod:factory")
     p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
     p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
     p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")

@@ -229,6 +229,8 @@ def _explain(args: argparse.Namespace) -> int:
         est = autopar.estimate(graph, cluster, alt, stages=own)
     except AutoparError as e:
         reason = str(e)
+    if est is not None and not est.fits:  # priced, but over memory: the constraint it breaks
+        reason = f"constraint {est.violated} (per-device memory) is violated"
     if args.json:
         print(json.dumps({"chosen": {"config": plan.config.to_dict(), "estimate": dataclasses.asdict(plan.estimate)},
                           "alternative": {"config": alt.to_dict(),
