@@ -1,7 +1,7 @@
 """`Cluster`: nodes × devices, the device spec and the links inside and between nodes.
 
     Cluster.preset("dgx-h100", nodes=16)     # 128 GPUs; Cluster.presets() lists the names
-    Cluster.from_file("cluster.toml")         # TOML or JSON, design.md §6
+    Cluster.from_file("cluster.toml")         # TOML or JSON, docs/design.md §6
     Cluster.local(nproc=None, profile=None)   # this machine: its GPUs, else CPU processes
 
 Every number comes from the cost_models catalog (each with its source) or from a measured `Profile`
@@ -179,7 +179,7 @@ class Cluster:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:
-        """A cluster described in TOML or JSON (design.md §6)."""
+        """A cluster described in TOML or JSON (docs/design.md §6)."""
         path = Path(path)
         try:
             text = path.read_bytes()

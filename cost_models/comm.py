@@ -2,7 +2,7 @@
 
 Each algorithm is a sum of phases; a phase over K ranks on one link class (latency α, achieved
 bandwidth β = bandwidth × efficiency) costs, for an n-byte buffer (Thakur, Rabenseifner & Gropp 2005,
-"Optimization of Collective Communication Operations in MPICH"; design.md §4):
+"Optimization of Collective Communication Operations in MPICH"; docs/design.md §4):
 
     ring all-reduce           2(K−1)·α + 2(K−1)/K · n/β
     ring all-gather / reduce-scatter  (K−1)·α + (K−1)/K · n/β      (n = the full, gathered buffer)

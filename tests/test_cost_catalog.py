@@ -1,4 +1,4 @@
-"""The hardware catalog: complete, sourced, and equal to the datasheet figures design.md §4 quotes."""
+"""The hardware catalog: complete, sourced, and equal to the datasheet figures docs/design.md §4 quotes."""
 
 import pytest
 

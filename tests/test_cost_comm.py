@@ -1,4 +1,4 @@
-"""Collective model against design.md §4's α-β formulas, plus monotonicity and locality properties."""
+"""Collective model against docs/design.md §4's α-β formulas, plus monotonicity and locality properties."""
 
 import dataclasses
 import random

@@ -1,4 +1,4 @@
-"""Parity of every layout with single-device training (the definition of correct, design.md §7).
+"""Parity of every layout with single-device training (the definition of correct, docs/design.md §7).
 
 Each job spawns gloo ranks and runs several cases in them; every case trains a tiny zoo GPT or
 Hugging Face Llama for 5 AdamW steps in fp32 and compares, against the same model trained on one

@@ -1,4 +1,4 @@
-"""The outer search space (design.md §5): every discrete layout choice except stage cuts and recompute.
+"""The outer search space (docs/design.md §5): every discrete layout choice except stage cuts and recompute.
 
 A `Candidate` fixes tp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages and
 sequence parallelism; the ILP (`autopar.planner.ilp`) then places the cuts and picks recompute per stage.
