@@ -1,4 +1,4 @@
-"""The public verbs, each a short composition of typed stages (design.md §1):
+"""The public verbs, each a short composition of typed stages (docs/design.md §1):
 
     plan:      model ─capture→ ModelGraph ─CostModel→ numbers ─search (ILP)→ SearchResult ─build_plan→ Plan
     estimate:  model ─capture→ ModelGraph ─CostModel→ numbers ─price (ILP, one layout; or its given stages)→ Estimate
@@ -79,9 +79,9 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     """Price one given layout with exactly the planner's objective.
 
     Without `stages`: the layout's best stage cuts (an ILP) with `config.recompute` on every stage.
-    With `stages` (a plan's own `plan.stages`): exactly those cuts and per-stage recompute modes, so
+    With `stages` (a plan's own `plan.stages`): exactly those cuts and per-layer recompute modes, so
     `estimate(graph, cluster, plan.config, stages=plan.stages)` reproduces `plan.estimate` even when the
-    plan mixes recompute modes across stages. A layout over memory is priced all the same (its best cuts
+    plan mixes recompute modes across layers. A layout over memory is priced all the same (its best cuts
     cannot fit, so its even ones): `Estimate.fits` is False, `violated` names the broken constraint and
     `memory_breakdown` says where the bytes go. Raises InfeasiblePlanError for a layout that cannot run at
     all (degrees that do not match the cluster or the model)."""
@@ -99,7 +99,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)
-    return build_estimate(price(costs, config, options, stage_modes=tuple(st.recompute for st in ordered),
+    return build_estimate(price(costs, config, options, layer_modes=tuple(k for st in ordered for k in st.layer_modes),
                                 layers_per_stage=tuple(len(st.layers) for st in ordered)), costs)
 
 

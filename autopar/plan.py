@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from autopar.config import ParallelConfig
+from cost_models.memory import RECOMPUTE_MODES
 
 __all__ = ["Estimate", "StagePlan", "SolverInfo", "Plan", "PLAN_SCHEMA_VERSION", "BREAKDOWN_KEYS"]
 
 PLAN_SCHEMA_VERSION = 1
 
-# The components of a step, in seconds, that sum to step_time_s (design.md §3).
+# The components of a step, in seconds, that sum to step_time_s (docs/design.md §3).
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "pipeline_bubble", "dp_comm", "optimizer")
 
 
@@ -57,10 +58,32 @@ class StagePlan:
     index: int
     layers: tuple[str, ...]
     pp_rank: int  # which pipeline rank holds this chunk
-    recompute: str  # "none" | "selective" | "full" for this stage
+    recompute: str  # the stage's recompute mode (RECOMPUTE_MODES); with layer_recompute, its most common one
     time_per_microbatch_s: float  # forward + backward (+ recompute) incl. TP comm, one micro-batch
     peak_memory_bytes: int  # per device
     memory_breakdown: dict[str, int] = field(default_factory=dict)  # weights, grads, optimizer, activations, ...
+    # one mode per layer when the stage mixes modes (k of its n layers recompute); () when every layer
+    # uses `recompute` (and in plans written before per-layer recompute)
+    layer_recompute: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "layer_recompute", tuple(self.layer_recompute))
+        bad = sorted({self.recompute, *self.layer_recompute} - set(RECOMPUTE_MODES))
+        if bad:
+            raise ValueError(f"stage {self.index}: unknown recompute modes {bad}; expected from {RECOMPUTE_MODES}")
+        if self.layer_recompute and len(self.layer_recompute) != len(self.layers):
+            raise ValueError(f"stage {self.index}: {len(self.layer_recompute)} layer recompute modes for "
+                             f"{len(self.layers)} layers")
+
+    @property
+    def layer_modes(self) -> tuple[str, ...]:
+        """The recompute mode of each layer, in order."""
+        return self.layer_recompute or (self.recompute,) * len(self.layers)
+
+    def recompute_of(self, layer: str) -> str:
+        """The recompute mode of one of this stage's layers (by name)."""
+        return self.layer_modes[self.layers.index(layer)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,15 +46,16 @@ def test_tight_bound_is_below_the_optimum_and_the_incumbent_above(seed: int) -> 
     inc = incumbent(pr, bnd)
     if inc is not None:
         assert inc.feasible and inc.objective_s >= best * (1 - 1e-9)
-        assert brute_objective(pr, inc.layers_per_stage, inc.modes) == pytest.approx(inc.objective_s, rel=1e-9)
+        assert brute_objective(pr, inc.layers_per_stage, inc.layer_modes) == pytest.approx(inc.objective_s, rel=1e-9)
     sol = solve(pr, bound=bnd, start=inc)  # bound rows and warm start must not change the optimum
     assert sol is not None and sol.objective_s == pytest.approx(best, rel=1e-7)
 
 
 def _blocks(n: int, t: float = 1.0) -> Run:
-    return Run(name="block", count=n, layer_names=tuple(f"b{i}" for i in range(n)), time_s=(t, 1.2 * t, 1.5 * t),
-               compute_s=(t,) * 3, recompute_s=(0.0, 0.2 * t, 0.5 * t), tp_comm_s=(0.0,) * 3,
-               act_bytes=(1.0, 0.5, 0.1), state_bytes=1.0, backward_s=0.0, grad_sync_s=0.0, optimizer_s=0.0,
+    return Run(name="block", count=n, layer_names=tuple(f"b{i}" for i in range(n)),
+               time_s=(t, 1.2 * t, 1.35 * t, 1.5 * t), compute_s=(t,) * 4,
+               recompute_s=(0.0, 0.2 * t, 0.35 * t, 0.5 * t), tp_comm_s=(0.0,) * 4, act_bytes=(1.0, 0.5, 0.3, 0.1),
+               state_bytes=1.0, backward_s=0.0, grad_sync_s=0.0, optimizer_s=0.0,
                send_s=(0.0, 0.0))
 
 
@@ -77,16 +78,20 @@ def test_pigeonhole_bottleneck_of_identical_blocks_is_exact(layers: int, p: int,
     assert sol is not None and sol.objective_s == pytest.approx(optimum)
 
 
-def test_least_recompute_that_fits_sets_the_bound() -> None:
-    """8 blocks on 2 ranks, 4 in flight on rank 0: 4·(1 + 4·1.0) = 20 > 12 bytes without recompute,
-    4·(1 + 4·0.5) = 12 with selective: rank 0 must recompute selectively, rank 1 (2 in flight) need not."""
-    pr = InnerProblem(runs=(_blocks(8),), num_ranks=2, virtual_stages=1, num_microbatches=8, inflight=(4.0, 2.0),
-                      capacity_bytes=(12.0 + 0.5, 12.5), inter_node=(False,))
+def test_k_of_n_layers_recompute_where_memory_binds() -> None:
+    """6 blocks on 2 ranks, 3 in flight on rank 0, which holds 3 + 3·Σa + W ≤ 11 bytes: all three without
+    recompute need 12; one selective layer (a = 0.5, workspace 0.5) brings it to exactly 11 at time
+    2 + 1.2 = 3.2, less than any other fitting mix (op_sac 3.35, full 3.5) or cut ((2, 4) puts 4 on rank 1).
+    Objective (m − 1)·3.2 + (3.2 + 3) = 28.6. The bound relaxes the mix to fractional layers and the
+    workspace to its least (0, no recompute): 2/3 of a selective layer, 3 + 0.2·2/3, between 3 and 3.2."""
+    pr = InnerProblem(runs=(_blocks(6),), num_ranks=2, virtual_stages=1, num_microbatches=8, inflight=(3.0, 2.0),
+                      capacity_bytes=(11.0, 100.0), inter_node=(False,))
     bnd = tight_bound(pr)
-    sol = solve(pr, bound=bnd)
-    assert sol is not None and sol.layers_per_stage == (4, 4) and sol.modes == ("selective", "none")
-    assert bnd.bottleneck_s == pytest.approx(4 * 1.2) and bnd.modes == ("selective", "none")
-    assert sol.objective_s == pytest.approx(brute_force(pr))
+    sol = solve(pr, bound=bnd, start=incumbent(pr, bnd))
+    assert sol is not None and sol.layers_per_stage == (3, 3)
+    assert sol.layer_modes == ("selective", "none", "none", "none", "none", "none")
+    assert sol.objective_s == pytest.approx(28.6) == brute_force(pr)
+    assert 3.0 < bnd.bottleneck_s <= 3.2 and bnd.value_s <= 28.6
 
 
 def test_a_rank_that_cannot_hold_its_share_is_named() -> None:

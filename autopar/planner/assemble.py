@@ -26,9 +26,9 @@ def _rank_totals(solved: Solved, costs: CostModel) -> tuple[list[float], list[di
     for st in sol.stages:
         by_rank[st.rank] += names[st.index]
         acts[st.rank] += st.act_bytes
-        used[st.rank].add(st.mode)
-    for q in range(c.pp):
-        ws[q] = sum(pr_ws.workspace_bytes(k) for k in used[q])
+        used[st.rank].update(st.layer_modes)
+    for q in range(c.pp):  # layers recompute one at a time: the largest workspace of the rank's modes
+        ws[q] = max(pr_ws.workspace_bytes(k) for k in used[q])
     breakdown = costs.memory_breakdown(c, by_rank, acts, ws)
     return [float(sum(b.values())) for b in breakdown], breakdown
 
@@ -78,7 +78,8 @@ def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:
     totals, breakdown = _rank_totals(solved, costs)
     return tuple(StagePlan(index=st.index, layers=tuple(names[st.index]), pp_rank=st.rank, recompute=st.mode,
                            time_per_microbatch_s=st.time_s, peak_memory_bytes=int(totals[st.rank]),
-                           memory_breakdown=dict(breakdown[st.rank]))
+                           memory_breakdown=dict(breakdown[st.rank]),
+                           layer_recompute=st.layer_modes if len(set(st.layer_modes)) > 1 else ())
                  for st in sol.stages)
 
 

@@ -11,23 +11,24 @@ the optimum; `tests/test_planner_bound.py` checks that against brute force. Two 
 - the tail E is at least its rank average.
 
 `tight_bound` (milliseconds; only candidates whose cheap bound is competitive) keeps each rank's own
-memory, in-flight micro-batches and mode, and the integrality of the layer counts:
+memory and in-flight micro-batches, and the integrality of the layer counts:
 - *where a layer can be*: with S stages of ≥ 1 layer (v = 1) or of ⌊L/S⌋ / ⌈L/S⌉ layers (v > 1), the
   first layer of stage s lies in [P_min(s), P_max(s)], so layer i can only be on stages s_lo(i)..s_hi(i)
   and hence on a known set of ranks; a layer with one possible stage is *mandatory* on its rank
   (the embedding on rank 0, the LM head on rank p−1, ...);
 - *count relaxation*: rank q holds N_q layers, Σ N_q = L, N_q in its range (v > 1: v·⌊L/S⌋ +
   0..min(v, L mod S)). The least time of rank q with N layers, f_q(N), is its mandatory layers plus
-  the N − |mandatory| cheapest layers it may hold, under the fastest mode k whose memory (mandatory
-  plus the leanest layers, ·φ_q, plus the workspace W[k]) fits M[q], plus the cheapest sends each of
-  its stage boundaries can carry. f_q is non-decreasing, so T ≥ T* = min_N max_q f_q(N_q) is found by
+  the N − |mandatory| cheapest layers it may hold, each under its own mode, with the rank's memory row
+  relaxed in Lagrangian fashion (`_rank_times`), +inf when even the leanest modes (mandatory plus the
+  leanest layers, ·φ_q, plus the least workspace) overflow M[q]; plus the cheapest sends each of its
+  stage boundaries can carry. f_q is non-decreasing, so T ≥ T* = min_N max_q f_q(N_q) is found by
   bisection over the values of f (a feasible threshold θ needs Σ_q max{N : f_q(N) ≤ θ} ≥ L). This is
   the pigeonhole argument made exact: with L identical blocks over S stages some rank holds
   ≥ ⌈L/p⌉ of them, plus the embedding or head it cannot shed;
 - Σ_s t[s] ≥ max(pooled knapsack work, min_N Σ_q f_q(N_q)) (a min-plus convolution over ranks);
 - the tail E ≥ min_N max_q g_q(N_q), g_q = cheapest ω-sum + max(0, cheapest (γ − β)-sum + γ0), made
   non-decreasing by its suffix minimum (a lower envelope, so still a bound).
-LB = (m − 1/v)·T* + Σt_lb / v + E_lb. The counts and modes that attain T* seed the incumbent heuristic.
+LB = (m − 1/v)·T* + Σt_lb / v + E_lb. The counts that attain T* seed the incumbent heuristic.
 """
 
 from __future__ import annotations
@@ -115,7 +116,6 @@ class Bound:
     work_s: float  # ≤ Σ_s t[s]
     tail_s: float  # ≤ E
     counts: tuple[int, ...] = ()  # layers per rank attaining T* (empty when infeasible)
-    modes: tuple[str, ...] = ()  # fastest mode that fits each rank at those counts
     infeasible_rank: int = -1  # a rank that cannot fit even its leanest share, when value_s is +inf
 
 
@@ -269,20 +269,40 @@ def _envelope(F: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.where(inrange, G, np.inf)
 
 
+def _slopes(pr: InnerProblem) -> np.ndarray:
+    """Seconds added per activation byte saved between neighbouring modes on the lower hull of each run of
+    ≥ 2 identical layers (per in-flight micro-batch): where the rank's best mix of modes changes."""
+    ks = [MODES.index(k) for k in pr.modes]
+    out = set()
+    for r in pr.runs:
+        if r.count < 2:
+            continue
+        hull = _hull([(r.act_bytes[k], r.time_s[k]) for k in ks])
+        out.update((t2 - t1) / (m1 - m2) for (m1, t1), (m2, t2) in zip(hull, hull[1:], strict=False))
+    return np.array(sorted(out))
+
+
 def _rank_times(pr: InnerProblem, w: _Where, counted: np.ndarray, tau, act, state):
-    """Per rank and count b of `counted` layers: least time under the fastest mode whose least memory
-    fits the rank, with that mode's index (−1: none fits)."""
+    """Per rank and count b of `counted` layers: a lower bound on the least time of its layers, each under
+    its own mode, within the rank's memory; +inf where even every layer's leanest mode does not fit.
+    Lagrangian relaxation of the memory row: for every λ ≥ 0 the time is at least
+    min Σ_i min_k (τ_ik + λ·m_ik) − λ·(M_q − W_lb) over the layers the rank may hold (weak duality), taken at
+    λ = 0 and at the hull slopes of the runs (`_slopes`: the LP optimum of a rank of identical layers)."""
     phi, cap = np.array(pr.inflight), np.array(pr.capacity_bytes)
-    F, mode_at, b_lo, b_hi = None, None, None, None
-    for k in sorted((MODES.index(x) for x in pr.modes), key=lambda k: -k):  # slower first; faster overwrite
-        t_k, b_lo, b_hi = _table(w, counted, tau[:, k])
-        m_k, _, _ = _table(w, counted, state[:, None] + act[:, k][:, None] * phi[None, :])
-        t_k = t_k + w.rank_send_s[:, None]
-        if F is None:
-            F, mode_at = np.full(t_k.shape, np.inf), np.full(t_k.shape, -1)
-        fits = (m_k + pr.workspace_bytes(MODES[k]) <= cap[:, None] * (1 + 1e-9)) & (t_k < F)
-        F, mode_at = np.where(fits, t_k, F), np.where(fits, k, mode_at)
-    return F, mode_at, b_lo, b_hi
+    ks = [MODES.index(x) for x in pr.modes]
+    w_lb = min(pr.workspace_bytes(MODES[k]) for k in ks)
+    mem = state[:, None, None] + act[:, ks][:, None, :] * phi[None, :, None]  # (L, p, K)
+    t = tau[:, ks][:, None, :]  # (L, 1, K)
+    lean, b_lo, b_hi = _table(w, counted, mem.min(axis=2))
+    fits = lean + w_lb <= cap[:, None] * (1 + 1e-9)
+    F, _, _ = _table(w, counted, np.broadcast_to(t.min(axis=2), mem.shape[:2]))
+    for slope in _slopes(pr):
+        lam = slope / np.maximum(phi, 1e-30)  # (p,): seconds per byte of rank q's memory
+        vals = (t + lam[None, :, None] * mem).min(axis=2)
+        G, _, _ = _table(w, counted, vals)
+        F = np.maximum(F, G - (lam * (cap - w_lb))[:, None])
+    F = F + w.rank_send_s[:, None]
+    return np.where(fits, F, np.inf), b_lo, b_hi
 
 
 def tight_bound(pr: InnerProblem) -> Bound:
@@ -294,7 +314,7 @@ def tight_bound(pr: InnerProblem) -> Bound:
     tau, act, state, omega, delta, send = _layer_arrays(pr)
     w = _where(pr, send)
     every = np.ones(L, dtype=bool)
-    F, mode_at, lo, hi = _rank_times(pr, w, every, tau, act, state)
+    F, lo, hi = _rank_times(pr, w, every, tau, act, state)
     F = _envelope(F, lo, hi)
     T, counts = _minmax(F, lo, hi, L)
     if counts is None:
@@ -306,7 +326,7 @@ def tight_bound(pr: InnerProblem) -> Bound:
     for ri, r in enumerate(pr.runs):
         if r.count < 2:
             continue
-        Fr, _, lo_r, hi_r = _rank_times(pr, w, of == ri, tau, act, state)
+        Fr, lo_r, hi_r = _rank_times(pr, w, of == ri, tau, act, state)
         Fr = _envelope(Fr, lo_r, hi_r)
         T_r, _ = _minmax(Fr, lo_r, hi_r, r.count)
         if T_r == _INF:
@@ -321,7 +341,4 @@ def tight_bound(pr: InnerProblem) -> Bound:
     opt, dsum = float(omega.sum()), float(delta.sum())
     E = max(E, opt / p, (opt + dsum) / p + pr.grad_sync_latency_s)
     value = (m - 1.0 / v) * T + work / v + E
-    modes = tuple(MODES[int(mode_at[q, counts[q]])] if mode_at[q, counts[q]] >= 0 else pr.modes[0]
-                  for q in range(p))
-    return Bound(value_s=value, bottleneck_s=T, work_s=work, tail_s=E, counts=tuple(int(c) for c in counts),
-                 modes=modes)
+    return Bound(value_s=value, bottleneck_s=T, work_s=work, tail_s=E, counts=tuple(int(c) for c in counts))

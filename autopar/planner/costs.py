@@ -1,6 +1,6 @@
 """Prices layers of a `ModelGraph` on a cluster for one outer `Candidate`, as the ILP's numbers.
 
-This is the only planner module that talks to `cost_models` (the adapter of design.md §2): it turns
+This is the only planner module that talks to `cost_models` (the adapter of docs/design.md §2): it turns
 each run of identical layers into a `Run` (time by recompute mode, activation and model-state bytes,
 gradient-sync, optimizer and p2p time) and each pipeline rank into its in-flight micro-batches and
 memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and micro-batch b:
@@ -17,7 +17,11 @@ memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and
                   ranks inside one node; per-step ones (SP norm-gradient reductions) join the layer's γ
   recompute       selective: the attention core again: its captured kernels (Kernel.attention_core), else
                   4·b·s²·(heads·head_dim)/t FLOPs (Narayanan et al. 2021 eq. 3's attention term, forward);
-                  full: the whole forward and its TP comm again
+                  op_sac: the forward kernels its policy does not save (Kernel.op_sac_saved: every second
+                  matmul, pointwise ops, norms) and the forward TP collectives (functional collectives are
+                  not in its save list); full: the whole forward and its TP comm again. Only blocks are
+                  checkpointed by codegen, so other layers price op_sac as none; graphs captured before
+                  op_sac price it as none's memory with full's time (never preferred)
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022)
   model states    cost_models.memory.model_state_bytes on the layer's parameters ÷ t where TP shards them
   DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
@@ -206,13 +210,26 @@ class CostModel:
                 memory_bytes=2 * core_bytes, memory_count=max(1, kf.attention_count), dtype=self.dtype)
         else:
             sel = self.compute.op_time_s(core_flops, core_bytes, self.dtype) if core_flops or core_bytes else 0.0
-        recompute = (0.0, sel, fwd + tp_fwd)
-        acts = tuple(memory.layer_activation_bytes(
-            saved_bytes=layer.saved_activation_bytes, tp_sharded_bytes=layer.saved_activation_bytes_tp_sharded,
-            attention_core_bytes=min(layer.saved_activation_bytes_attention_core,
-                                     layer.saved_activation_bytes_tp_sharded),
-            input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp, recompute=k)
-            for k in MODES)
+        def acts_of(k: str) -> float:
+            saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
+            if k == "op_sac":
+                saved = layer.saved_activation_bytes_op_sac if sac_known else saved
+                sharded = layer.saved_activation_bytes_op_sac_tp_sharded if sac_known else sharded
+            return memory.layer_activation_bytes(
+                saved_bytes=saved, tp_sharded_bytes=sharded,
+                attention_core_bytes=min(layer.saved_activation_bytes_attention_core, sharded),
+                input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp,
+                recompute=k if sac_known or k != "op_sac" else "none")
+
+        sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
+        if sac_known:
+            rerun = [k for k in layer.kernels_forward.kernels if not k.op_sac_saved]
+            sac = self._pass_s(dataclasses.replace(layer.kernels_forward, kernels=tuple(rerun)), tp, sp, mbs) \
+                + tp_fwd
+        else:
+            sac = 0.0 if layer.kind != "block" else fwd + tp_fwd
+        recompute = tuple({"none": 0.0, "selective": sel, "op_sac": sac, "full": fwd + tp_fwd}[k] for k in MODES)
+        acts = tuple(acts_of(k) if k != "op_sac" or layer.kind == "block" else acts_of("none") for k in MODES)
         send_bytes = layer.boundary_bytes * mbs / (tp if sp else 1)
         return {"compute": fwd + bwd, "host": host, "backward": bwd, "tp_comm": tp_fwd + tp_bwd,
                 "tp_step": tp_s["step"],
@@ -338,8 +355,8 @@ class CostModel:
             hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
             runs.append(Run(
                 name=layer.name, count=len(group), layer_names=tm["names"],
-                time_s=tuple(t + hooks for t in tm["time"]), compute_s=(tm["compute"] + hooks,) * 3,
-                recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * 3, act_bytes=tm["act"],
+                time_s=tuple(t + hooks for t in tm["time"]), compute_s=(tm["compute"] + hooks,) * len(MODES),
+                recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * len(MODES), act_bytes=tm["act"],
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
                 backward_s=tm["compute"] if overlaps else 0.0,
                 grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"],

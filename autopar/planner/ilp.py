@@ -1,17 +1,19 @@
-"""The inner problem of the planner as an integer linear program: stage cuts and per-stage recompute.
+"""The inner problem of the planner as an integer linear program: stage cuts and per-layer recompute.
 
 The outer search (`autopar.planner.search`) fixes tp, pp, dp, ZeRO stage, micro-batch size and count,
 schedule, virtual stages and sequence parallelism. What remains is where to cut the layer sequence into
-S = p·v contiguous stages (stage s runs on pipeline rank s mod p) and which recompute mode each pipeline
-rank uses (with v = 1 a rank is a stage; with interleaving its v chunks share the mode, and all chunks
-hold ⌊L/S⌋ or ⌈L/S⌉ layers, as Megatron-LM's interleaved schedule wants equal chunks — both rules also
-remove the symmetric solutions that would otherwise make the ILP slow). This module takes numbers and
+S = p·v contiguous stages (stage s runs on pipeline rank s mod p) and which recompute mode each layer
+uses, so k of a rank's n layers may recompute (Megatron-LM's --recompute-num-layers; Mist, Zhu et al.
+2025, picks that count per stage). With interleaving all chunks hold ⌊L/S⌋ or ⌈L/S⌉ layers, as
+Megatron-LM's interleaved schedule wants equal chunks. Identical layers are interchangeable and a rank's
+time and memory are sums over its layers, so modes are counted per rank and run (u below), not per layer
+or chunk: that removes the symmetric solutions that would otherwise make the ILP slow. This module takes numbers and
 names only (no torch; the data classes and `evaluate` live in `autopar.planner.problem`), so tests can
 check it against brute force.
 
 Data. The layer sequence is a list of *runs*: run r is n_r consecutive identical layers (equal
 signatures), so a cut inside a run only matters through how many of its layers fall on each side.
-Per layer of run r and recompute mode k ∈ K (none, selective, full), per micro-batch:
+Per layer of run r and recompute mode k ∈ K (cost_models.memory.RECOMPUTE_MODES), per micro-batch:
   τ[r,k]   forward + backward (+ recompute) compute and tensor-parallel communication time, s
   a[r,k]   activation bytes kept per in-flight micro-batch
   σ[r]     model-state bytes (weights, grads, optimizer) per device
@@ -21,38 +23,41 @@ Per layer of run r and recompute mode k ∈ K (none, selective, full), per micro
   π[r,x]   time to send the tensor crossing a cut after a layer of run r; x = intra/inter-node, s
 Per rank q: in-flight micro-batches φ[q] (schedule-dependent) and memory capacity M[q] (device memory less
 the allocator reserve and stage-independent terms). Workspace W[k] = max_r (a[r,none] − a[r,k]): the
-activations that recomputing one layer materialises again (needed once per rank using mode k).
+activations that recomputing one layer materialises again (layers recompute one at a time in backward,
+so a rank needs the largest W[k] of the modes it uses).
 
 Variables (all per stage s = 0..S−1, run r, mode k):
   F[r,s] ∈ {0..n_r}  integer   layers of run r in stages ≤ s (cumulative; F[r,S−1] = n_r)
   c[r,s] = F[r,s] − F[r,s−1]  layers of run r in stage s (an expression, ≥ 0)
   g[r,s] ∈ {0,1}               run r has started by stage s
-  z[q,k] ∈ {0,1}               pipeline rank q uses recompute mode k (all its chunks)
-  y[r,s,k] ≥ 0                 layers of run r in stage s under mode k (integral because z is)
+  u[r,q,k] ∈ {0..n_r} integer  layers of run r on pipeline rank q (all its chunks) under mode k
+  z[q,k] ∈ {0,1}               rank q has a layer under mode k (k ≠ none; for the workspace)
+  w[q] ≥ 0                     rank q's recompute workspace
   e[r,s] ≥ 0                   stage s ends inside run r (sets the size of the tensor sent on)
-  t[s], T, E ≥ 0               stage time, bottleneck rank time, step tail (DP comm + optimizer)
+  t[q], T, E ≥ 0               rank time, bottleneck rank time, step tail (DP comm + optimizer)
 
-Objective (design.md §5; Narayanan et al. 2021 §2.2 for interleaving):
-  minimise (m − 1/v)·T + (1/v)·Σ_s t[s] + E
-  which for v = 1 is (m − 1)·max_q T_q + Σ_s t[s] + E: m slots of the bottleneck rank plus the
-  fill/drain of the other stages, divided by v when each rank holds v interleaved chunks.
+Objective (docs/design.md §5; Narayanan et al. 2021 §2.2 for interleaving):
+  minimise (m − 1/v)·T + (1/v)·Σ_q t[q] + E
+  which for v = 1 is (m − 1)·max_q T_q + Σ_q t[q] + E: m slots of the bottleneck rank plus the
+  fill/drain of the other stages, divided by v when each rank holds v interleaved chunks (the stages'
+  times only enter through their sums per rank and in all, so rank times suffice).
 
 Constraints (the name prefix of each family, as it appears in the model):
   cum_{r}_{s}      F[r,s] ≥ F[r,s−1]                        stages take consecutive layers of a run
   started_{r}_{s}  g[r,s] ≤ F[r,s] ≤ n_r·g[r,s]             g is exactly "F > 0"
   order_{r}_{s}    F[r,s] ≥ n_r·g[r+1,s]                    run r+1 starts only after run r is complete
   nonempty_{s}     Σ_r c[r,s] ≥ 1                            every stage holds a layer
-  mode_{q}         Σ_k z[q,k] = 1
   chunk_lo/hi_{s}  ⌊L/S⌋ ≤ Σ_r c[r,s] ≤ ⌈L/S⌉  (v > 1 only)    interleaved chunks are near-equal
-  split_{r}_{s}    Σ_k y[r,s,k] = c[r,s];  y[r,s,k] ≤ n_r·z[s mod p,k]   (ymode_{r}_{s}_{k})
+  split_{r}_{q}    Σ_k u[r,q,k] = Σ_{s≡q} c[r,s];  u[r,q,k] ≤ n_r·z[q,k]   (umode_{r}_{q}_{k})
+  workspace_{q}_{k} w[q] ≥ W[k]·z[q,k]
   ends_{r}_{s}     e[r,s] ≥ g[r,s] − g[r+1,s]                the last layer of stage s is in run r
-  stage_time_{s}   t[s] = Σ τ·y + π(out, fwd) + π(in, bwd)   each stage sends its output forward and its
-                                                             input gradient backward
-  rank_time_{q}    T ≥ Σ_{s ≡ q} t[s]
+  rank_time_{q}    t[q] = Σ τ·u + Σ_{s≡q} (π(out, fwd) + π(in, bwd))   each stage sends its output forward
+                                                             and its input gradient backward
+  bottleneck_{q}   T ≥ t[q]
   tail_{q}         E ≥ Σ ω·c;  tail_dp_{q}: E ≥ Σ (ω + γ − β)·c + γ0   gradient reduction hides behind the
                                                              last micro-batch's backward (PyTorch DDP
                                                              bucketing, Li et al. VLDB 2020)
-  memory_rank{q}   Σ_{s≡q} Σ (σ + φ[q]·a[r,k])·y + Σ_k W[k]·z[q,k] ≤ M[q]
+  memory_rank{q}   Σ_{r,k} (σ + φ[q]·a[r,k])·u[r,q,k] + w[q] ≤ M[q]
   bound_T, bound_E, bound_obj   T ≥ T*, E ≥ E_lb, objective ≥ LB   (optional; from `bound.tight_bound`)
                    valid inequalities: every feasible point satisfies them (the bound relaxes this model),
                    so the optimum is unchanged; they lift the LP relaxation, so an incumbent that meets LB
@@ -126,22 +131,23 @@ def start_values(problem: InnerProblem, sol: InnerSolution) -> dict[str, float]:
     cum = [0] * R
     for st in sol.stages:
         s = st.index
-        here = [0] * R
         for i in range(st.first_layer, st.first_layer + st.num_layers):
-            here[of[i]] += 1
-        k = MODES.index(st.mode)
-        for r in range(R):
-            cum[r] += here[r]
-            out[f"y_{r}_{s}_{k}"] = float(here[r])
-            if s < S - 1:
+            cum[of[i]] += 1
+            key = f"u_{of[i]}_{st.rank}_{MODES.index(sol.layer_modes[i])}"
+            out[key] = out.get(key, 0.0) + 1.0
+            if sol.layer_modes[i] != MODES[0]:
+                out[f"z_{st.rank}_{MODES.index(sol.layer_modes[i])}"] = 1.0
+        if s < S - 1:
+            for r in range(R):
                 out[f"F_{r}_{s}"] = float(cum[r])
                 out[f"g_{r}_{s}"] = float(cum[r] > 0)
-        if s < S - 1:
             out[f"e_{of[st.first_layer + st.num_layers - 1]}_{s}"] = 1.0
-        out[f"t_{s}"] = st.time_s
-    for q in range(p):
-        out[f"z_{q}_{MODES.index(sol.modes[q])}"] = 1.0
     rank_t = [sum(st.time_s for st in sol.stages if st.rank == q) for q in range(p)]
+    for q in range(p):
+        out[f"t_{q}"] = rank_t[q]
+        used = {sol.layer_modes[i] for st in sol.stages if st.rank == q
+                for i in range(st.first_layer, st.first_layer + st.num_layers)}
+        out[f"w_{q}"] = max(problem.workspace_bytes(k) for k in used) / (max(problem.capacity_bytes) or 1.0)
     out["T"], out["E"] = max(rank_t), sol.tail_s
     return out
 
@@ -163,16 +169,20 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     F = {(r, s): (lp.add_variable(f"F_{r}_{s}", 0, runs[r].count, cat="Integer") if s < S - 1 else runs[r].count)
          for r in range(R) for s in range(S)}
     g = {(r, s): (lp.add_variable(f"g_{r}_{s}", cat="Binary") if s < S - 1 else 1) for r in range(R) for s in range(S)}
-    z = {(q, k): lp.add_variable(f"z_{q}_{k}", cat="Binary") for q in range(p) for k in K}
-    y = {(r, s, k): lp.add_variable(f"y_{r}_{s}_{k}", 0) for r in range(R) for s in range(S) for k in K}
+    u = {(r, q, k): lp.add_variable(f"u_{r}_{q}_{k}", 0, runs[r].count, cat="Integer")
+         for r in range(R) for q in range(p) for k in K}
+    ws = {k: problem.workspace_bytes(MODES[k]) / unit for k in K}
+    z = {(q, k): lp.add_variable(f"z_{q}_{k}", cat="Binary") for q in range(p) for k in K if ws[k] > 0}
+    w = {q: lp.add_variable(f"w_{q}", 0) for q in range(p)}
     e = {(r, s): lp.add_variable(f"e_{r}_{s}", 0) for r in range(R) for s in range(S - 1)}
-    t = {s: lp.add_variable(f"t_{s}", 0) for s in range(S)}
+    t = {q: lp.add_variable(f"t_{q}", 0) for q in range(p)}
     T, E = lp.add_variable("T", 0), lp.add_variable("E", 0)
     lp += (m - 1.0 / v) * T + pulp.lpSum(t.values()) * (1.0 / v) + E
 
     def c(r: int, s: int):
         return F[r, s] - F[r, s - 1] if s > 0 else F[r, s]
 
+    send: dict[int, list] = {q: [] for q in range(p)}
     for s in range(S):
         for r in range(R):
             if 0 < s < S:
@@ -185,33 +195,35 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
                     lp += e[r, s] >= g[r, s] - g[r + 1, s], f"ends_{r}_{s}"
                 else:
                     lp += e[r, s] >= g[r, s], f"ends_{r}_{s}"
-            lp += pulp.lpSum(y[r, s, k] for k in K) == c(r, s), f"split_{r}_{s}"
-            for k in K:
-                lp += y[r, s, k] <= runs[r].count * z[s % p, k], f"ymode_{r}_{s}_{k}"
         lp += pulp.lpSum(c(r, s) for r in range(R)) >= 1, f"nonempty_{s}"
         if v > 1:
             size = pulp.lpSum(c(r, s) for r in range(R))
             lp += size >= problem.num_layers // S, f"chunk_lo_{s}"
             lp += size <= -(-problem.num_layers // S), f"chunk_hi_{s}"
-        send = []
         if s < S - 1:
-            send += [runs[r].send_s[problem.inter_node[s]] * e[r, s] for r in range(R)]
+            send[s % p] += [runs[r].send_s[problem.inter_node[s]] * e[r, s] for r in range(R)]
         if s > 0:
-            send += [runs[r].send_s[problem.inter_node[s - 1]] * e[r, s - 1] for r in range(R)]
-        lp += t[s] == pulp.lpSum(runs[r].time_s[k] * y[r, s, k] for r in range(R) for k in K) + pulp.lpSum(send), \
-            f"stage_time_{s}"
+            send[s % p] += [runs[r].send_s[problem.inter_node[s - 1]] * e[r, s - 1] for r in range(R)]
     for q in range(p):
         mine = range(q, S, p)
-        lp += pulp.lpSum(z[q, k] for k in K) == 1, f"mode_{q}"
-        lp += pulp.lpSum(t[s] for s in mine) <= T, f"rank_time_{q}"
+        for r in range(R):
+            lp += pulp.lpSum(u[r, q, k] for k in K) == pulp.lpSum(c(r, s) for s in mine), f"split_{r}_{q}"
+            for k in K:
+                if (q, k) in z:
+                    lp += u[r, q, k] <= runs[r].count * z[q, k], f"umode_{r}_{q}_{k}"
+        for k in K:
+            if (q, k) in z:
+                lp += w[q] >= ws[k] * z[q, k], f"workspace_{q}_{k}"
+        lp += t[q] == pulp.lpSum(runs[r].time_s[k] * u[r, q, k] for r in range(R) for k in K) + \
+            pulp.lpSum(send[q]), f"rank_time_{q}"
+        lp += t[q] <= T, f"bottleneck_{q}"
         opt = pulp.lpSum(runs[r].optimizer_s * c(r, s) for r in range(R) for s in mine)
         dp = pulp.lpSum((runs[r].grad_sync_s - runs[r].backward_s) * c(r, s) for r in range(R) for s in mine)
         lp += opt <= E, f"tail_{q}"
         lp += opt + dp + problem.grad_sync_latency_s <= E, f"tail_dp_{q}"
-        mem = pulp.lpSum((runs[r].state_bytes + problem.inflight[q] * runs[r].act_bytes[k]) / unit * y[r, s, k]
-                         for r in range(R) for s in mine for k in K)
-        ws = pulp.lpSum(problem.workspace_bytes(MODES[k]) / unit * z[q, k] for k in K if k != 0)
-        lp += mem + ws <= problem.capacity_bytes[q] / unit, f"memory_rank{q}"
+        mem = pulp.lpSum((runs[r].state_bytes + problem.inflight[q] * runs[r].act_bytes[k]) / unit * u[r, q, k]
+                         for r in range(R) for k in K)
+        lp += mem + w[q] <= problem.capacity_bytes[q] / unit, f"memory_rank{q}"
     if bound is not None and bound.value_s < float("inf"):
         slack = 1.0 - 1e-9  # float round-off of the bound must not cut the optimum
         lp += T - bound.bottleneck_s * slack >= 0, "bound_T"
@@ -240,12 +252,32 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     if cutoff_s is not None and pulp.value(lp.objective) > cutoff_s:
         return None  # HiGHS pruned every branch under the cutoff; what it kept cannot beat it
     counts = [sum(round(pulp.value(c(r, s))) for r in range(R)) for s in range(S)]
-    modes = tuple(MODES[max(K, key=lambda k, q=s % p: pulp.value(z[q, k]))] for s in range(S))
-    sol = evaluate(problem, tuple(counts), modes)
+    layer_modes = _layer_modes(problem, counts, {key: round(pulp.value(var)) for key, var in u.items()})
+    sol = evaluate(problem, tuple(counts), layer_modes=layer_modes)
     if abs(sol.objective_s - pulp.value(lp.objective)) > 1e-6 * max(1.0, sol.objective_s) and status == "Optimal":
         raise RuntimeError(f"ILP objective {pulp.value(lp.objective)} disagrees with its evaluation {sol.objective_s}")
     return _with_status(sol, "optimal" if status == "Optimal" else status.lower(), gap,
                         time.perf_counter() - t0)
+
+
+def _layer_modes(problem: InnerProblem, counts: list[int], u: dict[tuple[int, int, int], int]) -> tuple[str, ...]:
+    """Per layer, from the per-rank counts u[r,q,k]: each rank's layers of a run take the heavier modes
+    first, in layer order (identical layers, so which ones does not change the objective; Megatron-LM's
+    block method likewise recomputes the first layers of a stage)."""
+    p = problem.num_ranks
+    of = [ri for ri, r in enumerate(problem.runs) for _ in range(r.count)]
+    left = dict(u)
+    out, pos = [], 0
+    for s, n in enumerate(counts):
+        q = s % p
+        for i in range(pos, pos + n):
+            k = next((k for k in sorted((k for (r, qq, k) in left if r == of[i] and qq == q), reverse=True)
+                      if left[of[i], q, k] > 0), 0)
+            if (of[i], q, k) in left:
+                left[of[i], q, k] -= 1
+            out.append(MODES[k])
+        pos += n
+    return tuple(out)
 
 
 def _with_status(sol: InnerSolution, status: str, gap: float, seconds: float) -> InnerSolution:

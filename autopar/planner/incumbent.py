@@ -7,9 +7,9 @@ at its root because the bound is also added to it as a valid inequality).
 
 Construction: rank q gets the N_q layers of the bound (v = 1: stage q holds N_q layers; v > 1: N_q − v·⌊L/S⌋
 of its chunks hold one layer more, tried as its first and as its last chunks). For fixed cuts the
-objective is minimised by giving every rank the fastest recompute mode that fits its own memory (each
-rank's time only grows with a slower mode and the tail does not depend on modes), so that is the
-mode assignment; with v = 1 we also try the counts shifted by one layer between neighbouring ranks.
+objective falls as each rank's time falls (the tail does not depend on modes), so each rank gets a
+quick mix of modes that fits its own memory (`best_modes`: a greedy multiple-choice knapsack); with
+v = 1 we also try the counts shifted by one layer between neighbouring ranks.
 """
 
 from __future__ import annotations
@@ -21,31 +21,45 @@ __all__ = ["incumbent", "best_modes"]
 
 
 def best_modes(pr: InnerProblem, layers_per_stage: tuple[int, ...]) -> tuple[str, ...] | None:
-    """Per stage, its rank's fastest allowed mode that fits that rank's memory; None if a rank fits none."""
-    p, S = pr.num_ranks, pr.num_stages
+    """Per layer, a recompute mode such that every rank fits its memory, fast: for each pair of allowed
+    modes (fast, lean), the rank's layers start in the fast mode and move to the lean one, those saving
+    the most bytes per second added first, until the rank fits; the quickest such mix per rank. None if a
+    rank fits no mix."""
+    p = pr.num_ranks
     of = [ri for ri, r in enumerate(pr.runs) for _ in range(r.count)]
-    counts = [[0] * len(pr.runs) for _ in range(p)]
-    pos = 0
+    rank_of, pos = [], 0
     for s, n in enumerate(layers_per_stage):
-        for i in range(pos, pos + n):
-            counts[s % p][of[i]] += 1
+        rank_of += [s % p] * n
         pos += n
-    rank_mode = []
+    out: list[str] = [pr.modes[0]] * len(of)
     for q in range(p):
-        best = None
-        for name in pr.modes:
-            k = MODES.index(name)
-            mem = sum(c * (r.state_bytes + pr.inflight[q] * r.act_bytes[k]) for c, r in zip(counts[q], pr.runs,
-                                                                                            strict=True))
-            if mem + pr.workspace_bytes(name) > pr.capacity_bytes[q] * (1 + 1e-9):
-                continue
-            t = sum(c * r.time_s[k] for c, r in zip(counts[q], pr.runs, strict=True))
-            if best is None or t < best[0]:
-                best = (t, name)
+        mine = [i for i, rq in enumerate(rank_of) if rq == q]
+        best: tuple[float, dict[int, str]] | None = None
+        for fast in pr.modes:
+            for lean in pr.modes:
+                kf, kl = MODES.index(fast), MODES.index(lean)
+                choice = {i: fast for i in mine}
+
+                def mem(ch: dict[int, str], phi: float = pr.inflight[q]) -> float:
+                    used = set(ch.values())
+                    return sum(pr.runs[of[i]].state_bytes + phi * pr.runs[of[i]].act_bytes[
+                        MODES.index(k)] for i, k in ch.items()) + max(pr.workspace_bytes(k) for k in used)
+
+                movable = [i for i in mine if pr.runs[of[i]].act_bytes[kl] < pr.runs[of[i]].act_bytes[kf]]
+                movable.sort(key=lambda i: (pr.runs[of[i]].time_s[kl] - pr.runs[of[i]].time_s[kf])
+                             / (pr.runs[of[i]].act_bytes[kf] - pr.runs[of[i]].act_bytes[kl]))
+                while mem(choice) > pr.capacity_bytes[q] * (1 + 1e-9) and movable:
+                    choice[movable.pop(0)] = lean
+                if mem(choice) > pr.capacity_bytes[q] * (1 + 1e-9):
+                    continue
+                t = sum(pr.runs[of[i]].time_s[MODES.index(k)] for i, k in choice.items())
+                if best is None or t < best[0]:
+                    best = (t, choice)
         if best is None:
             return None
-        rank_mode.append(best[1])
-    return tuple(rank_mode[s % p] for s in range(S))
+        for i, k in best[1].items():
+            out[i] = k
+    return tuple(out)
 
 
 def _cuts(pr: InnerProblem, counts: tuple[int, ...], big_first: bool) -> tuple[int, ...] | None:
@@ -92,7 +106,7 @@ def incumbent(pr: InnerProblem, bound: Bound) -> InnerSolution | None:
             modes = best_modes(pr, cuts)
             if modes is None:
                 continue
-            sol = evaluate(pr, cuts, modes)
+            sol = evaluate(pr, cuts, layer_modes=modes)
             if sol.feasible and (best is None or sol.objective_s < best.objective_s):
                 best = sol
         if best is not None and best.objective_s <= bound.value_s * (1 + 1e-9):

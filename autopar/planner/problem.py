@@ -2,7 +2,7 @@
 
 After the outer search fixes tp, pp, dp, ZeRO stage, micro-batching, schedule, virtual stages and
 sequence parallelism, what remains is where to cut the layer sequence into S = p·v stages and which
-recompute mode each pipeline rank uses. `InnerProblem` holds that problem as numbers and names only (no
+recompute mode each layer uses. `InnerProblem` holds that problem as numbers and names only (no
 torch), `evaluate` prices one cut vector and mode assignment with exactly the objective and constraints
 the ILP models (see `autopar.planner.ilp` for the math), so every other module can be tested against it.
 """
@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["MODES", "Run", "InnerProblem", "InnerSolution", "StageEval", "evaluate"]
+from cost_models.memory import RECOMPUTE_MODES
 
-MODES = ("none", "selective", "full")
+__all__ = ["MODES", "Run", "InnerProblem", "InnerSolution", "StageEval", "evaluate", "mode_label"]
+
+MODES = RECOMPUTE_MODES  # index k of every per-mode tuple below
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,11 +26,11 @@ class Run:
     name: str
     count: int
     layer_names: tuple[str, ...]  # len == count
-    time_s: tuple[float, float, float]  # τ by mode (none, selective, full)
-    compute_s: tuple[float, float, float]  # of τ: forward + backward compute (no recompute, no comm)
-    recompute_s: tuple[float, float, float]  # of τ: recompute compute and its tensor-parallel comm
-    tp_comm_s: tuple[float, float, float]  # of τ: tensor-parallel comm of forward and backward
-    act_bytes: tuple[float, float, float]  # a by mode, per in-flight micro-batch
+    time_s: tuple[float, ...]  # τ by mode (MODES order)
+    compute_s: tuple[float, ...]  # of τ: forward + backward compute (no recompute, no comm)
+    recompute_s: tuple[float, ...]  # of τ: recompute compute and its tensor-parallel comm
+    tp_comm_s: tuple[float, ...]  # of τ: tensor-parallel comm of forward and backward
+    act_bytes: tuple[float, ...]  # a by mode, per in-flight micro-batch
     state_bytes: float  # σ
     backward_s: float  # β
     grad_sync_s: float  # γ
@@ -87,7 +89,8 @@ class StageEval:
     rank: int
     first_layer: int  # position in the layer sequence
     num_layers: int
-    mode: str
+    mode: str  # the stage's label: its most common layer mode (ties: the heavier)
+    layer_modes: tuple[str, ...]  # one per layer of the stage
     time_s: float
     compute_s: float
     recompute_s: float
@@ -101,10 +104,11 @@ class StageEval:
 
 @dataclass(frozen=True, kw_only=True)
 class InnerSolution:
-    """A cut vector and mode per stage, priced by `evaluate`; ILP status when it came from `solve`."""
+    """A cut vector and a mode per layer, priced by `evaluate`; ILP status when it came from `solve`."""
 
     layers_per_stage: tuple[int, ...]
-    modes: tuple[str, ...]
+    modes: tuple[str, ...]  # per stage: its label (StageEval.mode)
+    layer_modes: tuple[str, ...]  # per layer, in order
     objective_s: float
     pipeline_s: float  # (m − 1/v)·T + Σ t / v
     bottleneck_rank: int
@@ -124,64 +128,80 @@ def _layer_run(problem: InnerProblem) -> list[int]:
     return [ri for ri, r in enumerate(problem.runs) for _ in range(r.count)]
 
 
-def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tuple[str, ...]) -> InnerSolution:
-    """Price one cut vector and recompute assignment with the ILP's objective, layer by layer."""
+def mode_label(modes: tuple[str, ...] | list[str]) -> str:
+    """One name for several layers' modes: the most common (ties: the heavier)."""
+    return max(MODES, key=lambda k: (list(modes).count(k), MODES.index(k)))
+
+
+def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tuple[str, ...] | None = None,
+             *, layer_modes: tuple[str, ...] | None = None) -> InnerSolution:
+    """Price one cut vector and recompute assignment with the ILP's objective, layer by layer.
+    `modes`: one per stage (all its layers), or `layer_modes`: one per layer."""
     p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
-    if len(layers_per_stage) != S or len(modes) != S:
-        raise ValueError(f"need {S} stages, got {len(layers_per_stage)} cuts and {len(modes)} modes")
+    if layer_modes is None:
+        if modes is None or len(modes) != S:
+            raise ValueError(f"need {S} stage modes, got {None if modes is None else len(modes)}")
+        layer_modes = tuple(k for k, n in zip(modes, layers_per_stage, strict=False) for _ in range(n))
+    if len(layers_per_stage) != S:
+        raise ValueError(f"need {S} stages, got {len(layers_per_stage)} cuts")
     if sum(layers_per_stage) != problem.num_layers or min(layers_per_stage) < 1:
         raise ValueError(f"cuts {layers_per_stage} must be ≥ 1 each and sum to {problem.num_layers} layers")
+    if len(layer_modes) != problem.num_layers:
+        raise ValueError(f"need {problem.num_layers} layer modes, got {len(layer_modes)}")
+    bad = sorted(set(layer_modes) - set(MODES))
+    if bad:
+        raise ValueError(f"unknown recompute modes {bad}; expected from {MODES}")
     runs, of = problem.runs, _layer_run(problem)
     stages, pos = [], 0
     ranks_t = [0.0] * p
     mem = [0.0] * p
     used_modes: list[set[str]] = [set() for _ in range(p)]
     tail_opt, tail_opt_host, tail_dp = [0.0] * p, [0.0] * p, [problem.grad_sync_latency_s] * p
-    for s, (n, mode) in enumerate(zip(layers_per_stage, modes, strict=False)):
-        k, q = MODES.index(mode), s % p
-        lay = [runs[of[i]] for i in range(pos, pos + n)]
-        comp = sum(r.compute_s[k] for r in lay)
-        rec = sum(r.recompute_s[k] for r in lay)
-        tpc = sum(r.tp_comm_s[k] for r in lay)
-        t = sum(r.time_s[k] for r in lay)
+    for s, n in enumerate(layers_per_stage):
+        q = s % p
+        mine = layer_modes[pos:pos + n]
+        lay = [(runs[of[i]], MODES.index(layer_modes[i])) for i in range(pos, pos + n)]
+        comp = sum(r.compute_s[k] for r, k in lay)
+        rec = sum(r.recompute_s[k] for r, k in lay)
+        tpc = sum(r.tp_comm_s[k] for r, k in lay)
+        t = sum(r.time_s[k] for r, k in lay)
         ppc = 0.0
         if s < S - 1:
-            ppc += lay[-1].send_s[problem.inter_node[s]]
+            ppc += lay[-1][0].send_s[problem.inter_node[s]]
         if s > 0:
             ppc += runs[of[pos - 1]].send_s[problem.inter_node[s - 1]]
-        state = sum(r.state_bytes for r in lay)
-        act = sum(r.act_bytes[k] for r in lay) * problem.inflight[q]
+        state = sum(r.state_bytes for r, _ in lay)
+        act = sum(r.act_bytes[k] for r, k in lay) * problem.inflight[q]
         ranks_t[q] += t + ppc
         mem[q] += state + act
-        used_modes[q].add(mode)
-        tail_opt[q] += sum(r.optimizer_s for r in lay)
-        tail_opt_host[q] += sum(r.optimizer_host_s for r in lay)
-        tail_dp[q] += sum(r.grad_sync_s - r.backward_s for r in lay)
-        stages.append(StageEval(index=s, rank=q, first_layer=pos, num_layers=n, mode=mode, time_s=t + ppc,
+        used_modes[q].update(mine)
+        tail_opt[q] += sum(r.optimizer_s for r, _ in lay)
+        tail_opt_host[q] += sum(r.optimizer_host_s for r, _ in lay)
+        tail_dp[q] += sum(r.grad_sync_s - r.backward_s for r, _ in lay)
+        stages.append(StageEval(index=s, rank=q, first_layer=pos, num_layers=n, mode=mode_label(mine),
+                                layer_modes=tuple(mine), time_s=t + ppc,
                                 compute_s=comp, recompute_s=rec, tp_comm_s=tpc, pp_comm_s=ppc,
-                                host_s=sum(r.host_s for r in lay),
+                                host_s=sum(r.host_s for r, _ in lay),
                                 memory_bytes=state + act, state_bytes=state, act_bytes=act))
         pos += n
-    for q in range(p):
-        mem[q] += sum(problem.workspace_bytes(k) for k in used_modes[q])
+    for q in range(p):  # layers recompute one at a time in backward: the largest workspace of the rank's modes
+        mem[q] += max(problem.workspace_bytes(k) for k in used_modes[q])
     b = max(range(p), key=lambda q: ranks_t[q])
     T = ranks_t[b]
     pipeline = (m - 1.0 / v) * T + sum(st.time_s for st in stages) / v
     tails = [max(tail_opt[q], tail_opt[q] + tail_dp[q]) for q in range(p)]
     qe = max(range(p), key=lambda q: tails[q])
     violated = ""
-    for s, mode in enumerate(modes):
+    for i, mode in enumerate(layer_modes):
         if mode not in problem.modes:
-            violated = f"mode_{s} (recompute {mode!r} not allowed)"
-    for s in range(p, S):
-        if modes[s] != modes[s - p]:
-            violated = violated or f"mode_{s % p} (chunks of one rank share a recompute mode)"
+            violated = f"mode_{i} (recompute {mode!r} not allowed)"
     if v > 1 and max(layers_per_stage) - min(layers_per_stage) > 1:
         violated = violated or "chunk_lo/hi (interleaved chunks differ by at most one layer)"
     for q in range(p):
         if mem[q] > problem.capacity_bytes[q] * (1 + 1e-6):
             violated = violated or f"memory_rank{q}"
-    return InnerSolution(layers_per_stage=tuple(layers_per_stage), modes=tuple(modes),
+    return InnerSolution(layers_per_stage=tuple(layers_per_stage), modes=tuple(st.mode for st in stages),
+                         layer_modes=tuple(layer_modes),
                          objective_s=pipeline + tails[qe], pipeline_s=pipeline, bottleneck_rank=b,
                          tail_s=tails[qe], tail_optimizer_s=tail_opt[qe], tail_optimizer_host_s=tail_opt_host[qe],
                          stages=tuple(stages),

@@ -25,10 +25,10 @@ from autopar.planner.bound import Bound, lower_bound, tight_bound
 from autopar.planner.costs import CostModel
 from autopar.planner.ilp import select_solver, solve
 from autopar.planner.incumbent import incumbent
-from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate
+from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate, mode_label
 from autopar.planner.space import Candidate, enumerate_candidates, tp_degrees
 
-__all__ = ["Solved", "SearchResult", "search", "price", "recompute_label"]
+__all__ = ["Solved", "SearchResult", "search", "price"]
 
 _GiB = float(1 << 30)
 
@@ -44,7 +44,7 @@ class Solved:
 
     @property
     def config(self) -> ParallelConfig:
-        return self.candidate.config(recompute_label(self.solution.modes))
+        return self.candidate.config(mode_label(self.solution.layer_modes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,11 +58,6 @@ class SearchResult:
     ilps_solved: int
     solve_time_s: float  # wall time of the whole search
     ilp_time_s: float = 0.0  # of which inside `ilp.solve`
-
-
-def recompute_label(modes: tuple[str, ...]) -> str:
-    """The ParallelConfig.recompute of a per-stage assignment: the most common mode (ties: the heavier)."""
-    return max(MODES, key=lambda k: (modes.count(k), MODES.index(k)))
 
 
 def _modes(options: PlannerOptions) -> tuple[str, ...]:
@@ -138,25 +133,25 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
 
 
 def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | None = None,
-          stage_modes: tuple[str, ...] | None = None, layers_per_stage: tuple[int, ...] | None = None) -> Solved:
+          layer_modes: tuple[str, ...] | None = None, layers_per_stage: tuple[int, ...] | None = None) -> Solved:
     """The planner's objective for one given layout. By default its best stage cuts (an ILP) with
-    `config.recompute` on every stage; with `layers_per_stage` and `stage_modes` (a plan's own stages)
-    exactly those cuts and per-stage modes, evaluated without search. A layout over memory comes back
+    `config.recompute` on every layer; with `layers_per_stage` and `layer_modes` (a plan's own stages)
+    exactly those cuts and per-layer modes, evaluated without search. A layout over memory comes back
     priced with `solution.feasible` False and the memory row it breaks (by default on even cuts); other
     violations raise InfeasiblePlanError naming the constraint."""
     _check_layout(costs, config)
     cand = Candidate.of(config)
-    if layers_per_stage is not None or stage_modes is not None:
-        if layers_per_stage is None or stage_modes is None:
-            raise InfeasiblePlanError("price a layout's own stages with both layers_per_stage and stage_modes")
-        pr = costs.problem(cand, tuple(sorted(set(stage_modes), key=MODES.index)))
+    if layers_per_stage is not None or layer_modes is not None:
+        if layers_per_stage is None or layer_modes is None:
+            raise InfeasiblePlanError("price a layout's own stages with both layers_per_stage and layer_modes")
+        pr = costs.problem(cand, tuple(sorted(set(layer_modes), key=MODES.index)))
         try:
-            sol = evaluate(pr, tuple(layers_per_stage), tuple(stage_modes))
+            sol = evaluate(pr, tuple(layers_per_stage), layer_modes=tuple(layer_modes))
         except ValueError as e:
             raise InfeasiblePlanError(f"layout {config} with stages {layers_per_stage}: {e}") from None
         if not sol.feasible and not sol.violated.startswith("memory_"):
             raise InfeasiblePlanError(f"layout {config} with {layers_per_stage} layers per stage and recompute "
-                                      f"{stage_modes} violates constraint {sol.violated}")
+                                      f"{layer_modes} violates constraint {sol.violated}")
         return Solved(candidate=cand, solution=sol)  # over memory: priced, with feasible False
     pr = costs.problem(cand, (config.recompute,))
     bnd = tight_bound(pr)
@@ -165,7 +160,7 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
         sol = solve(pr, time_limit_s=options.time_limit_s if options else 60.0, bound=bnd,
                     start=incumbent(pr, bnd))
     if sol is None:  # over memory everywhere: price its evenly cut stages, marked as not fitting
-        sol = evaluate(pr, _even_cuts(pr.num_layers, pr.num_stages), (config.recompute,) * pr.num_stages)
+        sol = evaluate(pr, _even_cuts(pr.num_layers, pr.num_stages), layer_modes=(config.recompute,) * pr.num_layers)
         if sol.feasible:  # the ILP found nothing, yet even cuts fit: should not happen; keep the old message
             raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr, bnd))
     return Solved(candidate=cand, solution=sol)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from autopar.config import ParallelConfig
-from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan
+from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
+from cost_models.memory import RECOMPUTE_MODES
 
 __all__ = ["render_plan", "render_diff", "render_explain", "render_estimate", "memory_lines", "gib", "fmt_s"]
 
@@ -34,13 +35,23 @@ def _breakdown(e: Estimate) -> list[str]:
     return rows
 
 
+def recompute_cell(stage: StagePlan) -> str:
+    """A stage's recompute: its mode, or how many of its layers use each mode (heaviest first) when they
+    differ, e.g. "2×full+6×none"."""
+    modes = stage.layer_modes
+    if len(set(modes)) <= 1:
+        return stage.recompute
+    return "+".join(f"{modes.count(k)}×{k}" for k in reversed(RECOMPUTE_MODES) if k in modes)
+
+
 def _stage_table(plan: Plan) -> list[str]:
-    rows = [f"  {'stage':>5} {'rank':>4}  {'layers':<34} {'n':>3}  {'recompute':<9} {'t/µbatch':>10}  "
+    width = max([9] + [len(recompute_cell(s)) for s in plan.stages])
+    rows = [f"  {'stage':>5} {'rank':>4}  {'layers':<34} {'n':>3}  {'recompute':<{width}} {'t/µbatch':>10}  "
             f"{'weights':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'peak':>9}"]
     for s in plan.stages:
         mb = s.memory_breakdown
         span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} … {s.layers[-1]}"
-        rows.append(f"  {s.index:>5} {s.pp_rank:>4}  {span[:34]:<34} {len(s.layers):>3}  {s.recompute:<9} "
+        rows.append(f"  {s.index:>5} {s.pp_rank:>4}  {span[:34]:<34} {len(s.layers):>3}  {recompute_cell(s):<{width}} "
                     f"{fmt_s(s.time_per_microbatch_s):>10}  {gib(mb.get('weights', 0)):>9} "
                     f"{gib(mb.get('grads', 0)):>9} {gib(mb.get('optimizer', 0)):>9} "
                     f"{gib(mb.get('activations', 0)):>9} {gib(s.peak_memory_bytes):>9}")

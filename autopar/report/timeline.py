@@ -25,7 +25,7 @@ def rank_segments(plan: Plan) -> list[list[tuple[str, float, float]]]:
         t_q = per_rank[q]
         start = sum(per_rank[:q]) / c.virtual_stages
         segs = [("bubble", 0.0, start)] if start > 0 else []
-        rec_share = sum(1 for s in plan.stages if s.pp_rank == q and s.recompute != "none") > 0
+        rec_share = any(k != "none" for s in plan.stages if s.pp_rank == q for k in s.layer_modes)
         t = start
         for _ in range(c.num_microbatches):
             fwd, bwd = t_q / 3, 2 * t_q / 3
