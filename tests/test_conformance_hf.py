@@ -46,6 +46,12 @@ def test_families_pipeline_1f1b(half):
     _run([(f, PP) for f in FAMILIES[half::2]], 2)
 
 
+def test_tp2_dp2_on_four_ranks():
+    """The layouts the bug reports named: GPT-2 (position embedding added beside the token embedding, head
+    tied to it) and Gemma (scaled, tied embedding) under tp2 × dp2."""
+    _run([("gpt2", dict(tp=2, dp=2)), ("gemma", dict(tp=2, dp=2, zero_stage=1))], 4)
+
+
 def test_families_3d_zero3_on_eight_ranks():
     _run([(f, dict(tp=2, pp=2, dp=2, zero_stage=3, num_microbatches=2)) for f in ("gpt2", "gemma")], 8)
 
