@@ -53,11 +53,16 @@ def _families() -> dict[str, Callable[[], nn.Module]]:
         "gemma2": make(hf.Gemma2Config, hf.Gemma2ForCausalLM, attention="eager",
                        **_common(**gqa, head_dim=HIDDEN // HEADS)),
         "phi": make(hf.PhiConfig, hf.PhiForCausalLM, **_common(resid_pdrop=0.0, embd_pdrop=0.0)),
+        # multi-query attention in one fused projection, parallel attention/MLP, residual added in place
+        "falcon": make(hf.FalconConfig, hf.FalconForCausalLM, vocab_size=VOCAB, hidden_size=HIDDEN,
+                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, multi_query=True,
+                       new_decoder_architecture=False, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                       eos_token_id=1),
     }
 
 
 FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo", "phi3",
-            "stablelm", "granite", "gemma2", "phi")
+            "stablelm", "granite", "gemma2", "phi", "falcon")
 
 
 def build_family(name: str, seed: int = 0) -> nn.Module:

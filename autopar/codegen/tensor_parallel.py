@@ -132,6 +132,15 @@ def _check_divisible(layer: LayerSpec, pattern: TPPattern, tp: int) -> None:
         )
 
 
+def _own_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook after a row-parallel module: its local output is a view made inside DTensor's
+    to_local, which autograd forbids modifying in place; models that add to it in place
+    (`hidden += residual`, Falcon) get a tensor of their own (one copy of the activation)."""
+    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and out._is_view():
+        return out.clone()
+    return None
+
+
 def _width_check(name: str, width: int):
     """Pre-hook: a module inside a pattern that expects full-width inputs must not get a rank's slice."""
 
@@ -198,6 +207,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
                              for name in pattern.row})
                 parallelize_module(module, tp_mesh, plan)
+                for name in pattern.row:
+                    module.get_submodule(name).register_forward_hook(_own_output)
                 owner_module = module.get_submodule(owner)
                 _replicate_inner_norms(module, owner, pattern, tp_mesh)
                 owner_module.register_forward_pre_hook(_shared_input_hook(tp_mesh, sp), with_kwargs=True)
@@ -207,6 +218,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 parallelize_module(module, tp_mesh, {name: RowwiseParallel(input_layouts=Replicate(),
                                                                           output_layouts=Replicate())
                                                      for name in pattern.column})
+                for name in pattern.column:
+                    module.get_submodule(name).register_forward_hook(_own_output)
             elif pattern.kind == "lm_head":
                 shards_in = span is not None and span.gather_after is None
                 parallelize_module(module, tp_mesh, {name: ColwiseParallel(
