@@ -85,27 +85,35 @@ def layer_cases(model: nn.Module, example_inputs: tuple, graph: ModelGraph, devi
 
 def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bool = False,
                   seq_len: int | None = None, progress: Callable[[str], None] | None = None,
-                  collectives: bool = True, dtype: str | None = None, clock: str = "wall") -> Profile:
-    """Measure this machine and, when `model_spec` is given, each distinct layer of that model (a zoo
-    model in `dtype`, default autopar.models.training_dtype() here). clock "thread" times kernels with
+                  collectives: bool = True, dtype: str | None = None, clock: str = "wall",
+                  budget_s: float | None = None) -> Profile:
+    """Measure this machine and, when `model_spec` is given, each distinct layer of that model, in `dtype`
+    (default autopar.models.training_dtype() here: the kernel tables of other dtypes are left out), within
+    budget_s seconds (default: cost_models.profiler's for quick or full). clock "thread" times kernels with
     one thread's CPU time, so torch runs one thread while measuring, as each CPU training process does."""
+    from autopar.models import training_dtype
+
+    if budget_s is not None and not budget_s > 0:
+        raise AutoparError(f"--budget {budget_s}: give the seconds the profile may take, e.g. --budget 300")
     cases: list[LayerCase] = []
     name = None
     threads = torch.get_num_threads()
+    torch_dtype = training_dtype("local", dtype)
     if clock == "thread":
         torch.set_num_threads(1)
     if model_spec:
         from autopar.capture import capture
-        from autopar.models import resolve_model, training_dtype
+        from autopar.models import resolve_model
 
-        model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=training_dtype("local", dtype))
+        model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=torch_dtype)
         graph = capture(model, example_inputs)
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         cases = layer_cases(model, example_inputs, graph, device)
         name = graph.model_name
     try:
         return profile_machine(nproc=nproc, quick=quick, layers=cases, progress=progress, model_name=name,
-                               collectives=collectives, clock=clock)
+                               collectives=collectives, clock=clock, budget_s=budget_s,
+                               dtypes=[str(torch_dtype).removeprefix("torch.")])
     finally:
         torch.set_num_threads(threads)
 

@@ -82,6 +82,7 @@ class GemmSample:
     time_s: float
     layout: str = "nn"
     batch: int = 1
+    extrapolated: bool = False  # not measured: the sweep's fitted curve, past its time budget (profiler.budget)
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.time_s > 0:
@@ -108,6 +109,7 @@ class ElementwiseSample:
     n_bytes: int
     time_s: float
     tensor_bytes: int = 0
+    extrapolated: bool = False  # not measured: the sweep's fitted curve, past its time budget (profiler.budget)
 
     @property
     def bytes_per_s(self) -> float:
@@ -120,6 +122,7 @@ class CollectiveSample:
     group_size: int
     n_bytes: int
     time_s: float  # mean over trials of the slowest rank's mean time per op (profiler.collectives)
+    extrapolated: bool = False  # not measured: the α-β line of the largest measured sizes, past the budget
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
@@ -158,6 +161,10 @@ class Profile:
     # before core sharing and the kernel calibration scale that (autopar.calibrate fits its own factor).
     # None: launch_overhead_s.
     host_floor_s: float | None = None
+    # n → how much longer a kernel takes in each of n training processes running at once (their thread
+    # count, the cores and memory they share, the machine's other load) than in the tables above; measured
+    # by the profiler (profiler.contention). Empty in files written before it: Cluster.local's core share.
+    process_slowdown: dict[int, float] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -168,8 +175,10 @@ class Profile:
         if self.host_floor_s is not None and not (self.host_floor_s >= 0 and math.isfinite(self.host_floor_s)):
             raise ValueError(f"Profile.host_floor_s={self.host_floor_s}; it must be a non-negative time")
         bad = {k: v for k, v in self.layer_times.items() if not (v > 0 and math.isfinite(v))}
+        bad |= {f"process_slowdown[{n}]": v for n, v in self.process_slowdown.items()
+                if not (v > 0 and math.isfinite(v))}
         if bad:
-            raise ValueError(f"Profile.layer_times has non-positive times: {bad}")
+            raise ValueError(f"Profile.layer_times or process_slowdown has non-positive values: {bad}")
 
     # ---- queries used by the cost models ----
     @property
@@ -249,6 +258,7 @@ class Profile:
         d["elementwise"] = tuple(ElementwiseSample(**e) for e in d.get("elementwise", ()))
         d["collectives"] = tuple(CollectiveSample(**c) for c in d.get("collectives", ()))
         d["layer_times"] = {str(k): float(v) for k, v in d.get("layer_times", {}).items()}
+        d["process_slowdown"] = {int(k): float(v) for k, v in d.get("process_slowdown", {}).items()}
         return cls(**d)
 
     def to_json(self) -> str:

@@ -13,6 +13,7 @@ import time
 
 from autopar.profiling import profile_model
 from cost_models.profile import Profile
+from cost_models.profiler.budget import FULL_BUDGET_S, QUICK_BUDGET_S, QUICK_LAYERS_BUDGET_S
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,11 +25,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="zoo name, path/file.py:factory or package.module:factory (optional)")
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes for collectives (default: GPU count, else CPU count, at least 2)")
-    p.add_argument("--quick", action="store_true", help="a short sweep (under a minute on a laptop CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short sweep: a {QUICK_BUDGET_S:.0f} s budget (+{QUICK_LAYERS_BUDGET_S:.0f} s to time "
+                        "MODEL's layers)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds the measurements may take (default {QUICK_BUDGET_S:.0f} with --quick, else "
+                        f"{FULL_BUDGET_S:.0f}; +{QUICK_LAYERS_BUDGET_S:.0f} with MODEL). Each sweep measures sizes in "
+                        "increasing order and extrapolates the ones past its share (marked in the profile)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length of MODEL's example input")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="training dtype of a zoo MODEL (default: float32 on a CPU-only machine, else bfloat16; "
-                        "pass the same to `autopar plan`)")
+                   help="the dtype to measure kernels in and to build a zoo MODEL in (default: the local training "
+                        "dtype, float32 on a CPU-only machine, else bfloat16; pass the same to `autopar plan`)")
     p.add_argument("--clock", choices=("wall", "thread"), default="wall",
                    help="how CPU kernels are timed: wall clock, or single-threaded CPU time ('thread': immune "
                         "to other processes on a shared machine; the CPU-training processes run one thread each)")
@@ -59,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     prof = profile_model(args.model, nproc=args.nproc, quick=args.quick, seq_len=args.seq_len,
                          progress=lambda msg: print(msg, file=sys.stderr, flush=True),
-                         collectives=not args.no_collectives, dtype=args.dtype, clock=args.clock)
+                         collectives=not args.no_collectives, dtype=args.dtype, clock=args.clock,
+                         budget_s=args.budget)
     prof.save(args.out)
     s = summary(prof)
     s["elapsed_s"] = time.perf_counter() - t0

@@ -16,8 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cost_models.profile import MachineInfo, Profile
+from cost_models.profile import CollectiveSample, MachineInfo, Profile
+from cost_models.profiler.budget import FULL_BUDGET_S, QUICK_BUDGET_S, QUICK_LAYERS_BUDGET_S, PhaseClock
 from cost_models.profiler.collectives import measure_collectives
+from cost_models.profiler.contention import reference_s, training_threads
 from cost_models.profiler.kernels import (
     measure_attention_matmuls,
     measure_elementwise,
@@ -26,7 +28,8 @@ from cost_models.profiler.kernels import (
 )
 from cost_models.profiler.layers import LayerCase, measure_layer
 
-__all__ = ["profile_machine", "machine_info", "local_device_name", "LayerCase"]
+__all__ = ["profile_machine", "machine_info", "local_device_name", "default_dtypes", "LayerCase", "QUICK_BUDGET_S",
+           "FULL_BUDGET_S"]
 
 
 def machine_info() -> MachineInfo:
@@ -44,15 +47,32 @@ def local_device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+def default_dtypes(cuda: bool) -> list[str]:
+    """The dtype local training uses: float32 on a CPU (autopar.models.training_dtype), bfloat16 on GPUs.
+    Other dtypes are measured only when asked: on a CPU without AVX-512-BF16/AMX a bfloat16 GEMM runs at
+    1–20 GFLOP/s, and its table would cost most of the budget for a dtype the run never uses."""
+    return ["bfloat16"] if cuda else ["float32"]
+
+
+# How the budget is shared among the phases that run (budget.PhaseClock); each weight is roughly that
+# phase's share of a quick profile's time on this 2-vCPU VM with no budget (its progress log).
+PHASE_WEIGHTS = {"gemm": 3.0, "bmm": 2.0, "elementwise": 2.0, "layers": 3.0, "collectives": 4.0}
+
+
 def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Sequence[LayerCase] = (),
                     dtypes: Sequence[str] | None = None, progress: Callable[[str], None] | None = None,
-                    model_name: str | None = None, collectives: bool = True, clock: str = "wall") -> Profile:
-    """Measure the local device (CUDA when present, else CPU) and `nproc` local processes.
+                    model_name: str | None = None, collectives: bool = True, clock: str = "wall",
+                    budget_s: float | None = None) -> Profile:
+    """Measure the local device (CUDA when present, else CPU) and `nproc` local processes, within budget_s.
 
     nproc defaults to the GPU count, or to the CPU count (at least 2) on a CPU machine.
-    dtypes defaults to bfloat16 and float32 (the GEMM sweep runs once per dtype).
-    clock "thread" times kernels by single-threaded CPU time (CPU only), for machines shared with other
-    work; layers and collectives are always timed by the wall clock.
+    dtypes defaults to the local training dtype (`default_dtypes`).
+    On a CPU, kernels are timed with the threads one of the nproc training processes will run
+    (`contention.training_threads`), and the same kernel mix in 2, 4 ... nproc processes at once gives
+    Profile.process_slowdown. clock "thread" times kernels by single-threaded CPU time (CPU only);
+    layers, collectives and the concurrent mix are always timed by the wall clock.
+    budget_s (wall seconds for the measurements) defaults to QUICK_BUDGET_S with quick, else
+    FULL_BUDGET_S, plus QUICK_LAYERS_BUDGET_S when layers are timed; see budget.py for what gives.
     """
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -60,27 +80,69 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
         nproc = torch.cuda.device_count() if cuda else max(2, os.cpu_count() or 1)
     if nproc < 1 or (cuda and nproc > torch.cuda.device_count()):
         raise ValueError(f"nproc={nproc}: use 1..{torch.cuda.device_count() if cuda else 'N'} processes")
-    dtypes = list(dtypes or ["bfloat16", "float32"])
+    if budget_s is None:
+        budget_s = (QUICK_BUDGET_S if quick else FULL_BUDGET_S) + (QUICK_LAYERS_BUDGET_S if layers else 0.0)
+    dtypes = list(dtypes or default_dtypes(cuda))
+    run_collectives = collectives and nproc >= 2
+    weights = {k: w for k, w in PHASE_WEIGHTS.items()
+               if (k != "layers" or layers) and (k != "collectives" or run_collectives)}
+    budget = PhaseClock(budget_s, weights)
     log = progress or (lambda _msg: None)
     step = [0]
+    phase_end = [budget.start]
 
-    def note(msg: str) -> None:
+    def note(msg: str, phase_left_s: float | None = None) -> None:
+        """A progress line with the time spent and the expected time left: this phase's estimate (its
+        sweep's prediction, else what its share has left) plus the shares of the phases to come."""
         step[0] += 1
-        log(f"[{step[0]}] {msg}")
+        now = budget.clock()
+        share_left = max(0.0, phase_end[0] - now)
+        later = max(0.0, budget.left_s() - share_left)
+        this = share_left if phase_left_s is None else min(phase_left_s, share_left)
+        log(f"[{step[0]}] {msg}  [{now - budget.start:.0f} s, ~{this + later:.0f} s left]")
 
-    launch_s = measure_launch_s(device, clock)
-    note(f"eager op floor on {device.type}: {launch_s * 1e6:.1f} us")
-    gemm = measure_gemm(device, dtypes, quick, note, clock) + measure_attention_matmuls(device, dtypes, quick, note,
-                                                                                       clock)
-    elementwise = [e for dtype in dtypes for e in measure_elementwise(device, dtype, quick, note, clock)]
-    layer_times: dict[str, float] = {}
-    for case in layers:
-        times = measure_layer(case, device, quick=quick)
-        layer_times.update(times)
-        note(f"layer {case.label or case.signature} b={case.micro_batch}: "
-             + ", ".join(f"{k.split(':')[1]} {v * 1e3:.2f} ms" for k, v in times.items()))
+    def begin(phase: str) -> float:
+        share = budget.begin(phase)
+        phase_end[0] = budget.clock() + share
+        return share
+
+    threads = torch.get_num_threads()
+    run_threads = 1 if clock == "thread" else (threads if cuda else training_threads(nproc))
+    torch.set_num_threads(run_threads)
+    try:
+        launch_s = measure_launch_s(device, clock)
+        note(f"eager op floor on {device.type}: {launch_s * 1e6:.1f} us ({run_threads} thread(s), as each of "
+             f"{nproc} training processes)")
+        gemm = measure_gemm(device, dtypes, quick, note, clock, begin("gemm"))
+        gemm += measure_attention_matmuls(device, dtypes, quick, note, clock, begin("bmm"))
+        per_dtype = begin("elementwise") / len(dtypes)
+        elementwise = [e for dtype in dtypes for e in measure_elementwise(device, dtype, quick, note, clock, per_dtype)]
+        layer_times: dict[str, float] = {}
+        if layers:
+            begin("layers")
+        for i, case in enumerate(layers):
+            share = (phase_end[0] - budget.clock()) / (len(layers) - i)
+            if share <= 0:
+                note(f"layer {case.label or case.signature}: over the time budget, not timed")
+                continue
+            times = measure_layer(case, device, quick=quick, budget_s=share)
+            layer_times.update(times)
+            note(f"layer {case.label or case.signature} b={case.micro_batch}: "
+                 + ", ".join(f"{k.split(':')[1]} {v * 1e3:.2f} ms" for k, v in times.items()))
+        mix_dtype = None if cuda else dtypes[0]
+        ref_s = reference_s(device, mix_dtype, clock, budget_s=1.0) if mix_dtype and run_collectives else 0.0
+    finally:
+        torch.set_num_threads(threads)
     backend = "nccl" if cuda else "gloo"
-    colls = measure_collectives(nproc, backend=backend, quick=quick, progress=note) if collectives else []
+    colls: list[CollectiveSample] = []
+    slowdown: dict[int, float] = {}
+    if run_collectives:
+        sweep = measure_collectives(nproc, backend=backend, quick=quick, progress=note,
+                                    budget_s=begin("collectives"), mix_dtype=mix_dtype, threads=run_threads)
+        colls = sweep.samples
+        slowdown = {n: s / ref_s for n, s in sweep.mix_s.items() if ref_s > 0}
+        for n, f in sorted(slowdown.items()):
+            note(f"kernels in {n} processes at once run {f:.2f}x their table times")
     return Profile(
         machine=machine_info(),
         device_name=local_device_name(),
@@ -89,13 +151,14 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
         torch_version=torch.__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         backend=backend,
-        threads_per_process=torch.get_num_threads(),
+        threads_per_process=run_threads,
         launch_overhead_s=launch_s,
         gemm=tuple(gemm),
         elementwise=tuple(elementwise),
         collectives=tuple(colls),
         layer_times=layer_times,
         model_name=model_name,
-        notes="quick sweep" if quick else "",
+        notes=("quick sweep" if quick else "") + f"; budget {budget_s:.0f} s, took {budget.elapsed_s():.0f} s",
         clock=clock,
+        process_slowdown=slowdown,
     )

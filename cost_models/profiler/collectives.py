@@ -5,24 +5,32 @@ trial runs the op `iters` times between barriers; the time of a trial is the slo
 collective is done when the last rank is), and a sample is the mean over trials, which interleave the
 sizes so that each size is timed across the whole sweep — the quantity nccl-tests reports as "time"
 (its average over iterations), from which it derives algbw = size / time and busbw (profile.py).
+
+Within a time budget (budget.py): each op gets an equal share of what is left when it starts; its sizes
+are warmed up in increasing order until the next would overrun half that share, the trials shrink to fit
+the rest, and the sizes left out are extrapolated from the fitted curve (CollectiveSample.extrapolated).
+The same processes first time the kernel mix of contention.py, 2, 4 ... N at once.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import queue as queue_mod
 import socket
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cost_models.profile import CollectiveSample
+from cost_models.profiler.budget import fitted_time_s
+from cost_models.profiler.contention import concurrent_mix_s, kernel_mix, training_threads
 
-__all__ = ["collective_sizes", "collective_plan", "measure_collectives"]
+__all__ = ["collective_sizes", "collective_plan", "measure_collectives", "CollectiveSweep"]
 
 
 def collective_sizes(quick: bool) -> list[int]:
@@ -103,35 +111,79 @@ def _timed(fn: Callable[[], None], iters: int, group: dist.ProcessGroup, device:
     return float(local.item())
 
 
+def _agreed(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """Global rank 0's value on every rank of `group` (which holds rank 0): decisions that steer
+    collectives must be the same on every rank."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0, group=group)
+    return float(t.item())
+
+
+def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torch.device, sizes: list[int],
+              trials: int, trial_s: float, budget_s: float) -> dict[int, float]:
+    """{n_bytes: mean seconds per op} for the sizes that fit in budget_s, measured in increasing size.
+
+    Every decision uses rank 0's clock or all-reduced times, so all ranks of the group take the same one."""
+    start = time.monotonic()
+
+    def elapsed() -> float:
+        return _agreed(time.monotonic() - start, device, group)
+
+    firsts: dict[int, float] = {}
+    fns = {}
+    for n_bytes in sizes:  # warm-up pass, ascending: stop the range where the next size would overrun half
+        if firsts:
+            predicted = fitted_time_s(list(firsts.items()), n_bytes)
+            if elapsed() + 2 * predicted > budget_s / 2:
+                break
+        fns[n_bytes] = _op_fn(op, n_bytes, g, rank, group, device)
+        firsts[n_bytes] = _timed(fns[n_bytes], 1, group, device)
+    iters = {n: max(1, min(200, int(trial_s / max(t, 1e-7)))) for n, t in firsts.items()}
+    # trials interleave the sizes, so each size's trials spread over the whole sweep of this op: on a
+    # shared machine the load changes over seconds, and a median over trials taken back to back would
+    # describe one moment, not the machine. As many as fit: at least one, no more than `trials`
+    times: dict[int, list[float]] = {n: [] for n in firsts}
+    for _ in range(trials):
+        t0 = elapsed()
+        for n, fn in fns.items():
+            times[n].append(_timed(fn, iters[n], group, device))
+        t1 = elapsed()
+        if t1 + (t1 - t0) > budget_s:
+            break
+    # the mean over every timed op, as nccl-tests reports: what a training loop pays. Per-op times here are
+    # heavy-tailed and often bimodal (ranks waking on another vCPU or not), so a median of trials jumps
+    # between modes; the mean does not
+    return {n: statistics.fmean(ts) / (2.0 if op == "p2p" else 1.0) for n, ts in times.items()}
+
+
 def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str, int]], sizes: list[int],
-            trials: int, trial_s: float, threads: int, results: mp.Queue) -> None:
+            trials: int, trial_s: float, threads: int, deadline: float, mix_dtype: str | None,
+            results: mp.Queue) -> None:
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
-    groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan})}
+    groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan} | set(group_sizes(nproc)))}
     try:
-        for op, g in plan:
-            if rank < g:
-                # trials interleave the sizes, so each size's trials spread over the whole sweep of this op:
-                # on a shared machine the load changes over seconds, and a median over trials taken
-                # back to back would describe one moment, not the machine
-                fns = [_op_fn(op, n_bytes, g, rank, groups[g], device) for n_bytes in sizes]
-                iters = []
-                for fn in fns:
-                    first = _timed(fn, 1, groups[g], device)  # also the warm-up
-                    iters.append(max(1, min(200, int(trial_s / max(first, 1e-7)))))
-                times: list[list[float]] = [[] for _ in sizes]
-                for _ in range(trials):
-                    for i, fn in enumerate(fns):
-                        times[i].append(_timed(fn, iters[i], groups[g], device))
-                if rank == 0:
-                    for n_bytes, ts in zip(sizes, times, strict=True):
-                        # the mean over every timed op, as nccl-tests reports: what a training loop pays.
-                        # Per-op times here are heavy-tailed and often bimodal (ranks waking on another
-                        # vCPU or not), so a median of trials jumps between modes; the mean does not
-                        t = statistics.fmean(ts) / (2.0 if op == "p2p" else 1.0)
+        if mix_dtype is not None:  # contention.py: the kernel mix in g processes at once, g = 2, 4, ... nproc
+            mix = kernel_mix(device, mix_dtype)
+            window = _agreed(min(0.1, max(0.01, (deadline - time.monotonic()) / 200)), device)
+            for g in group_sizes(nproc):
+                dist.barrier()
+                if rank < g:
+                    t = torch.tensor([concurrent_mix_s(mix, device, window_s=window, trials=3)], dtype=torch.float64)
+                    dist.all_reduce(t, group=groups[g])
+                    if rank == 0:
+                        results.put(("mix", g, float(t.item()) / g))
+            dist.barrier()
+        for i, (op, g) in enumerate(plan):
+            # this op's share of what is left of the budget, decided by rank 0 for all
+            budget_s = _agreed((deadline - time.monotonic()) / (len(plan) - i), device)
+            if rank < g and budget_s > 0:
+                for n_bytes, t in _sweep_op(op, g, rank, groups[g], device, sizes, trials, trial_s,
+                                            budget_s).items():
+                    if rank == 0:
                         results.put(("sample", op, g, n_bytes, t))
             dist.barrier()
     finally:
@@ -140,24 +192,43 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
         results.put(("done",))
 
 
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSweep:
+    """What the spawned processes measured: collective samples (measured, then extrapolated past the
+    budget) and, per process count, the wall seconds per kernel mix with that many running at once."""
+
+    samples: list[CollectiveSample]
+    mix_s: dict[int, float]
+
+
 def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Callable[[str], None],
                         sizes: list[int] | None = None, plan: list[tuple[str, int]] | None = None,
-                        timeout_s: float = 900.0) -> list[CollectiveSample]:
-    """Spawn `nproc` processes and time each (op, group size) of `plan` at each of `sizes` bytes."""
+                        budget_s: float = math.inf, mix_dtype: str | None = None,
+                        threads: int | None = None) -> CollectiveSweep:
+    """Spawn `nproc` processes and time each (op, group size) of `plan` at each of `sizes` bytes, in
+    increasing size within `budget_s` (spawning included); with mix_dtype, first the kernel mix in 2, 4 ...
+    nproc of them at once (contention.py). threads: torch threads per process (default: a training
+    process's, `training_threads`)."""
     if nproc < 2:
-        return []
-    sizes = sizes or collective_sizes(quick)
+        return CollectiveSweep(samples=[], mix_s={})
+    sizes = sorted(sizes or collective_sizes(quick))
     plan = plan or collective_plan(nproc, quick)
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads or training_threads(nproc)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    start = time.monotonic()
+    deadline = start + (budget_s if math.isfinite(budget_s) else 3600.0)
     # small messages are cheap and the noisiest (OS scheduling of oversubscribed ranks): 7-9 trials
-    args = (nproc, _free_port(), backend, plan, sizes, 7 if quick else 9, 0.02 if quick else 0.05, threads, results)
+    args = (nproc, _free_port(), backend, plan, sizes, 7 if quick else 9, 0.02 if quick else 0.05, threads,
+            deadline, mix_dtype, results)
     procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()
     samples: list[CollectiveSample] = []
-    deadline = time.monotonic() + timeout_s
+    mix_s: dict[int, float] = {}
+    items = len(plan) * len(sizes)
+    # a hung collective must not hang the profile: well past the budget, give up
+    timeout_at = deadline + 60.0
     try:
         while True:
             try:
@@ -167,20 +238,41 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
                 if dead:
                     raise RuntimeError(f"collective profiling failed: workers exited with codes {dead} (their "
                                        "traceback is above); rerun with fewer processes (--nproc)") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"collective profiling took over {timeout_s:.0f} s; rerun with --quick "
-                                       "or fewer processes (--nproc)") from None
+                if time.monotonic() > timeout_at:
+                    raise RuntimeError(f"collective profiling ran over its budget ({budget_s:.0f} s) by a minute; "
+                                       "rerun with fewer processes (--nproc)") from None
                 continue
             if msg[0] == "done":
                 break
+            if msg[0] == "mix":
+                mix_s[msg[1]] = msg[2]
+                progress(f"kernel mix in {msg[1]} processes at once: {msg[2] * 1e3:.2f} ms per mix")
+                continue
             _, op, g, n_bytes, t = msg
             s = CollectiveSample(op=op, group_size=g, n_bytes=n_bytes, time_s=t)
             samples.append(s)
-            progress(f"{op} x{g} {n_bytes / 2**10:.0f} KiB: {t * 1e6:.0f} us, "
-                     f"algbw {s.algbw_Bps / 1e9:.2f} GB/s, busbw {s.busbw_Bps / 1e9:.2f} GB/s")
+            now = time.monotonic()
+            left = min(deadline - now, (now - start) / len(samples) * max(0, items - len(samples)))
+            progress(f"{op} x{g} {n_bytes / 2**10:.0f} KiB: {t * 1e6:.0f} us, algbw {s.algbw_Bps / 1e9:.2f} GB/s, "
+                     f"busbw {s.busbw_Bps / 1e9:.2f} GB/s  (collectives: ~{max(0.0, left):.0f} s left)")
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-    return samples
+    return CollectiveSweep(samples=samples + _extrapolate(samples, plan, sizes, progress), mix_s=mix_s)
+
+
+def _extrapolate(samples: list[CollectiveSample], plan: list[tuple[str, int]], sizes: list[int],
+                 progress: Callable[[str], None]) -> list[CollectiveSample]:
+    """The sizes the budget left unmeasured, from the fitted curve of the measured ones (budget.py)."""
+    out = []
+    for op, g in plan:
+        measured = [(float(s.n_bytes), s.time_s) for s in samples if (s.op, s.group_size) == (op, g)]
+        missing = [n for n in sizes if n > max((w for w, _ in measured), default=math.inf)]
+        if measured and missing:
+            progress(f"{op} x{g}: {len(missing)} sizes from {missing[0] / 2**10:.0f} KiB over the time budget, "
+                     "extrapolated from the fitted curve")
+            out += [CollectiveSample(op=op, group_size=g, n_bytes=n, time_s=fitted_time_s(measured, n),
+                                     extrapolated=True) for n in missing]
+    return out

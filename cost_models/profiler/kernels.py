@@ -9,12 +9,14 @@ operands into fresh outputs, the way they run inside a layer.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from cost_models.profile import ElementwiseSample, GemmSample
+from cost_models.profiler.budget import SizeSweep
 from cost_models.profiler.timing import time_callable
 
 __all__ = ["gemm_shapes", "elementwise_sizes", "attention_shapes", "measure_gemm", "measure_elementwise",
@@ -62,20 +64,45 @@ def attention_shapes(quick: bool) -> list[tuple[int, int, int, str]]:
             for layout in ("nn", "nt", "tn")]
 
 
-def measure_gemm(device: torch.device, dtypes: list[str], quick: bool,
-                 progress: Callable[[str], None], clock: str = "wall") -> list[GemmSample]:
+Progress = Callable[[str, float], None]  # (message, expected seconds left in this sweep)
+
+
+def _flops(m: int, n: int, k: int, batch: int = 1) -> float:
+    return 2.0 * batch * m * n * k
+
+
+def measure_gemm(device: torch.device, dtypes: list[str], quick: bool, progress: Progress, clock: str = "wall",
+                 budget_s: float = math.inf) -> list[GemmSample]:
+    """torch.mm at `gemm_shapes`, per dtype and layout in increasing FLOPs, within budget_s: a range that
+    would overrun its share stops and is extrapolated from its fitted curve (budget.SizeSweep)."""
     out = []
     trials = 3 if quick else 5
-    for dtype in dtypes:
-        for layout in ("nn", "nt", "tn"):
-            for m, n, k in gemm_shapes(quick):
-                a, b = _operands(m, n, k, layout, _DTYPES[dtype], device)
-                t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials, clock=clock)
-                sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout)
-                progress(f"gemm {m}x{n}x{k} {layout} {dtype}: {t * 1e3:.3f} ms, "
-                         f"{sample.flops_per_s / 1e9:.1f} GFLOP/s")
-                out.append(sample)
+    shapes = sorted(gemm_shapes(quick), key=lambda s: _flops(*s))
+    cases = [(dtype, layout, shape) for dtype in dtypes for layout in ("nn", "nt", "tn") for shape in shapes]
+    sweep = SizeSweep(budget_s, [((d, lay), _flops(*sh)) for d, lay, sh in cases])
+    for dtype, layout, (m, n, k) in cases:
+        work = _flops(m, n, k)
+        share = sweep.share_s((dtype, layout), work, fallback=dtype)
+        if share is None:
+            t = sweep.predict_s((dtype, layout), work, fallback=dtype)
+            if t is not None:
+                out.append(GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout, extrapolated=True))
+            continue
+        a, b = _operands(m, n, k, layout, _DTYPES[dtype], device)
+        t = time_callable(lambda a=a, b=b: torch.mm(a, b), device, trials=trials, clock=clock, budget_s=share)
+        sweep.done(work, t, (dtype, layout), dtype)
+        sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout)
+        progress(f"gemm {m}x{n}x{k} {layout} {dtype}: {t * 1e3:.3f} ms, {sample.flops_per_s / 1e9:.1f} GFLOP/s",
+                 sweep.expected_left_s(trials))
+        out.append(sample)
+    _report_stops(sweep, "gemm", progress)
     return out
+
+
+def _report_stops(sweep: SizeSweep, what: str, progress: Progress) -> None:
+    for group in sorted(sweep.stopped, key=str):
+        progress(f"{what} {group}: larger sizes over the time budget, extrapolated from the fitted curve",
+                 sweep.expected_left_s())
 
 
 # A block's elementwise kernels read tensors written several kernels earlier and write fresh ones, so the
@@ -89,7 +116,7 @@ OUTPUTS_ALIVE = 4
 
 
 def _time_rotating(fn: Callable[[Any], torch.Tensor], operands: Sequence[Any], device: torch.device,
-                   trials: int, clock: str) -> float:
+                   trials: int, clock: str, budget_s: float | None = None) -> float:
     """Median seconds per call of fn over the operand pool, outputs kept alive OUTPUTS_ALIVE calls."""
     alive: collections.deque[torch.Tensor] = collections.deque(maxlen=OUTPUTS_ALIVE)
     state = {"i": 0}
@@ -98,39 +125,52 @@ def _time_rotating(fn: Callable[[Any], torch.Tensor], operands: Sequence[Any], d
         alive.append(fn(operands[state["i"] % len(operands)]))
         state["i"] += 1
 
-    return time_callable(call, device, trials=trials, trial_s=0.05, clock=clock)
+    return time_callable(call, device, trials=trials, trial_s=0.05, clock=clock, budget_s=budget_s)
 
 
-def measure_elementwise(device: torch.device, dtype: str, quick: bool,
-                        progress: Callable[[str], None], clock: str = "wall") -> list[ElementwiseSample]:
+def measure_elementwise(device: torch.device, dtype: str, quick: bool, progress: Progress, clock: str = "wall",
+                        budget_s: float = math.inf) -> list[ElementwiseSample]:
     """Four memory-bound kernel classes, each out of place into a fresh tensor on cold operands (see
     COLD_POOL_BYTES); n_bytes counts every byte read and written:
       add             c = a + b (residuals, biases, scaling): 3 × operand bytes
       exp             a transcendental (softmax, GELU, norms): 2 ×
       sum             a reduction over rows (bias gradients, norm statistics): 1 × plus the small result
-      transpose_copy  a head transpose made contiguous (.transpose(1, 2).contiguous()): 2 ×"""
+      transpose_copy  a head transpose made contiguous (.transpose(1, 2).contiguous()): 2 ×
+    Sizes in increasing order within budget_s, each op a range of its own (budget.SizeSweep)."""
     out = []
     torch_dtype = _DTYPES[dtype]
     elem = torch.empty((), dtype=torch_dtype).element_size()
     sizes = elementwise_sizes(quick)
     pool = torch.randn(max(COLD_POOL_BYTES, 2 * max(sizes)) // elem, device=device, dtype=torch_dtype)
     trials = 5 if quick else 9  # cheap, and the noisiest table on a shared machine
+    ops = {"add": 3, "exp": 2, "sum": 1, "transpose_copy": 2}  # traffic per operand byte
+    sweep = SizeSweep(budget_s, [(op, float(n_bytes)) for n_bytes in sizes for op in ops])
     for n_bytes in sizes:
         n = n_bytes // elem
         # operand pairs (a, b) side by side, walking through the pool
         pairs = [pool[o:o + 2 * n] for o in range(0, max(1, pool.numel() - 2 * n + 1), 2 * n)]
-        cases = (
-            ("add", 3 * n_bytes, lambda ab, n=n: torch.add(ab[:n], ab[n:])),
-            ("exp", 2 * n_bytes, lambda ab, n=n: torch.exp(ab[:n])),
-            ("sum", n_bytes + 256 * elem, lambda ab, n=n: ab[:n].view(-1, 256).sum(dim=0)),
-            ("transpose_copy", 2 * n_bytes, lambda ab, n=n: ab[:n].view(-1, 8, 64).transpose(0, 1).contiguous()),
-        )
-        for op, traffic, fn in cases:
-            t = _time_rotating(fn, pairs, device, trials, clock)
+        cases = {
+            "add": lambda ab, n=n: torch.add(ab[:n], ab[n:]),
+            "exp": lambda ab, n=n: torch.exp(ab[:n]),
+            "sum": lambda ab, n=n: ab[:n].view(-1, 256).sum(dim=0),
+            "transpose_copy": lambda ab, n=n: ab[:n].view(-1, 8, 64).transpose(0, 1).contiguous(),
+        }
+        for op, fn in cases.items():
+            traffic = ops[op] * n_bytes + (256 * elem if op == "sum" else 0)
+            share = sweep.share_s(op, n_bytes)
+            if share is None:
+                t = sweep.predict_s(op, n_bytes)
+                if t is not None:
+                    out.append(ElementwiseSample(op=op, dtype=dtype, n_bytes=traffic, time_s=t,
+                                                 tensor_bytes=n_bytes, extrapolated=True))
+                continue
+            t = _time_rotating(fn, pairs, device, trials, clock, share)
+            sweep.done(n_bytes, t, op)
             sample = ElementwiseSample(op=op, dtype=dtype, n_bytes=traffic, time_s=t, tensor_bytes=n_bytes)
             progress(f"{op} {n_bytes / 2**20:.2f} MiB {dtype} (cold, fresh output): "
-                     f"{sample.bytes_per_s / 1e9:.2f} GB/s")
+                     f"{sample.bytes_per_s / 1e9:.2f} GB/s", sweep.expected_left_s(trials, 0.05))
             out.append(sample)
+    _report_stops(sweep, f"elementwise {dtype}", progress)
     return out
 
 
@@ -141,28 +181,44 @@ def _carve(pool: torch.Tensor, offset: int, batch: int, rows: int, cols: int, tr
     return view.transpose(-1, -2) if transposed else view
 
 
-def measure_attention_matmuls(device: torch.device, dtypes: list[str], quick: bool,
-                              progress: Callable[[str], None], clock: str = "wall") -> list[GemmSample]:
+def measure_attention_matmuls(device: torch.device, dtypes: list[str], quick: bool, progress: Progress,
+                              clock: str = "wall", budget_s: float = math.inf) -> list[GemmSample]:
     """torch.bmm over ATTENTION_BATCH heads at the per-head shapes of `attention_shapes`, on operands
     rotating through a cold pool into fresh outputs, as attention runs inside a layer (see
     COLD_POOL_BYTES). Small-k and small-n products reach a lower rate than a square GEMM of the same
-    FLOPs, so attention gets its own table (GemmSample.batch > 1)."""
+    FLOPs, so attention gets its own table (GemmSample.batch > 1). Per dtype and layout in increasing
+    FLOPs within budget_s, as `measure_gemm`."""
     out = []
     trials = 3 if quick else 5
-    for dtype in dtypes:
+    shapes = sorted(attention_shapes(quick), key=lambda s: (s[3], _flops(*s[:3])))
+    cases = [(dtype, shape) for dtype in dtypes for shape in shapes]
+    sweep = SizeSweep(budget_s, [((d, sh[3]), _flops(*sh[:3])) for d, sh in cases])
+    pools: dict[str, torch.Tensor] = {}
+    for dtype, (m, n, k, layout) in cases:
+        work = _flops(m, n, k)
+        share = sweep.share_s((dtype, layout), work, fallback=dtype)
+        if share is None:
+            t = sweep.predict_s((dtype, layout), work, fallback=dtype)
+            if t is not None:
+                out.append(GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout, batch=ATTENTION_BATCH,
+                                      extrapolated=True))
+            continue
         torch_dtype = _DTYPES[dtype]
-        pool = torch.randn(COLD_POOL_BYTES // torch.empty((), dtype=torch_dtype).element_size(), device=device,
-                           dtype=torch_dtype)
-        for m, n, k, layout in attention_shapes(quick):
-            size_a, size_b = ATTENTION_BATCH * m * k, ATTENTION_BATCH * k * n
-            pairs = [(_carve(pool, o, ATTENTION_BATCH, m, k, layout[0] == "t"),
-                      _carve(pool, o + size_a, ATTENTION_BATCH, k, n, layout[1] == "t"))
-                     for o in range(0, pool.numel() - size_a - size_b + 1, size_a + size_b)]
-            t = _time_rotating(lambda ab: torch.bmm(*ab), pairs, device, trials, clock)
-            sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout, batch=ATTENTION_BATCH)
-            progress(f"bmm {ATTENTION_BATCH}x{m}x{n}x{k} {layout} {dtype} (cold): {t * 1e3:.3f} ms, "
-                     f"{sample.flops_per_s / 1e9:.1f} GFLOP/s")
-            out.append(sample)
+        if dtype not in pools:
+            pools = {dtype: torch.randn(COLD_POOL_BYTES // torch.empty((), dtype=torch_dtype).element_size(),
+                                        device=device, dtype=torch_dtype)}
+        pool = pools[dtype]
+        size_a, size_b = ATTENTION_BATCH * m * k, ATTENTION_BATCH * k * n
+        pairs = [(_carve(pool, o, ATTENTION_BATCH, m, k, layout[0] == "t"),
+                  _carve(pool, o + size_a, ATTENTION_BATCH, k, n, layout[1] == "t"))
+                 for o in range(0, pool.numel() - size_a - size_b + 1, size_a + size_b)]
+        t = _time_rotating(lambda ab: torch.bmm(*ab), pairs, device, trials, clock, share)
+        sweep.done(work, t, (dtype, layout), dtype)
+        sample = GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t, layout=layout, batch=ATTENTION_BATCH)
+        progress(f"bmm {ATTENTION_BATCH}x{m}x{n}x{k} {layout} {dtype} (cold): {t * 1e3:.3f} ms, "
+                 f"{sample.flops_per_s / 1e9:.1f} GFLOP/s", sweep.expected_left_s(trials, 0.05))
+        out.append(sample)
+    _report_stops(sweep, "bmm", progress)
     return out
 
 

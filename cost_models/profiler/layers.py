@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from cost_models.profile import layer_key
+from cost_models.profiler.budget import trials_within
 from cost_models.profiler.timing import synchronize, time_callable
 
 __all__ = ["LayerCase", "measure_layer"]
@@ -47,15 +48,27 @@ def _backward_s(case: LayerCase, device: torch.device, reps: int) -> float:
     return total / reps
 
 
-def measure_layer(case: LayerCase, device: torch.device, *, quick: bool) -> dict[str, float]:
-    """{layer_key(sig, "fwd", b): s, layer_key(sig, "bwd", b): s}; backward alone, forward re-run untimed."""
+def measure_layer(case: LayerCase, device: torch.device, *, quick: bool,
+                  budget_s: float | None = None) -> dict[str, float]:
+    """{layer_key(sig, "fwd", b): s, layer_key(sig, "bwd", b): s}; backward alone, forward re-run untimed.
+    Within budget_s: half for the forward, the backward's repetitions and trials fit in what is left."""
+    start = time.perf_counter()
     trials = 3 if quick else 5
-    fwd = time_callable(case.forward, device, trial_s=0.02 if quick else 0.05, trials=trials, max_reps=50)
+    fwd = time_callable(case.forward, device, trial_s=0.02 if quick else 0.05, trials=trials, max_reps=50,
+                        budget_s=None if budget_s is None else budget_s / 2)
     tensors, _ = _grad_outputs(case.forward())
     out = {layer_key(case.signature, "fwd", case.micro_batch): fwd}
     if tensors:
+        first = _backward_s(case, device, 1)  # also the warm-up
         reps = max(1, min(20, int((0.04 if quick else 0.1) / max(fwd, 1e-6))))
-        _backward_s(case, device, 1)  # warm-up
+        if budget_s is not None:  # each repetition re-runs the forward untimed
+            per_trial = reps * (fwd + first)
+            left = budget_s - (time.perf_counter() - start)
+            reps = max(1, min(reps, int(left / (fwd + first))))
+            trials = trials_within(left, 0.0, trial_s=reps * (fwd + first), most=trials) if per_trial > 0 else 1
+            if left < 2 * (fwd + first):
+                out[layer_key(case.signature, "bwd", case.micro_batch)] = first
+                return out
         out[layer_key(case.signature, "bwd", case.micro_batch)] = statistics.median(
             _backward_s(case, device, reps) for _ in range(trials))
     return out

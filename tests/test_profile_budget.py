@@ -1,0 +1,101 @@
+"""The profile's time budget (cost_models/profiler/budget.py): on a machine where a kernel is 100× slower
+than expected the sweeps stop in time and fill the rest from the fitted curve. The slow machine is
+simulated: a kernel slowed by a sleep proportional to its work (wall clock), and a simulated clock."""
+
+import time
+
+import pytest
+import torch
+
+from cost_models.profile import Profile
+from cost_models.profiler import kernels
+from cost_models.profiler.budget import PhaseClock, SizeSweep, fitted_time_s, trials_within
+
+
+def test_fitted_curve_recovers_a_power_law_and_never_promises_a_faster_rate():
+    points = [(w, 3e-9 * w**1.5) for w in (1e3, 1e4, 1e5)]
+    assert fitted_time_s(points, 1e7) == pytest.approx(3e-9 * 1e7**1.5, rel=1e-9)
+    # a rate still rising (time ∝ work^0.5) is not extrapolated as rising further: linear past the last point
+    rising = [(w, 1e-6 * w**0.5) for w in (1e3, 1e4, 1e5)]
+    assert fitted_time_s(rising, 1e7) == pytest.approx(1e-6 * 1e5**0.5 * 100, rel=1e-9)
+    assert fitted_time_s([(10.0, 2.0)], 40.0) == pytest.approx(8.0)
+
+
+def test_trials_shrink_to_fit_but_one_always_runs():
+    assert trials_within(1.0, 0.1, trial_s=0.02, most=5) == 5
+    assert trials_within(1.0, 0.3, trial_s=0.02, most=5) == 2  # (1.0 - 0.3) // 0.3
+    assert trials_within(0.1, 5.0, trial_s=0.02, most=5) == 1
+
+
+def test_phases_share_what_is_left_by_weight():
+    now = [0.0]
+    clock = PhaseClock(100.0, {"a": 1.0, "b": 3.0}, clock=lambda: now[0])
+    assert clock.begin("a") == pytest.approx(25.0)
+    now[0] = 10.0  # "a" finished early: "b" gets everything left
+    assert clock.begin("b") == pytest.approx(90.0)
+    with pytest.raises(ValueError, match="positive"):
+        PhaseClock(0.0, {})
+
+
+def test_simulated_slow_sweep_stops_within_budget_and_extrapolates_the_law():
+    """Sizes ×2 apart whose call time is work / 1 GFLOP/s (a slow bf16 GEMM), each costing a warm-up and
+    three trials on a simulated clock; 30 s for a sweep that would take ~430 s in full."""
+    now = [0.0]
+    works = [2.0 * s**3 for s in (64, 128, 256, 512, 1024, 2048)]
+    items = [(layout, w) for layout in ("nn", "nt", "tn") for w in works]
+    sweep = SizeSweep(30.0, items, clock=lambda: now[0])
+    measured, extrapolated = [], []
+    for layout, w in items:
+        share = sweep.share_s(layout, w, fallback="dtype")
+        if share is None:
+            extrapolated.append((w, sweep.predict_s(layout, w, fallback="dtype")))
+            continue
+        t = w / 1e9
+        now[0] += t + trials_within(share, t, trial_s=0.02, most=3) * max(t, 0.02)
+        sweep.done(w, t, layout, "dtype")
+        measured.append(w)
+    assert now[0] <= 30.0
+    assert max(measured) < works[-1] and extrapolated  # the large sizes were not run
+    for w, t in extrapolated:
+        assert t == pytest.approx(w / 1e9, rel=1e-6)  # the fitted law is the true one here
+
+
+def test_gemm_sweep_on_a_slowed_kernel_stops_in_time(monkeypatch):
+    """A real sweep, with torch.mm slowed to 0.02 GFLOP/s (a sleep per call, ≥ 26 ms so that a busy
+    machine's scheduling does not dominate it): 1024³ would take 107 s a call."""
+    rate = 2e7
+    real_mm = torch.mm
+
+    def slow_mm(a, b):
+        time.sleep(2.0 * a.shape[0] * a.shape[1] * b.shape[1] / rate)
+        return real_mm(a, b)
+
+    monkeypatch.setattr(kernels, "gemm_shapes", lambda quick: [(s, s, s) for s in (64, 128, 256, 512, 1024)])
+    monkeypatch.setattr(kernels.torch, "mm", slow_mm)
+    messages = []
+    t0 = time.monotonic()
+    samples = kernels.measure_gemm(torch.device("cpu"), ["float32"], True, lambda m, _left: messages.append(m),
+                                   budget_s=3.0)
+    took = time.monotonic() - t0
+    assert took < 3.0 + 0.5  # the last item may overrun its share by one call
+    big = [s for s in samples if s.m >= 512]
+    assert len(big) == 6 and all(s.extrapolated for s in big)
+    for s in big:  # the sleep dominates, so the fitted curve is the slowed rate; a busy machine only
+        true_s = 2.0 * s.m**3 / rate  # oversleeps (48 ms for a 26 ms sleep seen at load 5), never under
+        assert 0.7 * true_s < s.time_s < 3.0 * true_s
+    assert any("extrapolated" in m for m in messages)
+    assert all(not s.extrapolated for s in samples if s.m == 64)
+
+
+def test_extrapolated_samples_survive_a_round_trip(tmp_path):
+    from cost_models.profile import GemmSample, MachineInfo
+
+    prof = Profile(machine=MachineInfo(hostname="h", platform="p", processor="x", cpu_count=2, ram_bytes=1),
+                   device_name="cpu", device_kind="cpu", device_count=2, torch_version="t", created="c",
+                   backend="gloo", threads_per_process=1, launch_overhead_s=1e-6,
+                   gemm=(GemmSample(m=8, n=8, k=8, dtype="float32", time_s=1e-5, extrapolated=True),),
+                   process_slowdown={2: 1.3, 4: 2.6})
+    prof.save(tmp_path / "p.json")
+    back = Profile.load(tmp_path / "p.json")
+    assert back == prof and back.gemm[0].extrapolated and back.process_slowdown == {2: 1.3, 4: 2.6}
+
