@@ -34,6 +34,8 @@ class ParallelConfig:
     virtual_stages: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    # each block compiled with torch.compile (autopar.codegen.compile), its pointwise chains fused
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -81,6 +83,8 @@ class ParallelConfig:
         s += f",recompute={self.recompute}"
         if self.sequence_parallel:
             s += ",sp=1"
+        if self.compile:
+            s += ",compile=1"
         return s
 
     _ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches",
@@ -105,7 +109,7 @@ class ParallelConfig:
                 raise ValueError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
             if key in ("schedule", "recompute"):
                 values[key] = raw
-            elif key == "sequence_parallel":
+            elif key in ("sequence_parallel", "compile"):
                 values[key] = raw.lower() in ("1", "true", "yes", "on")
             else:
                 try:
@@ -129,6 +133,8 @@ class PlannerOptions:
     virtual_stages: int | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None
+    # False: eager blocks (what codegen runs unless asked); True: compiled; None: the planner prices both
+    compile: bool | None = False
     exclude_schedules: tuple[str, ...] = ()
     exclude_zero_stages: tuple[int, ...] = ()
     max_virtual_stages: int = 4

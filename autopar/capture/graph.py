@@ -135,6 +135,9 @@ class KernelMix:
     `kernels` lists the same kernels one by one (merged when identical), with the sizes and layouts
     that set each one's measured rate; the totals above stay for readers that only need sums.
     Graphs written before it existed have none, and are priced from the totals.
+    `fused` lists the memory-bound kernels as TorchInductor fuses them in a compiled block, one per chain
+    of pointwise/reduction ops between matmuls (autopar.capture.fusion); () in older graphs, whose
+    compiled blocks are priced as eager.
     """
 
     gemm_flops: float = 0.0  # matmuls against weights (linear layers)
@@ -147,26 +150,32 @@ class KernelMix:
     attention_flops_tp_sharded: float = 0.0
     memory_bytes_tp_sharded: float = 0.0
     kernels: tuple[Kernel, ...] = ()
+    fused: tuple[Kernel, ...] = ()
 
     def __post_init__(self) -> None:
-        ks = tuple(k if isinstance(k, Kernel) else Kernel(**k) for k in self.kernels)  # from JSON: dicts
-        object.__setattr__(self, "kernels", ks)
+        for name in ("kernels", "fused"):  # from JSON: dicts
+            ks = tuple(k if isinstance(k, Kernel) else Kernel(**k) for k in getattr(self, name))
+            object.__setattr__(self, name, ks)
         if min(self.gemm_flops, self.attention_flops, self.memory_bytes, self.gemm_count, self.attention_count,
                self.memory_count) < 0:
             raise ValueError(f"KernelMix has a negative entry: {self}")
 
     def __add__(self, other: KernelMix) -> KernelMix:
         sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
-                if f.name != "kernels"}
-        return KernelMix(**sums, kernels=merge_kernels(self.kernels + other.kernels))
+                if f.name not in ("kernels", "fused")}
+        return KernelMix(**sums, kernels=merge_kernels(self.kernels + other.kernels),
+                         fused=merge_kernels(self.fused + other.fused))
 
     def scaled(self, factor: float) -> KernelMix:
         """Work scaled by `factor` (e.g. 1/batch for per-sample numbers); kernel counts unchanged."""
         sums = {f.name: getattr(self, f.name) * (1 if f.name.endswith("count") else factor)
-                for f in dataclasses.fields(self) if f.name != "kernels"}
-        kernels = [dataclasses.replace(k, work=k.work * factor, tensor_bytes=k.tensor_bytes * factor)
-                   for k in self.kernels]
-        return KernelMix(**sums, kernels=merge_kernels(kernels))
+                for f in dataclasses.fields(self) if f.name not in ("kernels", "fused")}
+
+        def scale(ks: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
+            return merge_kernels([dataclasses.replace(k, work=k.work * factor, tensor_bytes=k.tensor_bytes * factor)
+                                  for k in ks])
+
+        return KernelMix(**sums, kernels=scale(self.kernels), fused=scale(self.fused))
 
 
 @dataclass(frozen=True, kw_only=True)

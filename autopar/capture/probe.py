@@ -18,6 +18,7 @@ The call runs forward and backward once under
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.capture.fusion import Step, StepLog, fused_kernels
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
 from cost_models.optrace import OpRecord, describe_op
@@ -161,6 +163,7 @@ class _OpLog(TorchDispatchMode):
         self.linear_of, self.tp_linears, self.rows = linear_of, tp_linears, rows
         self.ops: list[tuple[str, float, int]] = []
         self.kernels: list[Kernel] = []
+        self.steps = StepLog()  # for the fused kernels of a compiled block (autopar.capture.fusion)
         # keyed by storage without keeping gradients alive: a kept reference would stop AccumulateGrad from
         # stealing a gradient and make it copy one that training never copies
         self.grad_sharded: dict[int, bool] = {}
@@ -190,18 +193,23 @@ class _OpLog(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.grad_sharded[storage_key(t)] = out_sharded
-        if kind != "view":
-            k = "attention" if kind == "attention" or (kind == "matmul" and rec.gemm_batch > 1) else \
-                "gemm" if kind == "matmul" else "memory"
-            self.kernels.append(_kernel(k, flops if k != "memory" else float(moved), rec, sharded))
+        k = "view" if kind == "view" else "attention" if kind == "attention" or (
+            kind == "matmul" and rec.gemm_batch > 1) else "gemm" if kind == "matmul" else "memory"
+        kernel = None if k == "view" else _kernel(k, flops if k != "memory" else float(moved), rec, sharded)
+        if kernel is not None:
+            self.kernels.append(kernel)
+        self.steps.record(k, _storages(ins), _storages(tree_leaves(out)), kernel)
         return out
 
 
-def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix:
-    """Forward kernels by kind; an op inside a TP pattern (its linear, or data from column linears) is sharded."""
+def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str], steps: list[Step],
+                saved_ids: set[int]) -> KernelMix:
+    """Forward kernels by kind; an op inside a TP pattern (its linear, or data from column linears) is sharded.
+    `steps` (one per op) give the chains TorchInductor fuses (KernelMix.fused)."""
     sums: dict[str, float] = {}
     kernels = []
-    for op in ops:
+    steps = list(steps)
+    for i, op in enumerate(ops):
         if op.kind == "view":
             continue
         work = float(op.bytes_moved) if op.kind == "memory" else op.flops
@@ -214,8 +222,9 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str]) -> KernelMix
             sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
         if op.record is not None:
             kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0))
+            steps[i] = dataclasses.replace(steps[i], kernel=kernels[-1])
     return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
-                     kernels=merge_kernels(kernels))
+                     kernels=merge_kernels(kernels), fused=fused_kernels(steps, frozenset(saved_ids)))
 
 
 def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix, kernels: list[Kernel]) -> KernelMix:
@@ -264,6 +273,8 @@ class _Tracker(TorchDispatchMode):
         self.bytes_read = 0
         self.bytes_written = 0
         self.matmuls = 0  # OP_SAC_MATMUL_OPS so far (op_sac's counter)
+        self.steps = StepLog()  # one per op in self.ops, for the fused kernels of a compiled block
+        self.saved_ids: set[int] = set()  # StepLog names of the tensors saved for backward
 
     def tag(self, t: torch.Tensor) -> Tag:
         return self.tags.get(storage_key(t), _CONSTANT)
@@ -276,6 +287,7 @@ class _Tracker(TorchDispatchMode):
         if t in self.state:
             return t
         key = storage_key(t)
+        self.saved_ids.add(self.steps.ident(key))
         if key not in self.saved:
             self.saved[key] = t.untyped_storage().nbytes()
             self.keep.append(t)
@@ -319,7 +331,13 @@ class _Tracker(TorchDispatchMode):
         self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
                             bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
                             sac_saved_bytes=sac))
+        self.steps.record(kind, _storages(ins), _storages(outs))
         return out
+
+
+def _storages(tensors: Any) -> list[tuple[int, int]]:
+    """(storage key, bytes) of each tensor: what a fused kernel would read or write."""
+    return [(storage_key(t), t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _fresh(x: Any) -> Any:
@@ -423,7 +441,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
             column_out_features=sum(linears[c].out_features for c in cols),
             row_in_features=linears[row].in_features, row_out_bytes=io[row][1],
         ))
-    kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears)
+    kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears, tracker.steps.steps, tracker.saved_ids)
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
     inputs = tensor_bytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t not in state])
@@ -443,7 +461,8 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         linear_io=tuple((name, i, o, sum(op.flops for op in tracker.ops if op.linear == name))
                         for name, (i, o) in io.items()),
         kernels_forward=kernels_forward,
-        kernels_backward=_backward_mix(op_log.ops, kernels_forward, op_log.kernels),
+        kernels_backward=dataclasses.replace(_backward_mix(op_log.ops, kernels_forward, op_log.kernels),
+                                             fused=fused_kernels(op_log.steps.steps)),
         saved_bytes_op_sac=inputs + sum(op.sac_saved_bytes for op in tracker.ops),
         saved_bytes_op_sac_tp_sharded=sac_sharded,
     )

@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
+from autopar.config import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 from autopar.validate import (
@@ -47,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="pin the ZeRO stage")
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recompute on every stage")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin recompute on every layer")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile each block with torch.compile (--no-compile: eager, the default)")
     p.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -144,7 +146,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
-                          schedule=args.schedule, recompute=args.recompute, top_k=args.top,
+                          schedule=args.schedule, recompute=args.recompute, compile=args.compile, top_k=args.top,
                           time_limit_s=args.time_limit)
     from autopar.models import training_dtype
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.capture.graph import ModelGraph
+from autopar.codegen.compile import apply_compile
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import trace_dataflow
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
@@ -151,7 +152,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
             for layer in layers:
                 if layer.kind == "block":
                     for path in layer_modules(graph, layer.name):
-                        apply_recompute(part.get_submodule(path), stage.recompute)
+                        apply_recompute(part.get_submodule(path), stage.recompute_of(layer.name))
+                        if cfg.compile:
+                            apply_compile(part.get_submodule(path))
             if cfg.zero_stage >= 2 and cfg.dp > 1:
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
                 apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage)

@@ -1,10 +1,16 @@
-"""Activation recompute on the planned layers (Chen et al. 2016; Korthikanti et al. 2022, §4).
+"""Activation recompute on one block module, per the mode the plan gives that layer.
 
-- "full": the layer keeps only its inputs and reruns its forward during backward.
-- "selective": only the attention core (scores, softmax, attention-weighted sum — the s²-sized
-  tensors) is recomputed; every other op's output is saved, as in Korthikanti et al. §4.2.
-The layer's forward is wrapped in place, so module paths and parameter names do not change
-(composes with tensor parallelism and `fully_shard`, which hook around the wrapped forward).
+The modes (cost_models.memory.RECOMPUTE_MODES, the one vocabulary):
+- "none": autograd keeps what each op saves.
+- "selective": only the attention core (scores, softmax, attention-weighted sum: the s²-sized tensors) is
+  recomputed; every other op's output is saved (Korthikanti et al. 2022, §4.2).
+- "op_sac": op-level selective checkpointing as torchtitan runs it: the outputs of fused attention,
+  reduce-scatters and every odd-numbered matmul are saved, every second matmul and every other op
+  (pointwise ops, norms) runs again in backward (autopar.capture.kernels.op_sac_saves, which capture
+  prices with the same rule).
+- "full": the block keeps only its inputs and reruns its forward in backward (Chen et al. 2016).
+The block's forward is wrapped in place, so module paths and parameter names do not change (composes
+with tensor parallelism, `torch.compile` of the block and `fully_shard`, which hook around the call).
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import functools
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autopar.capture.kernels import OP_SAC_MATMUL_OPS, op_sac_saves
+from autopar.errors import PlanMismatchError
+from cost_models.memory import RECOMPUTE_MODES
 
 __all__ = ["ATTENTION_CORE_OPS", "apply_recompute"]
 
@@ -31,11 +41,11 @@ ATTENTION_CORE_OPS = frozenset(
         _aten.native_dropout.default,
     ) if op is not None
 )
+_CORE_PACKETS = frozenset(getattr(op, "overloadpacket", op) for op in ATTENTION_CORE_OPS)
 
 
 def _attention_core_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    packet = getattr(op, "overloadpacket", op)
-    core = op in ATTENTION_CORE_OPS or any(packet is getattr(c, "overloadpacket", c) for c in ATTENTION_CORE_OPS)
+    core = getattr(op, "overloadpacket", op) in _CORE_PACKETS
     return CheckpointPolicy.PREFER_RECOMPUTE if core else CheckpointPolicy.MUST_SAVE
 
 
@@ -43,14 +53,32 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_attention_core_policy)
 
 
+def _op_sac_context():
+    """A fresh policy per checkpointed call: matmuls are counted from 1 in forward and again from 1 when
+    backward recomputes, so the same matmuls are saved both times."""
+    counts = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        packet = getattr(op, "overloadpacket", op)
+        if packet in OP_SAC_MATMUL_OPS:
+            counts[ctx.is_recompute] += 1
+        saved = op_sac_saves(packet, counts[ctx.is_recompute])
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_CONTEXTS = {"selective": _selective_context, "op_sac": _op_sac_context}
+
+
 def apply_recompute(module: nn.Module, mode: str) -> None:
     """Wrap `module.forward` so its activations are recomputed in backward per `mode`."""
+    if mode not in RECOMPUTE_MODES:
+        raise PlanMismatchError(f"recompute mode {mode!r} is not one of {RECOMPUTE_MODES}; re-plan or fix the plan")
     if mode == "none":
         return
-    if mode not in ("full", "selective"):
-        raise ValueError(f"recompute mode {mode!r}; expected 'none', 'selective' or 'full'")
     inner = module.forward
-    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+    kwargs = {"context_fn": _CONTEXTS[mode]} if mode in _CONTEXTS else {}
 
     @functools.wraps(inner)
     def forward(*args, **kw):

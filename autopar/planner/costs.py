@@ -5,6 +5,9 @@ each run of identical layers into a `Run` (time by recompute mode, activation an
 gradient-sync, optimizer and p2p time) and each pipeline rank into its in-flight micro-batches and
 memory capacity. Per layer at tensor-parallel degree t, sequence parallelism and micro-batch b:
 
+  compiled blocks (Candidate.compile): each chain of memory-bound kernels between matmuls is one kernel
+                  reading its inputs and writing its outputs once (KernelMix.fused: TorchInductor's fusion,
+                  Ansel et al. 2024 §5); GEMMs and attention are priced as in eager
   pass time       the sum of the pass's kernels (LayerSpec.kernels_forward / kernels_backward, a KernelMix),
                   each at b × its per-sample work (÷ t inside a TP pattern; every memory-bound kernel ÷ t
                   with SP, which shards norms, dropouts and residuals along the sequence: Korthikanti et al.
@@ -169,15 +172,16 @@ class CostModel:
         f = self.tp_param_fraction(layer)
         return layer.num_params * (1.0 - f + f / tp)
 
-    def _run_times(self, ri: int, tp: int, sp: bool, mbs: int) -> dict[str, object]:
+    def _run_times(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> dict[str, object]:
         layer = self.runs[ri][0]
+        compiled = compiled and layer.kind == "block" and bool(layer.kernels_forward.fused)  # codegen compiles blocks
         f = layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
         share = 1.0 - f + f / tp
         fp = self.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
-            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs)
-            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs)
+            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled)
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled)
         else:
             act_traffic = max(0.0, layer.bytes_read + layer.bytes_written - layer.param_bytes) * mbs * share
             fwd = self.compute.op_time_s(mbs * layer.forward_flops * share, param_bytes + act_traffic, self.dtype)
@@ -223,9 +227,10 @@ class CostModel:
 
         sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
         if sac_known:
-            rerun = [k for k in layer.kernels_forward.kernels if not k.op_sac_saved]
-            sac = self._pass_s(dataclasses.replace(layer.kernels_forward, kernels=tuple(rerun)), tp, sp, mbs) \
-                + tp_fwd
+            kf = layer.kernels_forward
+            rerun = [k for k in kf.kernels if not k.op_sac_saved and (not compiled or k.kind in ("gemm", "attention"))]
+            sac = self._pass_s(dataclasses.replace(kf, kernels=tuple(rerun) + (kf.fused if compiled else ())),
+                               tp, sp, mbs) + tp_fwd
         else:
             sac = 0.0 if layer.kind != "block" else fwd + tp_fwd
         recompute = tuple({"none": 0.0, "selective": sel, "op_sac": sac, "full": fwd + tp_fwd}[k] for k in MODES)
@@ -245,13 +250,17 @@ class CostModel:
             raise KeyError(f"no layer named {name!r}; layers are {[la.name for la in self.graph.layers]}")
         return self._time(ri, tp, sp, micro_batch)["compute"]
 
-    def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int) -> float:
+    def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
-        list by their per-kind totals (ComputeModel.kernels_time_s)."""
+        list by their per-kind totals (ComputeModel.kernels_time_s). `compiled`: the memory-bound kernels
+        as TorchInductor fuses them (KernelMix.fused), GEMMs and attention unchanged."""
         if mix.kernels:
             total = 0.0
-            for k in mix.kernels:
+            kernels = mix.kernels
+            if compiled and mix.fused:
+                kernels = tuple(k for k in mix.kernels if k.kind in ("gemm", "attention")) + mix.fused
+            for k in kernels:
                 memory = k.kind not in ("gemm", "attention")
                 share = 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
                 total += k.count * self.compute.kernel_time_s(
@@ -348,7 +357,7 @@ class CostModel:
         runs = []
         for ri, group in enumerate(self.runs):
             layer = group[0]
-            tm = self._time(ri, c.tp, c.sequence_parallel, c.micro_batch_size)
+            tm = self._time(ri, c.tp, c.sequence_parallel, c.micro_batch_size, c.compile)
             rec = tm["recompute"]
             grad_bytes = self._local_run(ri, c.tp) * self.elem
             # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
@@ -359,7 +368,7 @@ class CostModel:
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * len(MODES), act_bytes=tm["act"],
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
                 backward_s=tm["compute"] if overlaps else 0.0,
-                grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"],
+                grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"] + self._shared_sync_s(ri, c),
                 optimizer_s=self._opt_run(ri, c.tp, shards) + opt_host, send_s=tm["send"],
                 host_s=tm["host"] + hooks, optimizer_host_s=self._opt_host_s(ri, c.tp, shards) + opt_host))
         ranks = self.rank_memory(c)
@@ -368,6 +377,27 @@ class CostModel:
                             inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
                             modes=modes, grad_sync_latency_s=tail.fixed_s)
+
+    def _shared_sync_s(self, ri: int, c: Candidate) -> float:
+        """The all-reduce that sums a shared weight's gradients over the pipeline stages holding it
+        (codegen/shared.py), charged to each holding layer. With pp > 1 contiguous cuts put a tied
+        embedding and head on different stages; a weight only top-level code reads is on every stage
+        (charged to the first layer). Gradients are those of this rank: divided by tp where the
+        vocabulary is split, by dp under ZeRO-2/3."""
+        if c.pp == 1 or not self.graph.shared_params:
+            return 0.0
+        layer = self.runs[ri][0]
+        first = self.graph.layers[0].name
+        total = 0.0
+        for sp in self.graph.shared_params:
+            holders = len(sp.layers) if sp.layers else c.pp
+            if holders < 2 or layer.name not in (sp.layers or (first,)):
+                continue
+            n = sp.num_params * self.elem / (c.tp if self.tp_param_fraction(layer) > 0 else 1)
+            n /= c.dp if c.zero_stage >= 2 else 1
+            k = min(holders, c.pp)
+            total += self.collective_s("all_reduce", n, k, k if c.tp * c.dp * c.pp <= self.devices_per_node else 1)
+        return total
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.dp, c.zero_stage == 3, c.schedule, c.num_microbatches, c.virtual_stages,

@@ -1,7 +1,8 @@
 """The outer search space (docs/design.md §5): every discrete layout choice except stage cuts and recompute.
 
 A `Candidate` fixes tp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages and
-sequence parallelism; the ILP (`autopar.planner.ilp`) then places the cuts and picks recompute per stage.
+sequence parallelism and compiled blocks; the ILP (`autopar.planner.ilp`) then places the cuts and picks
+recompute per layer.
 Equivalent layouts are enumerated once: with dp = 1 every ZeRO stage is ZeRO-0, and with pp = 1 GPipe
 and 1F1B are the same schedule (named 1f1b).
 """
@@ -28,19 +29,20 @@ class Candidate:
     schedule: str
     virtual_stages: int
     sequence_parallel: bool
+    compile: bool = False
 
     def config(self, recompute: str) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage,
                               micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
-                              sequence_parallel=self.sequence_parallel)
+                              sequence_parallel=self.sequence_parallel, compile=self.compile)
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
         return cls(tp=config.tp, pp=config.pp, dp=config.dp, zero_stage=config.zero_stage,
                    micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
-                   sequence_parallel=config.sequence_parallel)
+                   sequence_parallel=config.sequence_parallel, compile=config.compile)
 
 
 def divisors(n: int) -> list[int]:
@@ -80,9 +82,10 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                 for zero in _zero_stages(dp, zeros, o.zero_stage):
                     for sched, v in _schedules(pp, m, graph.num_layers, schedules, o):
                         for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
-                            out.append(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
-                                                 num_microbatches=m, schedule=sched, virtual_stages=v,
-                                                 sequence_parallel=sp))
+                            for comp in _pinned([False, True], o.compile):
+                                out.append(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
+                                                     num_microbatches=m, schedule=sched, virtual_stages=v,
+                                                     sequence_parallel=sp, compile=comp))
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out
@@ -133,5 +136,5 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 def _pins(o: PlannerOptions) -> str:
     names = ("tp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages",
-             "recompute", "sequence_parallel")
+             "recompute", "sequence_parallel", "compile")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"

@@ -1,0 +1,22 @@
+"""`torch.compile` of one block module, as torchtitan compiles each transformer block.
+
+Compiling block by block keeps compile time bounded by one block's graph (identical blocks reuse the
+compiled code: parameters are graph inputs) and leaves module paths and parameter names unchanged
+(`nn.Module.compile` compiles the module's call in place), so tensor parallelism, `fully_shard` and
+checkpoints see the same module tree. Activation recompute is applied first (autopar.codegen.recompute)
+and is compiled with the block, as torchtitan orders them. TorchInductor fuses each chain of pointwise
+ops into one kernel (Ansel et al. 2024, "PyTorch 2", §4: TorchInductor's loop-level fusion), which is
+how the planner prices a compiled block (autopar.planner.costs).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["apply_compile"]
+
+
+def apply_compile(module: nn.Module) -> None:
+    """Compile `module`'s call in place. Graph breaks fall back to eager for their part (fullgraph=False),
+    so a block whose Python dynamo cannot follow still trains, only with less fusion."""
+    module.compile(fullgraph=False)
