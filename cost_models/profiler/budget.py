@@ -5,7 +5,7 @@ expected (bfloat16 GEMMs on a CPU without AVX-512-BF16/AMX run at 1–20 GFLOP/s
 `ONEDNN_MAX_CPU_ISA=AVX2`). So each sweep measures its ranges (a dtype and layout, an elementwise op)
 one after another, each with an equal share of what the sweep has left (what a fast range leaves over
 flows to the later ones), and a range's sizes in increasing order. Before a size it predicts the call
-time from the power law fitted to the sizes already measured; when the least cost of measuring it (a
+time from the rate of the sizes already measured (`fitted_time_s`); when the least cost of measuring it (a
 warm-up call and one timed call) exceeds what the range has left, the range stops there and its
 remaining sizes are filled in from the fitted curve, marked extrapolated. Within a size, the number of
 trials shrinks to fit (`trials_within`).
@@ -16,7 +16,7 @@ each phase gets its weight's share of what is left when it starts (`PhaseClock`)
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -33,24 +33,16 @@ FULL_BUDGET_S = 600.0
 
 
 def fitted_time_s(points: Sequence[tuple[float, float]], work: float) -> float:
-    """Time at `work` from measured (work, time_s) points of one range: the power law time ∝ work^p fitted
-    in log-log to the last three points, with p ≥ 1 beyond the largest (a kernel is not taken to run
-    faster than its last measured rate) — so extrapolation never promises more than was measured."""
+    """Time at `work` from measured (work, time_s) points of one range: work over the median rate
+    (work / time) of the last three points. Past the measured sizes a kernel's time grows at least in
+    proportion to its work (its rate stops rising once the machine is saturated), and the median keeps
+    one disturbed trial from setting the curve: a 4 MiB add timed at 0.24 GB/s between two at 6–7 GB/s
+    during a load spike here would have extrapolated, with a power law fitted to the last three, to
+    0.01 GB/s at 64 MiB."""
     if not points:
         raise ValueError("fitted_time_s needs at least one measured point")
-    pts = sorted(points)[-3:]
-    w_last, t_last = pts[-1]
-    p = 1.0
-    if len(pts) >= 2:
-        xs = [math.log(w) for w, _ in pts]
-        ys = [math.log(t) for _, t in pts]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var > 0:
-            p = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    # beyond the range at least linear; below it (the sweeps never ask) the same law, never decreasing
-    p = max(p, 1.0) if work >= w_last else max(p, 0.0)
-    return t_last * (work / w_last) ** p
+    rates = [w / t for w, t in sorted(points)[-3:]]
+    return work / statistics.median(rates)
 
 
 def trials_within(budget_s: float, call_s: float, *, trial_s: float, most: int) -> int:
