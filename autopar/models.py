@@ -97,7 +97,18 @@ def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype |
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    result = factory(seq_len=seq_len) if seq_len is not None and "seq_len" in params else factory()
+    passed = {"seq_len"} if seq_len is not None and "seq_len" in params else set()
+    needed = [n for n, p in params.items() if p.default is p.empty and n not in passed
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if needed == ["seq_len"]:
+        raise AutoparError(f"MODEL factory {spec} needs seq_len; pass --seq-len (or give it a default)")
+    if needed:
+        raise AutoparError(f"MODEL factory {spec} needs argument(s) {needed}; autopar calls it with no argument "
+                           "(or seq_len= when it accepts one): give them defaults, or wrap it in a function that does")
+    try:
+        result = factory(seq_len=seq_len) if passed else factory()
+    except Exception as e:
+        raise AutoparError(f"MODEL factory {spec} raised {type(e).__name__}: {e}") from e
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise AutoparError(f"{spec}: the factory returned {type(result).__name__}; it must return "
                            "(model, example_inputs), e.g. `return model, (input_ids,)`")

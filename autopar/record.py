@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,12 +194,54 @@ class RunRecord:
     @classmethod
     def load(cls, path: str | Path) -> RunRecord:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise TypeError(f"the file holds a JSON {type(data).__name__}, not a run record object")
+            record = cls.from_dict(data)
+            _check_numbers(record)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                AttributeError) as e:
             raise ProfileMismatchError(
                 f"cannot read run record {path}: {e}; write one with "
                 f"`torchrun ... examples/train_gpt.py --plan plan.json --record {path}`"
             ) from e
+        return record
+
+
+def _seconds(what: str, v: object, *, positive: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > 0 if positive else v >= 0)
+    if not ok:
+        raise ValueError(f"{what} = {v!r}; it must be a finite {'positive' if positive else 'non-negative'} number")
+
+
+def _check_numbers(r: RunRecord) -> None:
+    """Every time in a record read from a file is a finite number of seconds, every count an integer."""
+    _seconds("predicted_step_time_s", r.predicted_step_time_s, positive=True)
+    _seconds("predicted_host_s", r.predicted_host_s)
+    if set(r.predicted_breakdown) != set(BREAKDOWN_KEYS):
+        raise ValueError(f"predicted_breakdown has keys {sorted(r.predicted_breakdown)}; expected {BREAKDOWN_KEYS}")
+    for k, v in r.predicted_breakdown.items():
+        _seconds(f"predicted_breakdown[{k!r}]", v)
+    for name in ("warmup_steps", "threads_per_process"):
+        v = getattr(r, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "threads_per_process" else 0):
+            raise ValueError(f"{name} = {v!r}; it must be a {'positive' if name != 'warmup_steps' else 'non-negative'}"
+                             " integer")
+    cfg = r.config
+    for t in r.ranks:
+        where = f"rank {t.rank}"
+        for axis, size in (("pp_rank", cfg.pp), ("dp_rank", cfg.dp), ("tp_rank", cfg.tp)):
+            v = getattr(t, axis)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < size:
+                raise ValueError(f"{where}: {axis} = {v!r}; it must be an integer in 0..{size - 1}")
+        for i, v in enumerate(t.step_s):
+            _seconds(f"{where}: step_s[{i}]", v, positive=True)
+        for k, vs in t.components_s.items():
+            for i, v in enumerate(vs):
+                _seconds(f"{where}: components_s[{k!r}][{i}]", v)
+        for k, v in t.calls_per_step.items():
+            _seconds(f"{where}: calls_per_step[{k!r}]", v)
 
 
 def build_record(plan: Plan, ranks: list[RankTiming], *, hostname: str, device_name: str, torch_version: str,

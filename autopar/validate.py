@@ -97,6 +97,8 @@ def _check_estimate(est: Estimate, where: str, *, tokens_per_step: int | None) -
         raise _bad(where, f"step_time_s = {step!r} must be a finite positive number of seconds")
     for name in ("tokens_per_s", "tflops_per_device", "mfu", "host_s"):
         _nonneg(where, name, getattr(est, name))
+    if est.mfu > 1.0:
+        raise _bad(where, f"mfu = {est.mfu:.9g}: no layout uses more than the devices' peak FLOP/s")
     if not _is_int(est.peak_memory_bytes) or est.peak_memory_bytes < 0:
         raise _bad(where, f"peak_memory_bytes = {est.peak_memory_bytes!r} must be a non-negative integer")
     if set(est.breakdown) != set(BREAKDOWN_KEYS):
@@ -111,6 +113,16 @@ def _check_estimate(est: Estimate, where: str, *, tokens_per_step: int | None) -
     if tokens_per_step is not None and not _close(est.tokens_per_s, tokens_per_step / step):
         raise _bad(where, f"tokens_per_s = {est.tokens_per_s:.9g} but global batch × seq_len / step_time_s = "
                           f"{tokens_per_step / step:.9g}")
+
+
+def _check_solver(info: Any, where: str) -> None:
+    if not isinstance(info.status, str) or not isinstance(info.solver, str):
+        raise _bad(where, f"status {info.status!r} and solver {info.solver!r} must be strings")
+    for name in ("gap", "solve_time_s", "ilp_time_s"):
+        _nonneg(where, name, getattr(info, name))
+    for name in ("configs_considered", "ilps_solved"):
+        if not _is_int(getattr(info, name)) or getattr(info, name) < 0:
+            raise _bad(where, f"{name} = {getattr(info, name)!r} must be a non-negative integer")
 
 
 def check_plan(plan: Plan, *, where: str = "plan") -> None:
@@ -152,11 +164,19 @@ def check_plan(plan: Plan, *, where: str = "plan") -> None:
         for k, v in st.memory_breakdown.items():
             _nonneg(w, f"memory_breakdown[{k!r}]", v)
         parts = sum(st.memory_breakdown.values())
+        if st.peak_memory_bytes and not st.memory_breakdown:
+            raise _bad(w, f"peak_memory_bytes = {st.peak_memory_bytes:,} has no memory_breakdown")
         if st.memory_breakdown and abs(parts - st.peak_memory_bytes) > 1 + _REL_TOL * parts:
             raise _bad(w, f"memory_breakdown sums to {parts:,.0f} bytes but peak_memory_bytes is "
                           f"{st.peak_memory_bytes:,}")
+    if plan.solver is not None:
+        _check_solver(plan.solver, f"{where}: solver")
     tokens = plan.global_batch_size * (plan.seq_len or 1)
     _check_estimate(plan.estimate, f"{where}: estimate", tokens_per_step=tokens)
+    slow = [st.index for st in plan.stages if st.time_per_microbatch_s > plan.estimate.step_time_s * (1 + _REL_TOL)]
+    if slow:
+        raise _bad(where, f"stage(s) {slow} take longer per micro-batch than the whole step "
+                          f"({plan.estimate.step_time_s:.9g} s)")
     peak = max(st.peak_memory_bytes for st in plan.stages)
     if plan.estimate.peak_memory_bytes != peak:
         raise _bad(where, f"estimate.peak_memory_bytes = {plan.estimate.peak_memory_bytes:,} but the largest "
@@ -183,14 +203,21 @@ def check_plan_for_graph(plan: Plan, graph: Any, *, where: str = "plan") -> None
             f"this model is {graph.model_name!r} (fingerprint {graph.fingerprint}); make a plan for this model "
             "with `autopar plan` or autopar.plan(model, cluster, ...)")
     check_stages_for_graph(plan.stages, graph, where=where)
-    if plan.seq_len != graph.seq_len:
-        raise _bad(where, f"seq_len = {plan.seq_len} but the model's example input has {graph.seq_len} tokens")
     for layer in graph.layers:
         for pattern in layer.tp_patterns:
             if not pattern.max_degree_ok(plan.config.tp):
                 raise _bad(where, f"tp = {plan.config.tp} does not split layer {layer.name}'s {pattern.kind} "
                                   f"pattern (heads={pattern.num_heads}, kv heads={pattern.num_kv_heads}, "
                                   f"vocab={pattern.vocab_size})")
+    if plan.seq_len != graph.seq_len:
+        raise _bad(where, f"seq_len = {plan.seq_len} but the model's example input has {graph.seq_len} tokens")
+    flops = plan.global_batch_size * (graph.forward_flops + graph.backward_flops)
+    for name, est in [("estimate", plan.estimate), *((f"alternatives[{i}]", e) for i, (_, e) in
+                                                     enumerate(plan.alternatives))]:
+        want = flops / est.step_time_s / plan.config.world_size / 1e12
+        if est.tflops_per_device and not _close(est.tflops_per_device, want):  # 0: not priced (a hand-made plan)
+            raise _bad(where, f"{name}.tflops_per_device = {est.tflops_per_device:.9g} but the model's FLOPs per step "
+                              f"over step_time_s and {plan.config.world_size} devices give {want:.9g}")
 
 
 def check_stages_for_graph(stages: Any, graph: Any, *, where: str = "plan") -> None:

@@ -8,6 +8,7 @@ command in this repo).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,9 @@ class DeviceSpec:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        if self.memory_bytes <= 0 or self.memory_bandwidth_Bps <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: memory_bytes and memory_bandwidth_Bps must be positive")
-        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+        if not (0 < self.memory_bytes < math.inf and 0 < self.memory_bandwidth_Bps < math.inf):
+            raise ValueError(f"DeviceSpec {self.name}: memory_bytes and memory_bandwidth_Bps must be positive, finite")
+        if not self.peak_flops or not all(0 < v < math.inf for v in self.peak_flops.values()):
             raise ValueError(f"DeviceSpec {self.name}: peak_flops needs positive FLOP/s for at least one dtype")
         if not self.source:
             raise ValueError(f"DeviceSpec {self.name}: every spec needs a source")
@@ -59,8 +60,9 @@ class LinkSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.bandwidth_Bps <= 0 or self.latency_s < 0:
-            raise ValueError(f"LinkSpec {self.name}: bandwidth_Bps must be positive and latency_s non-negative")
+        if not (0 < self.bandwidth_Bps < math.inf and 0 <= self.latency_s < math.inf):
+            raise ValueError(f"LinkSpec {self.name}: bandwidth_Bps must be positive and latency_s non-negative, "
+                             "both finite")
         if not self.source:
             raise ValueError(f"LinkSpec {self.name}: every spec needs a source")
         eff = self.extra.get("efficiency", 1.0)

@@ -269,12 +269,96 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        """A profile file, every field of the expected type and every number finite and in a sane range."""
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ProfileMismatch(f"cannot read profile {path}: {e}; write one with `autopar profile --out {path}`") \
                 from e
+        if not isinstance(data, dict):
+            raise ProfileMismatch(f"profile {path} holds a JSON {type(data).__name__}, not the object `autopar "
+                                  "profile` writes; re-measure with `autopar profile --out profile.json`")
         try:
-            return cls.from_dict(data)
-        except (KeyError, TypeError) as e:
-            raise ProfileMismatch(f"profile {path} is malformed ({e!r}); re-measure with `autopar profile`") from e
+            prof = cls.from_dict(data)
+            check_loaded(prof)
+        except ProfileMismatch as e:
+            raise ProfileMismatch(f"profile {path}: {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProfileMismatch(f"profile {path} is malformed ({type(e).__name__}: {e}); re-measure with "
+                                  "`autopar profile --out profile.json`") from e
+        return prof
+
+
+# Bounds on what a measurement can be, far beyond any device (B200: 2.25 PFLOP/s dense BF16, 8 TB/s HBM;
+# NVIDIA HGX B200 datasheet, 2024); a number outside them is a corrupted or hand-edited file, not a machine.
+_MAX_FLOP_PER_S = 1e17
+_MAX_BYTES_PER_S = 1e14
+_MAX_TIME_S = 3600.0
+
+
+def _positive_time(what: str, t: Any) -> None:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= _MAX_TIME_S:
+        raise ProfileMismatch(f"{what} = {t!r}; a measured time must be a number of seconds in (0, {_MAX_TIME_S:g}]")
+
+
+_MAX_COUNT = 2**60  # bytes, CPUs, processes, threads: anything larger is not a machine
+
+
+def _count(what: str, n: Any, low: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= _MAX_COUNT:
+        raise ProfileMismatch(f"{what} = {n!r}; it must be an integer from {low} to 2^60")
+
+
+def _text(what: str, v: Any, choices: tuple[str, ...] | None = None) -> None:
+    if not isinstance(v, str) or (choices is not None and v not in choices):
+        raise ProfileMismatch(f"{what} = {v!r}; it must be {'one of ' + str(choices) if choices else 'a string'}")
+
+
+def check_loaded(p: Profile) -> None:
+    """Refuse a profile read from a file whose numbers no measurement could give (ProfileMismatch)."""
+    m = p.machine
+    _count("machine.cpu_count", m.cpu_count, 1)
+    _count("machine.ram_bytes", m.ram_bytes, 0)
+    for name in ("hostname", "platform", "processor"):
+        _text(f"machine.{name}", getattr(m, name))
+    for name in ("device_name", "torch_version", "created", "notes"):
+        _text(name, getattr(p, name))
+    _text("backend", p.backend, ("gloo", "nccl"))
+    _text("clock", p.clock, ("wall", "thread"))
+    if p.model_name is not None:
+        _text("model_name", p.model_name)
+    _count("device_count", p.device_count, 1)
+    _count("threads_per_process", p.threads_per_process, 1)
+    for name in ("launch_overhead_s", "host_floor_s"):
+        v = getattr(p, name)
+        if v is None and name == "host_floor_s":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1.0:
+            raise ProfileMismatch(f"{name} = {v!r}; a per-op floor is a number of seconds in [0, 1]")
+    for i, g in enumerate(p.gemm):
+        for dim in ("m", "n", "k", "batch"):
+            _count(f"gemm[{i}].{dim}", getattr(g, dim), 1)
+        _text(f"gemm[{i}].dtype", g.dtype)
+        _text(f"gemm[{i}].layout", g.layout, ("nn", "nt", "tn"))
+        _positive_time(f"gemm[{i}].time_s", g.time_s)
+        if g.flops_per_s > _MAX_FLOP_PER_S:
+            raise ProfileMismatch(f"gemm[{i}] ({g.m}x{g.n}x{g.k} {g.dtype} in {g.time_s:g} s) runs at "
+                                  f"{g.flops_per_s:.3g} FLOP/s, beyond any device ({_MAX_FLOP_PER_S:g})")
+    for i, e in enumerate(p.elementwise):
+        _text(f"elementwise[{i}].op", e.op)
+        _text(f"elementwise[{i}].dtype", e.dtype)
+        _count(f"elementwise[{i}].n_bytes", e.n_bytes, 1)
+        _count(f"elementwise[{i}].tensor_bytes", e.tensor_bytes, 0)
+        _positive_time(f"elementwise[{i}].time_s", e.time_s)
+        if e.bytes_per_s > _MAX_BYTES_PER_S:
+            raise ProfileMismatch(f"elementwise[{i}] moves {e.bytes_per_s:.3g} B/s, beyond any memory "
+                                  f"({_MAX_BYTES_PER_S:g})")
+    for i, c in enumerate(p.collectives):
+        _count(f"collectives[{i}].group_size", c.group_size, 2)
+        _count(f"collectives[{i}].n_bytes", c.n_bytes, 1)
+        _positive_time(f"collectives[{i}].time_s", c.time_s)
+        if c.algbw_Bps > _MAX_BYTES_PER_S:
+            raise ProfileMismatch(f"collectives[{i}] ({c.op}) moves {c.algbw_Bps:.3g} B/s, beyond any link "
+                                  f"({_MAX_BYTES_PER_S:g})")
+    for key, t in p.layer_times.items():
+        _positive_time(f"layer_times[{key!r}]", t)

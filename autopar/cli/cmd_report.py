@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
-from autopar.errors import ProfileMismatchError
+from autopar.errors import AutoparError, ProfileMismatchError
+from autopar.validate import check_output_path
 
 __all__ = ["register"]
 
@@ -41,6 +43,8 @@ def _report(args: argparse.Namespace) -> int:
     from autopar.record import RunRecord
     from autopar.report.run_report import compare, render_text
 
+    if not (math.isfinite(args.threshold) and args.threshold > 0):
+        raise AutoparError(f"--threshold {args.threshold}: give a positive fraction, e.g. 0.25 for 25%")
     comparison = compare(Plan.load(args.plan), RunRecord.load(args.run), threshold=args.threshold)
     print(json.dumps(comparison.to_dict(), indent=1) if args.json else render_text(comparison))
     return 0
@@ -53,6 +57,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from autopar.record import RunRecord
     from cost_models.profile import Profile, ProfileMismatch
 
+    check_output_path(args.out, "--out")
     try:
         profile = Profile.load(args.profile)
     except ProfileMismatch as e:
