@@ -1,0 +1,45 @@
+"""A tied weight in the planner: memory on every holding stage, and the all-reduce that sums its gradients
+over pipeline stages (codegen/shared.py), priced as one all-reduce of the rank's share of the weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_families import HIDDEN, VOCAB, build_family
+
+import autopar
+from autopar import Cluster
+from autopar.planner.costs import CostModel
+from autopar.planner.space import Candidate
+
+
+def _graph(kind: str):
+    return autopar.capture(build_family(kind), (torch.zeros(1, 16, dtype=torch.long),))
+
+
+def test_tied_head_counts_the_weight_on_its_own_layer():
+    tied, untied = _graph("llama_tied"), _graph("llama")
+    # the tied head holds a replica of the embedding: as many parameters as the untied head's own weight
+    assert tied.layers[-1].num_params == untied.layers[-1].num_params == VOCAB * HIDDEN
+    assert tied.num_params == untied.num_params - VOCAB * HIDDEN
+    (tie,) = tied.shared_params
+    assert tie.names == ("model.embed_tokens.weight", "lm_head.weight") and tie.num_params == VOCAB * HIDDEN
+    assert not untied.shared_params
+
+
+@pytest.mark.parametrize("tp,dp,zero", [(1, 4, 0), (2, 2, 0), (1, 4, 3)])
+def test_cross_stage_gradient_sum_is_priced_on_both_ends(tp, dp, zero):
+    graph = _graph("llama_tied")
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    costs = CostModel.for_cluster(graph, cluster)
+    cand = Candidate(tp=tp, pp=2, dp=dp, zero_stage=zero, micro_batch_size=1, num_microbatches=2, schedule="1f1b",
+                     virtual_stages=1, sequence_parallel=False)
+    names = [run[0].name for run in costs.runs]
+    share = VOCAB * HIDDEN * costs.elem / tp / (dp if zero >= 2 else 1)  # vocab-parallel under TP, FSDP shard
+    expected = costs.collective_s("all_reduce", share, 2, 2)  # 2·2·dp·tp ≤ 8 GPUs: one node
+    for ri, name in enumerate(names):
+        got = costs._shared_sync_s(ri, cand)
+        assert got == pytest.approx(expected if name in ("model.embed_tokens", "lm_head") else 0.0)
+    one_stage = Candidate(tp=tp, pp=1, dp=dp, zero_stage=zero, micro_batch_size=1, num_microbatches=2,
+                          schedule="1f1b", virtual_stages=1, sequence_parallel=False)
+    assert all(costs._shared_sync_s(ri, one_stage) == 0.0 for ri in range(len(names)))
