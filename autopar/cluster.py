@@ -258,14 +258,26 @@ def _run_threads(n: int) -> int:
 
 
 def _cpu_share(prof: Profile, n: int) -> Profile:
-    """The profile as one of n training processes on this CPU sees it (compute tables slowed down)."""
+    """The profile as one of n training processes on this CPU sees it (compute tables slowed down): by the
+    slowdown the profiler measured with n processes at once (Profile.process_slowdown), else the core
+    share `cpu_slowdown`, relative to the largest smaller process count measured when there is one."""
     from autopar.calibrate import scale_profile
 
-    factor = cpu_slowdown(nproc=n, cpu_count=prof.machine.cpu_count or 1,
-                          profiled_threads=prof.threads_per_process, run_threads=_run_threads(n))
+    def share(k: int) -> float:
+        return cpu_slowdown(nproc=k, cpu_count=prof.machine.cpu_count or 1,
+                            profiled_threads=prof.threads_per_process, run_threads=_run_threads(k))
+
+    measured = prof.process_slowdown
+    below = [k for k in measured if k < n]
+    if n in measured:
+        factor, how = measured[n], "measured with"
+    elif below and n > 1:
+        factor, how = measured[max(below)] * share(n) / share(max(below)), "measured and core share of"
+    else:
+        factor, how = share(n), "core share of"
     if factor == 1.0:
         return prof
-    return scale_profile(prof, compute=factor, note=f"compute x{factor:g}: {n} process(es) sharing "
+    return scale_profile(prof, compute=factor, note=f"compute x{factor:.3g}: {how} {n} process(es) on "
                                                     f"{prof.machine.cpu_count} cores")
 
 

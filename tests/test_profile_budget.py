@@ -103,3 +103,27 @@ def test_extrapolated_samples_survive_a_round_trip(tmp_path):
     back = Profile.load(tmp_path / "p.json")
     assert back == prof and back.gemm[0].extrapolated and back.process_slowdown == {2: 1.3, 4: 2.6}
 
+
+
+def _local_profile(**kw):
+    from cost_models.profile import GemmSample
+    from cost_models.profiler import local_device_name, machine_info
+
+    return Profile(machine=machine_info(), device_name=local_device_name(), device_kind="cpu", device_count=2,
+                   torch_version=torch.__version__, created="c", backend="gloo", threads_per_process=1,
+                   launch_overhead_s=1e-6, gemm=(GemmSample(m=64, n=64, k=64, dtype="float32", time_s=1e-4),), **kw)
+
+
+def test_cluster_local_prices_kernels_with_the_measured_process_slowdown():
+    from autopar.cluster import Cluster, cpu_slowdown
+
+    prof = _local_profile(process_slowdown={2: 1.7})
+    assert Cluster.local(nproc=2, profile=prof).profile.gemm[0].time_s == pytest.approx(1.7e-4)
+    # an unmeasured larger count: the measured slowdown at 2, times the core share from 2 to 4
+    cores = prof.machine.cpu_count
+
+    def share(n):
+        return cpu_slowdown(nproc=n, cpu_count=cores, profiled_threads=1, run_threads=1)
+    assert Cluster.local(nproc=4, profile=prof).profile.gemm[0].time_s == pytest.approx(1.7e-4 * share(4) / share(2))
+    # a profile without the measurement keeps the core share
+    assert Cluster.local(nproc=4, profile=_local_profile()).profile.gemm[0].time_s == pytest.approx(1e-4 * share(4))
