@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AutoparError",
     "CaptureError",
+    "CheckpointError",
     "ClusterSpecError",
     "InfeasiblePlanError",
     "PlanMismatchError",
@@ -38,3 +39,7 @@ class PlanMismatchError(AutoparError):
 
 class ProfileMismatchError(AutoparError):
     """A profile or run record comes from another machine, model, plan or torch version."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint is missing, incomplete, corrupted, or of another model."""

@@ -22,6 +22,7 @@ import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,19 +72,23 @@ def _load_module(target: str) -> ModuleType:
                            f"({', '.join(zoo.names())}), path/file.py:factory or package.module:factory") from e
 
 
-def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype | None = None
-                  ) -> tuple[nn.Module, tuple]:
+def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype | None = None,
+                  overrides: dict[str, Any] | None = None) -> tuple[nn.Module, tuple]:
     """`(model, example_inputs)` for a MODEL string; see the module docstring for the accepted forms.
 
     dtype: the dtype of a zoo model (default: the zoo's bfloat16); a factory decides its own dtype.
+    overrides: zoo config fields to replace (`--override dropout=0`), as examples/train_gpt.py takes them.
     """
     if seq_len is not None and seq_len <= 0:
         raise AutoparError(f"seq_len={seq_len}; it must be a positive number of tokens")
     if ":" not in spec:
         if spec in zoo.names():
-            return zoo.build(spec, seq_len=seq_len, dtype=dtype)
+            return zoo.build(spec, seq_len=seq_len, dtype=dtype, **(overrides or {}))
         raise AutoparError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.names())}) and not of the "
                            "form path/file.py:factory or package.module:factory")
+    if overrides:
+        raise AutoparError(f"--override {' '.join(f'{k}={v}' for k, v in overrides.items())}: overrides replace "
+                           f"fields of a zoo model's config; MODEL {spec!r} is a factory, so set them in it")
     target, _, factory_name = spec.rpartition(":")
     if not target or not factory_name.isidentifier():
         raise AutoparError(f"MODEL {spec!r}: expected path/file.py:factory or package.module:factory with "

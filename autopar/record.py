@@ -104,6 +104,7 @@ class RunRecord:
     model_spec: str = ""  # how to rebuild the model, e.g. "gpt-tiny seq_len=128 n_layers=4"
     predicted_host_s: float = 0.0  # of the predicted compute and optimizer: host overhead (Estimate.host_s)
     notes: str = ""
+    losses: tuple[tuple[int, float], ...] = ()  # (global step from 1, global mean loss) for the steps run
     schema_version: int = RECORD_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -186,6 +187,7 @@ class RunRecord:
                                          "calls_per_step": dict(r.get("calls_per_step", {})),
                                          "components_s": {k: tuple(v) for k, v in r["components_s"].items()}})
                            for r in d["ranks"])
+        d["losses"] = tuple((int(step), float(loss)) for step, loss in d.get("losses", ()))
         return cls(**d)
 
     def save(self, path: str | Path) -> None:

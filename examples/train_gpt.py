@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py --model gpt-tiny --seq-len 128 --steps 20 --plan auto
     torchrun --nproc_per_node 4 examples/train_gpt.py --plan plan.json   # from `autopar plan ... --out plan.json`
     torchrun --nproc_per_node 4 examples/train_gpt.py --plan plan.json --record run.json   # then `autopar report`
+    torchrun --nproc_per_node 4 --max-restarts 3 examples/train_gpt.py --plan auto --steps 100 \
+        --checkpoint-dir ck --checkpoint-every 10 --resume   # survives killed ranks; resumes on any layout
 
 A plan file must be made for the model this script trains: the zoo model with its own dropout, in the
 training dtype `autopar.models.training_dtype` gives (float32 on a CPU-only machine, bfloat16 with
@@ -11,15 +13,25 @@ GPUs; --dtype overrides it), which is also what `autopar plan gpt-tiny --cluster
 (dtype, dropout, --override, --seq-len) is refused with the flags to fix it.
 
 The data is generated: sequences from a fixed random bigram language (each token has a handful of
-likely successors), so the loss visibly falls from ln(vocab) toward the language's entropy.
+likely successors), so the loss visibly falls from ln(vocab) toward the language's entropy. A step's
+batch is a pure function of the global step, so a resumed run sees the batches the interrupted one
+would have seen.
+
+Fault tolerance (autopar.codegen.checkpoint): `--checkpoint-every N` saves model, optimizer, step
+and RNG states atomically into `--checkpoint-dir`; `--resume` loads the latest complete checkpoint
+there, resharded into this job's plan (any tp/pp/dp/ZeRO stage/world size), and continues from the
+step after it. Under `torchrun --max-restarts` a lost rank restarts the job, which resumes the same
+way; with `--plan auto` a job relaunched on a different number of processes re-plans for them.
 Rank 0 prints loss, step time and tokens/s; every rank runs the same code.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
+import signal
 import socket
 import sys
 import time
@@ -29,9 +41,11 @@ import torch.distributed as dist
 
 import autopar
 from autopar.codegen import lm_cross_entropy, parallelize
+from autopar.codegen.checkpoint import Checkpointer, complete_checkpoints
+from autopar.codegen.elastic import init_process_group, restart_count
 from autopar.codegen.mesh import resolve_device
 from autopar.codegen.timing import rank_timing
-from autopar.errors import PlanMismatchError
+from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import DTYPES, training_dtype
 from autopar.record import build_record
 
@@ -47,28 +61,17 @@ def gpt_tiny(seq_len: int = 128):
     return build_model("gpt-tiny", seq_len)
 
 
-def parse_overrides(items: list[str]) -> dict[str, int | float]:
-    """["n_layers=2", "hidden_size=256"] → {"n_layers": 2, "hidden_size": 256}."""
-    out: dict[str, int | float] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--override {item!r}: expected key=value, e.g. n_layers=2")
-        out[key.strip()] = float(raw) if "." in raw else int(raw)
-    return out
-
-
-def bigram_batches(vocab: int, seq_len: int, batch: int, steps: int, seed: int = 0):
-    """`steps` (inputs, targets) global batches from a random sparse bigram table (same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, vocab, (vocab, 4), generator=g)
-    for _ in range(steps):
-        tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-        for i in range(seq_len):
-            pick = torch.randint(0, 4, (batch,), generator=g)
-            tokens[:, i + 1] = successors[tokens[:, i], pick]
-        yield tokens[:, :-1], tokens[:, 1:]
+def bigram_batch(vocab: int, seq_len: int, batch: int, step: int, seed: int = 0):
+    """The (inputs, targets) global batch of global step `step` (from 1): a pure function of its arguments,
+    drawn from a random sparse bigram table (the same on every rank and every run)."""
+    successors = torch.randint(0, vocab, (vocab, 4), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for i in range(seq_len):
+        pick = torch.randint(0, 4, (batch,), generator=g)
+        tokens[:, i + 1] = successors[tokens[:, i], pick]
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 def make_plan(args, model, example) -> autopar.Plan:
@@ -82,10 +85,17 @@ def make_plan(args, model, example) -> autopar.Plan:
             plan = autopar.Plan.load(args.plan)
         payload = [plan.to_dict()]
     dist.broadcast_object_list(payload, src=0)
-    return autopar.Plan.from_dict(payload[0])
+    plan = autopar.Plan.from_dict(payload[0])
+    world = dist.get_world_size()
+    if plan.config.world_size != world:
+        raise PlanMismatchError(
+            f"--plan {args.plan} is for {plan.config.world_size} processes ({plan.config}) but this job has {world}; "
+            f"make a plan for {world} (`autopar plan {args.model} --cluster local --nproc {world} ...`), or pass "
+            "--plan auto to plan for the processes this job has")
+    return plan
 
 
-def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict) -> None:
+def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict, losses: list[tuple[int, float]]) -> None:
     """Gather every rank's timings on rank 0 and save the RunRecord (collective: all ranks call it)."""
     mine = rank_timing(timer, rank=dist.get_rank(), pp_rank=pm.pp_rank, dp_rank=pm.dp_rank, tp_rank=pm.tp_rank,
                        warmup_steps=args.warmup)
@@ -100,6 +110,7 @@ def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict) -> None:
                           threads_per_process=torch.get_num_threads(),
                           created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           warmup_steps=args.warmup, model_spec=spec)
+    record = dataclasses.replace(record, losses=tuple(losses))
     record.save(args.record)
     b = record.breakdown()
     print(f"recorded {record.steps} steps to {args.record}: median {record.measured_step_time_s * 1e3:.1f} ms "
@@ -126,21 +137,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the record")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                         help="training dtype (default: float32 without a GPU, else bfloat16); the plan's too")
+    ck = parser.add_argument_group("fault tolerance")
+    ck.add_argument("--checkpoint-dir", default=None, help="folder of checkpoints (one sub-folder per saved step)")
+    ck.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save after every N-th step")
+    ck.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="complete checkpoints kept")
+    ck.add_argument("--async-checkpoint", action="store_true", help="write checkpoints while training goes on")
+    ck.add_argument("--resume", action="store_true",
+                    help="continue from the latest complete checkpoint in --checkpoint-dir, under this job's plan "
+                         "(a restarted attempt under torchrun --max-restarts does so without it)")
+    ck.add_argument("--fail-at-step", type=int, default=None, metavar="N",
+                    help="fault injection: rank 1 kills itself (SIGKILL) at step N, on the job's first attempt only")
+    ck.add_argument("--save-final", default=None, metavar="PATH",
+                    help="rank 0 writes the full single-device state dict here (torch.save)")
     args = parser.parse_args(argv)
-    if args.record and args.steps <= args.warmup:
-        parser.error(f"--record needs --steps ({args.steps}) > --warmup ({args.warmup})")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        parser.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        parser.error("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
+    try:
+        return train(args)
+    except AutoparError as e:
+        raise SystemExit(f"train_gpt.py: {e}") from e
+
+
+def train(args) -> int:
+    """Plan, parallelize, resume if asked, train to --steps; see the module docstring."""
 
     device = resolve_device()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        init_process_group("nccl" if device.type == "cuda" else "gloo")  # restart-safe under torchrun
     torch.manual_seed(0)
-    overrides = parse_overrides(args.override)
+    overrides = autopar.zoo.parse_overrides(args.override)
     model, example = build_model(args.model, args.seq_len, "cpu", args.dtype, **overrides)
     plan = make_plan(args, model, example)
     rank0 = dist.get_rank() == 0
+    if args.fail_at_step is not None and dist.get_world_size() < 2:
+        raise AutoparError("--fail-at-step kills rank 1; run at least 2 processes")
     if rank0:
         print(f"plan: {plan.config}  (predicted {plan.estimate.step_time_s * 1e3:.1f} ms/step)", flush=True)
     try:
@@ -154,31 +189,59 @@ def main(argv: list[str] | None = None) -> int:
             f"{', ' + flags if flags else ''}); make the plan for exactly that: `autopar plan {args.model} --cluster "
             f"local --seq-len {args.seq_len} --dtype {dtype} ...`, or pass this script the --dtype / --seq-len / "
             "--override the plan was made with.") from e
+    checkpointer = (Checkpointer(pm, args.checkpoint_dir, model_name=plan.model_name,
+                                 keep_last=args.keep_checkpoints, async_save=args.async_checkpoint)
+                    if args.checkpoint_dir else None)
+    done = 0
+    # A restarted attempt (torchrun --max-restarts) continues from the latest checkpoint, if one was made.
+    restarted = checkpointer is not None and restart_count() > 0 and bool(complete_checkpoints(args.checkpoint_dir))
+    if args.resume or restarted:
+        info = checkpointer.resume()
+        done = info.step
+        if rank0:
+            print(f"resumed from {info.path} (step {done}, saved by {info.manifest['world_size']} processes as "
+                  f"{info.manifest['config']})", flush=True)
+    if args.record and args.steps - done <= args.warmup:
+        raise AutoparError(f"--record: this run trains steps {done + 1}..{args.steps}, not more than --warmup "
+                           f"({args.warmup}); lower --warmup or raise --steps")
+    first_attempt = restart_count() == 0
     vocab = autopar.zoo.config(args.model).vocab_size
     tokens_per_step = args.global_batch_size * args.seq_len
-    times = []
-    batches = list(bigram_batches(vocab, args.seq_len, args.global_batch_size, args.steps))
+    times, losses = [], []
     timing = pm.timing() if args.record else None
     timer = timing.__enter__() if timing else None
-    for step, (x, t) in enumerate(batches, 1):
+    for step in range(done + 1, args.steps + 1):
+        x, t = bigram_batch(vocab, args.seq_len, args.global_batch_size, step)
+        if step == args.fail_at_step and first_attempt and dist.get_rank() == 1:
+            print(f"rank 1: --fail-at-step {step}: SIGKILL", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if timer:
             dist.barrier()  # every rank starts the step together, so per-rank times are comparable
         start = time.perf_counter()
         loss = pm.train_step(pm.local_batch(x), pm.local_batch(t))
         times.append(time.perf_counter() - start)
+        losses.append((step, loss))
+        if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
+            checkpointer.save(step, extra={"next_step": step + 1, "data": "bigram_batch(step), seed 0"})
         if rank0:
             bar = "#" * (20 * step // args.steps)
             lead = "\r" if sys.stdout.isatty() else ""
             end = "\n" if step == args.steps or not lead else ""
             print(f"{lead}[{bar:<20}] step {step}/{args.steps}  loss {loss:.4f}  {times[-1] * 1e3:.0f} ms  "
                   f"{tokens_per_step / times[-1]:.0f} tok/s", end=end, flush=True)
-    if rank0:
+    if checkpointer:
+        checkpointer.wait()
+    if rank0 and times:
         steady = times[1:] or times
         mean_s = sum(steady) / len(steady)
         print(f"mean step {mean_s * 1e3:.1f} ms (after the first), {tokens_per_step / mean_s:.0f} tokens/s")
     if timing is not None:
         timing.__exit__(None, None, None)
-        write_record(args, plan, pm, timer, overrides)
+        write_record(args, plan, pm, timer, overrides, losses)
+    if args.save_final:
+        full = pm.full_state_dict()  # collective
+        if rank0:
+            torch.save(full, args.save_final)
     # Every rank finishes its last collective before any tears gloo down: a rank that leaves early can
     # abort a peer still inside FSDP's final reduce ("terminate called without an active exception").
     dist.barrier()

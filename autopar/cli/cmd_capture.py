@@ -8,6 +8,7 @@ import json
 from autopar.capture import capture
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.models import resolve_model
+from autopar.zoo import parse_overrides
 
 __all__ = ["register", "run", "format_table"]
 
@@ -20,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="zoo name (e.g. llama3-8b), path/file.py:factory or package.module:factory")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (zoo default: min(context, 2048))")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="zoo config field, e.g. dropout=0 (repeatable; as examples/train_gpt.py takes it)")
     p.add_argument("--all-layers", action="store_true", help="one row per layer; default folds identical runs")
     p.add_argument("--json", action="store_true", help="print the ModelGraph as JSON")
     p.set_defaults(func=run)
@@ -81,7 +84,8 @@ def format_table(graph: ModelGraph, fold: bool = True) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, example_inputs = resolve_model(args.model, seq_len=args.seq_len)
+    model, example_inputs = resolve_model(args.model, seq_len=args.seq_len,
+                                          overrides=parse_overrides(args.override))
     graph = capture(model, example_inputs)
     if args.json:
         print(json.dumps({**graph.to_dict(), "fingerprint": graph.fingerprint}, indent=1))

@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="zoo config field, e.g. dropout=0 (repeatable; as examples/train_gpt.py takes it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="training dtype of a zoo MODEL (default: float32 for --cluster local without a GPU, "
                         "as examples/train_gpt.py trains there; else bfloat16)")
@@ -133,11 +135,12 @@ def _check_dtype(cluster, dtype) -> None:
                            f"{name} throughput in the catalog; use --dtype {' or '.join(runs)}") from None
 
 
-def _graph(model: str, seq_len: int | None, dtype=None):
+def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ...] | list[str] = ()):
     from autopar.capture import capture
     from autopar.models import resolve_model
+    from autopar.zoo import parse_overrides
 
-    module, inputs = resolve_model(model, seq_len, dtype=dtype)
+    module, inputs = resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides))
     return capture(module, inputs)
 
 
@@ -153,7 +156,8 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     _check_dtype(cluster, dtype)
-    plan = autopar.plan(_graph(args.model, args.seq_len, dtype), cluster, global_batch_size=args.global_batch_size,
+    graph = _graph(args.model, args.seq_len, dtype, args.override)
+    plan = autopar.plan(graph, cluster, global_batch_size=args.global_batch_size,
                         options=opts)
     if args.out:
         plan.save(args.out)

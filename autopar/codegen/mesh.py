@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.codegen.elastic import init_process_group
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
@@ -56,7 +57,7 @@ def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        init_process_group(backend, timeout=timedelta(seconds=timeout_s))  # restart-safe under torchrun
     world = dist.get_world_size()
     if world != config.world_size:
         raise PlanMismatchError(

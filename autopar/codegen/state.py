@@ -17,8 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.codegen.data_parallel import ShardedOptimizer
+
 __all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state",
-           "save", "load"]
+           "save", "load", "restore_scalars"]
 
 
 def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
@@ -63,29 +65,55 @@ def full_gradients(parts: Sequence[nn.Module], pp_mesh: DeviceMesh) -> dict[str,
     return {k: v for d in gathered for k, v in d.items()}
 
 
-def _param_names(parts: Sequence[nn.Module]) -> dict[int, str]:
-    return {id(p): name for part in parts for name, p in part.named_parameters()}
+def _param_names(parts: Sequence[nn.Module]) -> dict[int, list[str]]:
+    """Every name each parameter has in `parts` (a tied weight has several; the stage holding one end of
+    a tie knows it by that end's name), in registration order."""
+    names: dict[int, list[str]] = {}
+    for part in parts:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            if name not in names.setdefault(id(p), []):
+                names[id(p)].append(name)
+    return names
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer | None, parts: Sequence[nn.Module]) -> dict[str, Any]:
-    """Live optimizer state tensors keyed "<param name>.<state key>", plus hyper-parameters per group."""
+def _inner(optimizer: torch.optim.Optimizer | ShardedOptimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer holding state: ZeRO-1's holds it for this rank's owned parameters only."""
+    return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
+_HYPER = "hyper."  # optimizer hyper-parameters (lr, betas' scalars, ...), the same in every group autopar builds
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+                    parts: Sequence[nn.Module]) -> dict[str, Any]:
+    """Live optimizer state tensors keyed "<param name>.<state key>" under every name the parameter has
+    here, plus the scalar hyper-parameters ("hyper.<key>").
+
+    Keys name parameters, never the optimizer's integer ids or group indices, which depend on the layout
+    (ZeRO-1 ranks hold a subset; TP splits DTensor and plain parameters into two groups): a checkpoint
+    saved under one layout is then loadable under any other. Tied weights are saved under each alias, so
+    a stage that holds only one end of the tie finds its state.
+    """
+    optimizer = _inner(optimizer)
     if optimizer is None:
         return {}
     names = _param_names(parts)
     state: dict[str, Any] = {}
-    for gi, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         for key, value in group.items():
             if key != "params" and isinstance(value, (int, float, bool)):
-                state[f"param_groups.{gi}.{key}"] = value
+                state[f"{_HYPER}{key}"] = value
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
-                state[f"{names[id(p)]}.{key}"] = value
+                for name in names[id(p)]:
+                    state[f"{name}.{key}"] = value
     return state
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | None) -> None:
     """Create state tensors (so a checkpoint can be loaded into them) with a step at lr=0 on zero grads."""
+    optimizer = _inner(optimizer)
     if optimizer is None or optimizer.state:
         return
     saved = []
@@ -101,24 +129,33 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
             p.grad = None
 
 
-def save(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> None:
+def save(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer | ShardedOptimizer | None) -> None:
+    """Sharded checkpoint of model and optimizer state by parameter name (collective)."""
     dcp.save({"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}, checkpoint_id=path)
 
 
-def load(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> None:
-    """Load in place (same layout as the save); hyper-parameters of the optimizer groups are restored."""
+def load(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+         **dcp_kwargs: Any) -> None:
+    """Load in place, resharding as needed: DCP reads, for every name this rank holds, the slice of the
+    saved global tensor its shard covers, whatever layout (tp, pp, dp, ZeRO stage, world size) saved it.
+    The optimizer's hyper-parameters are restored too (collective)."""
     init_optimizer_state(optimizer)
-    model = model_state(parts)
-    optim = optimizer_state(optimizer, parts)
-    state = {"model": model, "optim": optim}
-    dcp.load(state, checkpoint_id=path)  # tensors are loaded in place; plain values come back in `state`
+    state = {"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}
+    dcp.load(state, checkpoint_id=path, **dcp_kwargs)  # tensors in place; plain values come back in `state`
+    restore_scalars(state["optim"], optimizer, parts)
+
+
+def restore_scalars(loaded: dict[str, Any], optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+                    parts: Sequence[nn.Module]) -> None:
+    """Put the loaded non-tensor optimizer values (hyper-parameters, float steps) back in the optimizer."""
+    optimizer = _inner(optimizer)
     if optimizer is None:
         return
     names = _param_names(parts)
-    for gi, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         for key in [k for k in group if k != "params"]:
-            group[key] = state["optim"].get(f"param_groups.{gi}.{key}", group[key])
+            group[key] = loaded.get(f"{_HYPER}{key}", group[key])
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor):
-                    optimizer.state[p][key] = state["optim"][f"{names[id(p)]}.{key}"]
+                    optimizer.state[p][key] = loaded[f"{names[id(p)][0]}.{key}"]

@@ -7,7 +7,7 @@ model gets real, initialised weights (seeded by the caller's `torch.manual_seed`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from autopar.errors import AutoparError
 from autopar.zoo.gpt import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
 
-__all__ = ["build", "names", "config", "GPT", "GPTConfig", "Llama", "LlamaConfig"]
+__all__ = ["build", "names", "config", "parse_overrides", "GPT", "GPTConfig", "Llama", "LlamaConfig"]
 
 
 def _gpt(n_layers: int, hidden: int, heads: int, vocab: int = 50304, ctx: int = 2048) -> GPTConfig:
@@ -69,6 +69,24 @@ def config(name: str, **overrides: Any) -> GPTConfig | LlamaConfig:
     if bad:
         raise AutoparError(f"{name}: unknown config field(s) {bad}; valid fields are {sorted(valid)}")
     return dataclasses.replace(cfg, **overrides)
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, int | float]:
+    """`--override` flags as config fields: ["n_layers=2", "dropout=0.1"] → {"n_layers": 2, "dropout": 0.1}.
+
+    One parser for the CLI and the training script, so a plan and a run name the same model.
+    """
+    out: dict[str, int | float] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            value = float(raw) if any(c in raw for c in ".eE") else int(raw)
+        except ValueError:
+            raise AutoparError(f"--override {item!r}: expected KEY=NUMBER, e.g. n_layers=2 or dropout=0") from None
+        out[key.strip()] = value
+    return out
 
 
 def build(name: str, seq_len: int | None = None, *, batch_size: int = 1, device: str | torch.device = "meta",
