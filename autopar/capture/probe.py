@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capture.fusion import Step, StepLog, fused_kernels
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
+from autopar.capture.units import common_parent
 from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
@@ -354,6 +355,20 @@ def _fused(linears: dict[str, nn.Module], row: str, cols: frozenset[str]) -> boo
     return any(linears[c].out_features > linears[row].in_features for c in cols)
 
 
+def _full_width_norm(module: nn.Module, linears: dict[str, nn.Module], row: str, cols: frozenset[str]) -> bool:
+    """A norm beside the pair, as wide as a column's output (OLMo2 normalises q over all heads at once):
+    it would need every rank's heads, so the pair is not sharded. Per-head norms (Qwen3) are narrower
+    and run on a rank's heads (codegen sums their gradients over the TP group)."""
+    owner = common_parent([*cols, row])
+    widths = {linears[c].out_features for c in cols}
+    for sub in (module.get_submodule(owner) if owner else module).modules():
+        if type(sub).__name__.endswith("Norm") or isinstance(sub, (nn.LayerNorm, nn.RMSNorm)):
+            weights = [p for p in sub.parameters(recurse=False) if p.dim() == 1]
+            if weights and weights[0].numel() in widths:
+                return True
+    return False
+
+
 def _resolve_pairs(candidates: list[tuple[str, frozenset[str]]]) -> list[tuple[str, frozenset[str]]]:
     """Keep candidates in execution order while no linear is both a column and a row."""
     used_rows: set[str] = set()
@@ -410,7 +425,8 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
         forward_flops = counter.get_total_flops()
-        pairs = [(row, cols) for row, cols in _resolve_pairs(candidates) if not _fused(linears, row, cols)]
+        pairs = [(row, cols) for row, cols in _resolve_pairs(candidates)
+                 if not _fused(linears, row, cols) and not _full_width_norm(module, linears, row, cols)]
         column_sets = [cols for _, cols in pairs]
         tp_linears = {row for row, _ in pairs}.union(*column_sets) if pairs else set()
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Unit", "discover_units", "structure_signature", "call_signature"]
+__all__ = ["Unit", "discover_units", "structure_signature", "call_signature", "common_parent"]
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -94,3 +94,14 @@ def call_signature(structure: str, args: tuple, kwargs: dict[str, Any]) -> str:
         h.update(_describe(leaf).encode())
     h.update(repr(sorted(kwargs)).encode())
     return h.hexdigest()[:16]
+
+
+def common_parent(names: list[str] | tuple[str, ...]) -> str:
+    """The longest common parent module path of module paths `names` ("" for the root)."""
+    split = [n.split(".")[:-1] for n in names]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopar.capture.graph import LayerSpec, SequenceSpan, TPPattern, sequence_span
+from autopar.capture.units import common_parent
 from autopar.errors import PlanMismatchError
 
 __all__ = ["HEAD_COUNT_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
@@ -44,17 +45,6 @@ HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_local_head
 def is_norm(module: nn.Module) -> bool:
     """LayerNorm, RMSNorm and look-alikes (class names ending in "Norm"): replicated, per-token ops."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
-
-
-def _parent(names: Iterable[str]) -> str:
-    """The longest common module-path prefix of `names` ("" for the root)."""
-    split = [n.split(".")[:-1] for n in names]
-    common: list[str] = []
-    for parts in zip(*split, strict=False):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return ".".join(common)
 
 
 def _first_tensor_slot(args: tuple, kwargs: dict) -> tuple[str, object]:
@@ -202,7 +192,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
         for pattern in layer.tp_patterns:
             _check_divisible(layer, pattern, tp)
             if pattern.kind in ("mlp", "attention"):
-                owner = _parent((*pattern.column, *pattern.row))
+                owner = common_parent((*pattern.column, *pattern.row))
                 plan: dict[str, object] = {name: ColwiseParallel() for name in pattern.column}
                 plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
                              for name in pattern.row})
