@@ -168,7 +168,8 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
     try:
         if mix_dtype is not None:  # contention.py: the kernel mix in g processes at once, g = 2, 4, ... nproc
             mix = kernel_mix(device, mix_dtype)
-            window = _agreed(min(0.1, max(0.01, (deadline - time.monotonic()) / 200)), device)
+            # windows of a fiftieth of the time left, 0.05-0.3 s: long beside the OS's time slices (a few ms)
+            window = _agreed(min(0.3, max(0.05, (deadline - time.monotonic()) / 50)), device)
             for g in group_sizes(nproc):
                 dist.barrier()
                 if rank < g:

@@ -69,20 +69,17 @@ def reference_s(device: torch.device, dtype: str, clock: str, budget_s: float | 
 
 
 def concurrent_mix_s(mix: Callable[[], None], device: torch.device, *, window_s: float, trials: int) -> float:
-    """Median wall seconds per mix over `trials` windows of about window_s each; every process of the group
-    calls this at the same moment (after a barrier), so the windows overlap."""
+    """Median wall seconds per mix over `trials` windows of window_s each, calling the mix for the whole
+    window: every process of the group starts together (after a barrier) and stays busy for the same wall
+    time, so they contend throughout (a fixed number of calls would let the first to finish run alone)."""
     mix()
     synchronize(device)
-    t0 = time.perf_counter()
-    mix()
-    synchronize(device)
-    one = time.perf_counter() - t0
-    reps = max(1, int(window_s / max(one, 1e-6)))
     times = []
     for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
+        calls, t0 = 0, time.perf_counter()
+        while (now := time.perf_counter()) - t0 < window_s:
             mix()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) / reps)
+            synchronize(device)
+            calls += 1
+        times.append((now - t0) / max(1, calls))
     return statistics.median(times)
