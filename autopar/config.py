@@ -137,6 +137,7 @@ class PlannerOptions:
     compile: bool | None = False
     exclude_schedules: tuple[str, ...] = ()
     exclude_zero_stages: tuple[int, ...] = ()
+    exclude_recompute: tuple[str, ...] = ()  # recompute modes no layer may use (e.g. to compare spaces)
     max_virtual_stages: int = 4
     memory_reserve_fraction: float = 0.1  # kept free for the allocator and NCCL buffers
     time_limit_s: float = 60.0

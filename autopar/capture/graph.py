@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 __all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "SharedParam", "ModelGraph", "SequenceSpan",
@@ -295,7 +296,7 @@ class ModelGraph:
                 return layer
         raise KeyError(f"no layer named {name!r}; layers are {[la.name for la in self.layers]}")
 
-    @property
+    @cached_property  # the graph is frozen; hashing its JSON costs a second on a model of 100+ layers
     def fingerprint(self) -> str:
         """A hash of everything a plan depends on (not timings); plans carry it to detect mismatch."""
         payload = self.to_dict()

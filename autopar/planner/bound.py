@@ -99,7 +99,8 @@ def lower_bound(pr: InnerProblem) -> float:
         return _INF
     ks = [MODES.index(k) for k in pr.modes]
     longest = max(min(r.time_s[k] for k in ks) for r in pr.runs)
-    work += sum(2 * min(r.send_s[inter] for r in pr.runs) for inter in pr.inter_node)
+    cheapest_send = [min(r.send_s[x] for r in pr.runs) for x in (0, 1)]  # intra-node, inter-node
+    work += 2 * sum(cheapest_send[inter] for inter in pr.inter_node)
     T = max(work / p, longest)
     opt = sum(r.count * r.optimizer_s for r in pr.runs)
     dp = sum(r.count * (r.grad_sync_s - r.backward_s) for r in pr.runs)

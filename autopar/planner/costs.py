@@ -135,6 +135,7 @@ class CostModel:
         self._state_run = lru_cache(maxsize=None)(self._run_states)
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
         self._sync = lru_cache(maxsize=None)(self._dp_tail_key)
+        self._runs = lru_cache(maxsize=None)(self._run_list)
         self.profile = self.comm.profile
         prof_cores = getattr(getattr(self.profile, "machine", None), "cpu_count", 0)
         self.cpu_cores = prof_cores if backend == "gloo" and device.kind == "cpu" else 0
@@ -351,6 +352,16 @@ class CostModel:
                       host_floor_s=self.host_floor_s)
 
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
+        # runs do not depend on the schedule: candidates that differ only in it share them
+        runs = self._runs(dataclasses.replace(c, schedule="1f1b", virtual_stages=1))
+        ranks = self.rank_memory(c)
+        return InnerProblem(runs=runs, num_ranks=c.pp, virtual_stages=c.virtual_stages,
+                            num_microbatches=c.num_microbatches,
+                            inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
+                            capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
+                            modes=modes, grad_sync_latency_s=self.dp_tail(c).fixed_s)
+
+    def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         tail = self.dp_tail(c)
         shards = c.dp if c.zero_stage >= 1 else 1
         overlaps = self.backend == "nccl" and c.zero_stage >= 2 and c.dp > 1  # see __init__: what hides
@@ -371,12 +382,7 @@ class CostModel:
                 grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"] + self._shared_sync_s(ri, c),
                 optimizer_s=self._opt_run(ri, c.tp, shards) + opt_host, send_s=tm["send"],
                 host_s=tm["host"] + hooks, optimizer_host_s=self._opt_host_s(ri, c.tp, shards) + opt_host))
-        ranks = self.rank_memory(c)
-        return InnerProblem(runs=tuple(runs), num_ranks=c.pp, virtual_stages=c.virtual_stages,
-                            num_microbatches=c.num_microbatches,
-                            inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
-                            capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
-                            modes=modes, grad_sync_latency_s=tail.fixed_s)
+        return tuple(runs)
 
     def _shared_sync_s(self, ri: int, c: Candidate) -> float:
         """The all-reduce that sums a shared weight's gradients over the pipeline stages holding it
@@ -415,12 +421,9 @@ class CostModel:
             last_inflight = self._inflight(schedule, pp, m, v)[pp - 1]
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
                                                          tp=tp, dtype_bytes=self.elem)
-        out = []
-        for q in range(pp):
-            lg = logits if q == pp - 1 else 0.0
-            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
-                                  capacity_bytes=self.usable_bytes - lg - zero3_bytes))
-        return tuple(out)
+        ranks = [RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
+                            capacity_bytes=self.usable_bytes - lg - zero3_bytes) for lg in (0.0, logits)]
+        return (ranks[0],) * (pp - 1) + (ranks[1],)  # only the last rank holds the logits
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
         """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""

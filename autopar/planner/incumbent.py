@@ -14,6 +14,8 @@ v = 1 we also try the counts shifted by one layer between neighbouring ranks.
 
 from __future__ import annotations
 
+import math
+
 from autopar.planner.bound import Bound
 from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate
 
@@ -22,43 +24,51 @@ __all__ = ["incumbent", "best_modes"]
 
 def best_modes(pr: InnerProblem, layers_per_stage: tuple[int, ...]) -> tuple[str, ...] | None:
     """Per layer, a recompute mode such that every rank fits its memory, fast: for each pair of allowed
-    modes (fast, lean), the rank's layers start in the fast mode and move to the lean one, those saving
-    the most bytes per second added first, until the rank fits; the quickest such mix per rank. None if a
+    modes (fast, lean), the rank's layers start in the fast mode and move to the lean one, runs saving the
+    most bytes per second added first, as few layers as fit; the quickest such mix per rank. None if a
     rank fits no mix."""
-    p = pr.num_ranks
+    p, R = pr.num_ranks, len(pr.runs)
     of = [ri for ri, r in enumerate(pr.runs) for _ in range(r.count)]
-    rank_of, pos = [], 0
-    for s, n in enumerate(layers_per_stage):
-        rank_of += [s % p] * n
-        pos += n
-    out: list[str] = [pr.modes[0]] * len(of)
+    rank_of = [s % p for s, n in enumerate(layers_per_stage) for _ in range(n)]
+    counts = [[0] * R for _ in range(p)]
+    for i, q in enumerate(rank_of):
+        counts[q][of[i]] += 1
+    lean_count: list[dict[int, tuple[str, str, int]]] = []  # per rank: run → (fast, lean, layers moved)
     for q in range(p):
-        mine = [i for i, rq in enumerate(rank_of) if rq == q]
-        best: tuple[float, dict[int, str]] | None = None
+        phi, cap = pr.inflight[q], pr.capacity_bytes[q] * (1 + 1e-9)
+        best: tuple[float, dict[int, tuple[str, str, int]]] | None = None
         for fast in pr.modes:
+            kf = MODES.index(fast)
+            base = sum(c * (r.state_bytes + phi * r.act_bytes[kf]) for c, r in zip(counts[q], pr.runs, strict=True))
+            t_fast = sum(c * r.time_s[kf] for c, r in zip(counts[q], pr.runs, strict=True))
             for lean in pr.modes:
-                kf, kl = MODES.index(fast), MODES.index(lean)
-                choice = {i: fast for i in mine}
-
-                def mem(ch: dict[int, str], phi: float = pr.inflight[q]) -> float:
-                    used = set(ch.values())
-                    return sum(pr.runs[of[i]].state_bytes + phi * pr.runs[of[i]].act_bytes[
-                        MODES.index(k)] for i, k in ch.items()) + max(pr.workspace_bytes(k) for k in used)
-
-                movable = [i for i in mine if pr.runs[of[i]].act_bytes[kl] < pr.runs[of[i]].act_bytes[kf]]
-                movable.sort(key=lambda i: (pr.runs[of[i]].time_s[kl] - pr.runs[of[i]].time_s[kf])
-                             / (pr.runs[of[i]].act_bytes[kf] - pr.runs[of[i]].act_bytes[kl]))
-                while mem(choice) > pr.capacity_bytes[q] * (1 + 1e-9) and movable:
-                    choice[movable.pop(0)] = lean
-                if mem(choice) > pr.capacity_bytes[q] * (1 + 1e-9):
-                    continue
-                t = sum(pr.runs[of[i]].time_s[MODES.index(k)] for i, k in choice.items())
-                if best is None or t < best[0]:
-                    best = (t, choice)
+                kl = MODES.index(lean)
+                runs = [ri for ri in range(R)
+                        if counts[q][ri] and pr.runs[ri].act_bytes[kl] < pr.runs[ri].act_bytes[kf]]
+                runs.sort(key=lambda ri, kf=kf, kl=kl: (pr.runs[ri].time_s[kl] - pr.runs[ri].time_s[kf])
+                          / (pr.runs[ri].act_bytes[kf] - pr.runs[ri].act_bytes[kl]))
+                mem, t, moved = base + pr.workspace_bytes(fast), t_fast, {}
+                for ri in runs:
+                    if mem <= cap:
+                        break
+                    r = pr.runs[ri]
+                    ws = max(pr.workspace_bytes(fast), pr.workspace_bytes(lean)) - pr.workspace_bytes(fast) \
+                        if not moved else 0.0
+                    save = phi * (r.act_bytes[kf] - r.act_bytes[kl])
+                    n = min(counts[q][ri], max(1, math.ceil((mem + ws - cap) / save)))
+                    mem += ws - n * save
+                    t += n * (r.time_s[kl] - r.time_s[kf])
+                    moved[ri] = (fast, lean, n)
+                if mem <= cap and (best is None or t < best[0]):
+                    best = (t, {ri: moved.get(ri, (fast, fast, 0)) for ri in range(R)})
         if best is None:
             return None
-        for i, k in best[1].items():
-            out[i] = k
+        lean_count.append(best[1])
+    out, left = [], [dict(d) for d in lean_count]
+    for i, q in enumerate(rank_of):
+        fast, lean, n = left[q][of[i]]
+        out.append(lean if n > 0 else fast)
+        left[q][of[i]] = (fast, lean, n - 1)
     return tuple(out)
 
 

@@ -130,7 +130,10 @@ def _layer_run(problem: InnerProblem) -> list[int]:
 
 def mode_label(modes: tuple[str, ...] | list[str]) -> str:
     """One name for several layers' modes: the most common (ties: the heavier)."""
-    return max(MODES, key=lambda k: (list(modes).count(k), MODES.index(k)))
+    n = {k: 0 for k in MODES}
+    for k in modes:
+        n[k] += 1
+    return max(MODES, key=lambda k: (n[k], MODES.index(k)))
 
 
 def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tuple[str, ...] | None = None,

@@ -4,12 +4,16 @@ Branch and bound over the outer candidates, with bounds refined lazily in a prio
   level 0  every candidate enters with the cheap bound (`bound.lower_bound`);
   level 1  when popped, it gets the tight bound (`bound.tight_bound`) and a feasible incumbent
            (`incumbent.incumbent`) and re-enters with the tight bound;
-  level 2  when popped again, its ILP (`ilp.solve`) is solved exactly, warm-started from the incumbent,
-           with the tight bound as valid inequalities and, as cutoff, the (top_k+1)-th best objective
-           known so far: the (top_k+1)-th smallest exact optimum or incumbent of distinct candidates.
-The search stops when the next key in the queue is no lower than that cutoff: no candidate left can
-enter the best top_k + 1, so the best is the exact optimum of the modelled step time over the space
-(gap 0) and the runner-ups are exact as well.
+  level 2  when popped again: if its incumbent meets its tight bound, that is its optimum; if its bound
+           exceeds the best objective known (the lead), it cannot win and its incumbent stays as a
+           runner-up; otherwise its ILP (`ilp.solve`) is solved exactly, warm-started from the
+           incumbent, with the tight bound as valid inequalities and the lead as cutoff.
+The search stops when the next key in the queue exceeds the (top_k+1)-th best objective known: no
+candidate left can beat the best or enter the runner-ups. The best is the exact optimum of the modelled
+step time over the space (gap 0): every candidate whose bound lies below it had its ILP solved or its
+optimum met by its incumbent. Runner-ups are real layouts priced at a feasible stage assignment, their
+exact optimum where the search needed it, else their incumbent (an upper bound on it): proving each
+runner-up optimal would cost as many ILPs again and change no choice.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class SearchResult:
 
 
 def _modes(options: PlannerOptions) -> tuple[str, ...]:
-    return (options.recompute,) if options.recompute else MODES
+    return (options.recompute,) if options.recompute else tuple(k for k in MODES if k not in options.exclude_recompute)
 
 
 def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions) -> SearchResult:
@@ -73,26 +77,26 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     heap = [(lower_bound(pr), i, 0) for i, pr in enumerate(problems)]
     heapq.heapify(heap)
     keep = options.top_k + 1
-    top: list[Solved] = []
-    keys: list[float] = []  # exact optima of `top`, ascending
-    known: dict[int, float] = {}  # candidate → its exact optimum, else its incumbent's objective
-    ranked: list[float] = []  # sorted values of `known`; the keep-th bounds the keep-th best optimum
+    found: dict[int, Solved] = {}  # candidate → its best known solution: exact optimum, else incumbent
+    ranked: list[float] = []  # sorted objectives of `found`; ranked[0] is the best known step time
     tight: dict[int, tuple[Bound, InnerSolution | None]] = {}
     solved, status, open_bound, ilp_time = 0, "optimal", float("inf"), 0.0
     solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC").replace("_HiGHSWarm", "HiGHS")
 
-    def learn(i: int, value: float) -> None:
-        if i in known:
-            ranked.remove(known[i])
-        known[i] = value
-        bisect.insort(ranked, value)
+    def offer(i: int, sol: InnerSolution) -> None:
+        old = found.get(i)
+        if old is None or sol.objective_s < old.objective_s:
+            if old is not None:
+                ranked.remove(old.objective_s)
+            found[i] = Solved(candidate=cands[i], solution=sol)
+            bisect.insort(ranked, sol.objective_s)
 
     while heap:
         key, i, level = heapq.heappop(heap)
-        cutoff = ranked[keep - 1] * (1 + 1e-9) if len(ranked) >= keep else float("inf")
-        if key == float("inf") or key > cutoff:
+        window = ranked[keep - 1] * (1 + 1e-9) if len(ranked) >= keep else float("inf")
+        if key == float("inf") or key > window:
             break
-        if time.perf_counter() - t0 > options.time_limit_s and top:
+        if time.perf_counter() - t0 > options.time_limit_s and found:
             status, open_bound = "time_limit", key
             break
         pr = problems[i]
@@ -103,13 +107,16 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
             inc = incumbent(pr, bnd)
             tight[i] = (bnd, inc)
             if inc is not None:
-                learn(i, inc.objective_s)
+                offer(i, inc)
             heapq.heappush(heap, (max(key, bnd.value_s), i, 1))
             continue
         bnd, inc = tight.pop(i)
+        lead = ranked[0] * (1 + 1e-9) if ranked else float("inf")
+        if inc is not None and (inc.objective_s <= bnd.value_s * (1 + 1e-9) or key > lead):
+            continue  # its incumbent meets its bound (its optimum), or it cannot beat the lead: a runner-up
         left = options.time_limit_s - (time.perf_counter() - t0)
         t_ilp = time.perf_counter()
-        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=cutoff if cutoff < float("inf") else None,
+        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=lead if lead < float("inf") else None,
                     bound=bnd, start=inc)
         ilp_time += time.perf_counter() - t_ilp
         solved += 1
@@ -117,11 +124,8 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
             continue
         if sol.status != "optimal":
             status = "time_limit"
-        learn(i, sol.objective_s)
-        at = bisect.bisect(keys, sol.objective_s)
-        keys.insert(at, sol.objective_s)
-        top.insert(at, Solved(candidate=cands[i], solution=sol))
-        del keys[keep:], top[keep:]
+        offer(i, sol)
+    top = sorted(found.values(), key=lambda s: s.objective_s)[:keep]
     if not top:
         raise InfeasiblePlanError(_why_infeasible(costs, list(zip(cands, problems, strict=True))))
     best = top[0]
