@@ -37,12 +37,13 @@ def _graph(model: Any, example_inputs: tuple | None) -> ModelGraph:
     return capture(model, example_inputs)
 
 
-def _cluster(cluster: Any) -> Any:
+def _cluster(cluster: Any, *, or_plan: bool = False) -> Any:
     from autopar.cluster import Cluster
 
     if not isinstance(cluster, Cluster):
+        plan_hint = ", or a Plan: autopar.Plan.load(path)" if or_plan else ""
         raise AutoparError(f"cluster is a {type(cluster).__name__} ({cluster!r:.60}); pass a Cluster: "
-                           "Cluster.preset(name, nodes=N), Cluster.from_file(path) or Cluster.local()")
+                           f"Cluster.preset(name, nodes=N), Cluster.from_file(path) or Cluster.local(){plan_hint}")
     return cluster
 
 
@@ -138,7 +139,7 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple, opti
     if isinstance(plan_or_cluster, Plan):
         the_plan = plan_or_cluster
     else:
-        cluster = _cluster(plan_or_cluster)
+        cluster = _cluster(plan_or_cluster, or_plan=True)
         probe = ParallelConfig(dp=cluster.world_size)  # only its world size matters for the launch check
         init_distributed(probe, resolve_device(device))
         the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, options)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.errors import ConfigError
 from cost_models.memory import RECOMPUTE_MODES
 
 __all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES"]
@@ -41,24 +42,24 @@ class ParallelConfig:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ParallelConfig.{f}={v!r}; it must be a positive integer")
+                raise ConfigError(f"ParallelConfig.{f}={v!r}; it must be a positive integer")
         if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"ParallelConfig.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
+            raise ConfigError(f"ParallelConfig.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"ParallelConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+            raise ConfigError(f"ParallelConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
         if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"ParallelConfig.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
+            raise ConfigError(f"ParallelConfig.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("ParallelConfig.sequence_parallel=True needs tp > 1; set sequence_parallel=False")
+            raise ConfigError("ParallelConfig.sequence_parallel=True needs tp > 1; set sequence_parallel=False")
         if self.schedule == "interleaved_1f1b":
             if self.pp == 1:
-                raise ValueError("schedule 'interleaved_1f1b' needs pp > 1; use '1f1b' or set pp")
+                raise ConfigError("schedule 'interleaved_1f1b' needs pp > 1; use '1f1b' or set pp")
             if self.num_microbatches % self.pp:
-                raise ValueError(
+                raise ConfigError(
                     f"interleaved_1f1b needs num_microbatches ({self.num_microbatches}) divisible by pp ({self.pp})"
                 )
         elif self.virtual_stages != 1:
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
 
     @property
     def world_size(self) -> int:
@@ -102,11 +103,11 @@ class ParallelConfig:
         values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in part:
-                raise ValueError(f"config part {part!r} is not key=value; example: 'tp=4,pp=8,zero=1'")
+                raise ConfigError(f"config part {part!r} is not key=value; example: 'tp=4,pp=8,zero=1'")
             key, raw = (s.strip() for s in part.split("=", 1))
             key = cls._ALIASES.get(key, key)
             if key not in fields:
-                raise ValueError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
+                raise ConfigError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
             if key in ("schedule", "recompute"):
                 values[key] = raw
             elif key in ("sequence_parallel", "compile"):
@@ -115,7 +116,7 @@ class ParallelConfig:
                 try:
                     values[key] = int(raw)
                 except ValueError:
-                    raise ValueError(f"config value {key}={raw!r} is not an integer") from None
+                    raise ConfigError(f"config value {key}={raw!r} is not an integer") from None
         return values
 
 
@@ -145,13 +146,16 @@ class PlannerOptions:
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ValueError(f"PlannerOptions.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+            raise ConfigError(f"PlannerOptions.schedule={self.schedule!r}; expected one of {SCHEDULES}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"PlannerOptions.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
+            raise ConfigError(f"PlannerOptions.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
+        if set(self.exclude_recompute) - set(RECOMPUTE_MODES) or set(RECOMPUTE_MODES) <= set(self.exclude_recompute):
+            raise ConfigError(f"PlannerOptions.exclude_recompute={self.exclude_recompute!r}; exclude some of "
+                             f"{RECOMPUTE_MODES}, not all")
         if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"PlannerOptions.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
+            raise ConfigError(f"PlannerOptions.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
         bad = [s for s in self.exclude_schedules if s not in SCHEDULES]
         if bad:
-            raise ValueError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")
+            raise ConfigError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")
         if not 0.0 <= self.memory_reserve_fraction < 1.0:
-            raise ValueError("PlannerOptions.memory_reserve_fraction must be in [0, 1)")
+            raise ConfigError("PlannerOptions.memory_reserve_fraction must be in [0, 1)")

@@ -11,6 +11,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "ClusterSpecError",
+    "ConfigError",
     "InfeasiblePlanError",
     "PlanMismatchError",
     "ProfileMismatchError",
@@ -23,6 +24,10 @@ class AutoparError(Exception):
 
 class CaptureError(AutoparError):
     """The model could not be traced or analysed."""
+
+
+class ConfigError(AutoparError, ValueError):
+    """A ParallelConfig or PlannerOptions field has an invalid value (also a ValueError, as it always was)."""
 
 
 class ClusterSpecError(AutoparError):

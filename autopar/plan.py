@@ -155,10 +155,15 @@ class Plan:
         from autopar.validate import check_plan  # validate imports this module
 
         try:
-            plan = cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise TypeError(f"the file holds a JSON {type(data).__name__}, not a plan object")
+            plan = cls.from_dict(data)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise PlanMismatchError(
-                f"cannot read plan {path}: {e}; write one with `autopar plan ... --out {path}`"
+                f"cannot read plan {path}: {what}; write one with `autopar plan ... --out {path}`"
             ) from e
         check_plan(plan, where=f"plan {path}")
         return plan

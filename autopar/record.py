@@ -203,8 +203,9 @@ class RunRecord:
             _check_numbers(record)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
                 AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ProfileMismatchError(
-                f"cannot read run record {path}: {e}; write one with "
+                f"cannot read run record {path}: {what}; write one with "
                 f"`torchrun ... examples/train_gpt.py --plan plan.json --record {path}`"
             ) from e
         return record

@@ -326,8 +326,6 @@ def check_options(options: Any) -> PlannerOptions:
 def check_output_path(path: str | Path, flag: str) -> Path:
     """An output file that can be written: its folder is created when missing; refused when the path is a
     folder or the folder cannot be created or written — before any work is done."""
-    import os
-
     p = Path(path)
     if str(path) == "" or p.is_dir():
         raise AutoparError(f"{flag} {str(path)!r} is a folder, not a file; give a file name such as plan.json")
@@ -337,8 +335,14 @@ def check_output_path(path: str | Path, flag: str) -> Path:
     except OSError as e:
         raise AutoparError(f"{flag} {path}: cannot create its folder {folder} ({e.strerror}); pick a writable "
                            "location") from e
-    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise AutoparError(f"{flag} {path}: not writable; pick a writable location")
+    existed = p.exists()
+    try:  # the one sure test (permissions, read-only and special file systems): open it as the writer will
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise AutoparError(f"{flag} {path}: cannot write there ({e.strerror}); pick a writable location") from e
+    if not existed:
+        p.unlink()
     return p
 
 

@@ -63,6 +63,9 @@ def summary(prof: Profile) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autopar.validate import check_output_path
+
+    check_output_path(args.out, "--out")  # before minutes of measuring, not after
     t0 = time.perf_counter()
     prof = profile_model(args.model, nproc=args.nproc, quick=args.quick, seq_len=args.seq_len,
                          progress=lambda msg: print(msg, file=sys.stderr, flush=True),
