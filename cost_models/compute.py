@@ -29,15 +29,20 @@ from cost_models.monotone import nondecreasing_fit
 from cost_models.profile import GemmSample, Profile
 
 __all__ = ["ComputeModel", "GPU_GEMM_EFF_MAX", "GPU_GEMM_RAMP_S", "GPU_MEM_EFF", "GPU_LAUNCH_S", "GPU_TILE",
-           "GPU_ATTENTION_EFF_MAX", "MEMORY_KINDS"]
+           "GPU_ATTENTION_EFF_MAX", "MEMORY_KINDS", "GEMM_EFF_MAX_BY_DEVICE", "ATTENTION_EFF_BY_DEVICE",
+           "gemm_eff_max", "attention_eff"]
 
 MEMORY_KINDS = ("elementwise", "reduction", "transcendental", "copy")
 # which measured elementwise table (profiler.kernels.measure_elementwise) prices each memory-bound kind
 _TABLE_OP = {"elementwise": "add", "reduction": "sum", "transcendental": "exp", "copy": "transpose_copy"}
 
-# Large bf16/fp16 GEMMs through cuBLAS reach ~80% of the dense tensor-core peak: ~250 TFLOP/s of 312 on
-# A100 (Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware", GEMM sweeps)
-# and ~700–790 TFLOP/s of 989 on H100/H200 SXM (NVIDIA Transformer Engine / cuBLASLt benchmarks).
+# The best bf16 GEMM shapes through cuBLAS reach a device-specific fraction of the dense tensor-core peak:
+# the Maximum Achievable Matmul FLOPS (MAMF) measured by a brute-force shape sweep (Bekman, "Machine Learning
+# Engineering", github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
+# FLOPS comparison table", bf16, mean of 100 iterations): A100 SXM 271.2 of 312 (86.9%), A100 PCIe 252.9
+# (81.1%), H100 SXM 794.5 of 989 (80.3%, "H200 is the same"), B200 SXM 1745 of 2250 (77.6%). Catalog names by
+# prefix; devices without a measurement take GPU_GEMM_EFF_MAX, the H100's figure.
+GEMM_EFF_MAX_BY_DEVICE = {"a100-sxm": 0.869, "a100-pcie": 0.811, "h100-sxm": 0.803, "h200": 0.803, "b200": 0.776}
 GPU_GEMM_EFF_MAX = 0.80
 # Ramp (fill + drain) per GEMM: with 5 µs a 1024³ bf16 GEMM on A100 reaches ~50% of peak and 8192³
 # ~79%, the shape of the curves in Anthony et al. 2024 (Fig. "GEMM throughput vs. size").
@@ -49,9 +54,15 @@ GPU_MEM_EFF = 0.85
 # Host-side launch floor of one eager PyTorch op on CUDA (dispatch + cudaLaunchKernel), ~4–10 µs;
 # profiles replace it with launch_overhead_s measured on the machine.
 GPU_LAUNCH_S = 5e-6
-# Fused attention reaches a lower fraction of peak than a GEMM: FlashAttention-2 (Dao 2023, arXiv:2307.08691,
-# abstract and §4.1) runs at 50–73% of the A100's theoretical bf16 FLOP/s, the forward pass at the top of
-# that range and the backward pass lower; 0.60 lies inside the range for both passes.
+# Fused attention reaches a lower fraction of peak than a GEMM, and how much lower depends on the
+# architecture, because FlashAttention-2 (the kernel PyTorch's scaled_dot_product_attention runs on CUDA) does
+# not use Hopper's asynchronous tensor-core instructions: on A100 it runs at 50–73% of the theoretical bf16
+# FLOP/s (Dao 2023, arXiv:2307.08691, abstract and §4.1; forward at the top, backward lower: 0.60 lies inside
+# for both), on H100 at about 35% (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, §1: "FlashAttention-2
+# achieves only 35% utilization on the H100"; FlashAttention-3 reaches 75%, but it is not SDPA's kernel).
+# Applied to capture's attention FLOPs (4·b·heads·s²·d forward, causal masking not halved), as the papers'
+# figures for the A100 make the A100 runs of benchmarks/published_runs.py come out. Devices by prefix.
+ATTENTION_EFF_BY_DEVICE = {"a100": 0.60, "h100": 0.35, "h200": 0.35}
 GPU_ATTENTION_EFF_MAX = 0.60
 # Tensor-core GEMM tiles: M and N are padded to multiples of 128 (NVIDIA Deep Learning Performance
 # Guide, "Matrix Multiplication Background": tile and wave quantization).
@@ -61,6 +72,20 @@ GPU_TILE = 128
 CPU_GEMM_EFF_MAX = 0.9
 CPU_GEMM_RAMP_S = 20e-6
 CPU_LAUNCH_S = 10e-6
+
+
+def _by_prefix(table: dict[str, float], device: DeviceSpec, default: float) -> float:
+    return next((v for k, v in table.items() if device.name.startswith(k)), default)
+
+
+def gemm_eff_max(device: DeviceSpec) -> float:
+    """The fraction of the dense peak the best GEMM shapes reach on `device` (GEMM_EFF_MAX_BY_DEVICE)."""
+    return _by_prefix(GEMM_EFF_MAX_BY_DEVICE, device, GPU_GEMM_EFF_MAX)
+
+
+def attention_eff(device: DeviceSpec) -> float:
+    """The fraction of the dense peak a fused (FlashAttention-2) kernel reaches on `device`."""
+    return _by_prefix(ATTENTION_EFF_BY_DEVICE, device, GPU_ATTENTION_EFF_MAX)
 
 
 def _monotone_interp(xs: list[float], ts: list[float], x: float, tail_rate: float) -> float:
@@ -83,7 +108,8 @@ class ComputeModel:
         self.device = device
         self.profile = profile
         gpu = device.kind == "gpu"
-        self.eff_max = GPU_GEMM_EFF_MAX if gpu else CPU_GEMM_EFF_MAX
+        self.eff_max = gemm_eff_max(device) if gpu else CPU_GEMM_EFF_MAX
+        self.attention_eff = attention_eff(device) if gpu else self.eff_max
         self.ramp_s = GPU_GEMM_RAMP_S if gpu else CPU_GEMM_RAMP_S
         self.mem_eff = GPU_MEM_EFF if gpu else 1.0
         self.tile = GPU_TILE if gpu else 1
@@ -100,7 +126,7 @@ class ComputeModel:
 
     def _compute_s(self, flops: float, dtype: str, layout: str | None = None, *, attention: bool = False) -> float:
         """One matmul kernel of `flops`: the profile's table (batched matmuls for attention, when measured),
-        else the roofline with eff(W), capped at GPU_ATTENTION_EFF_MAX for a fused GPU attention kernel."""
+        else the roofline with eff(W), capped at attention_eff(device) for a fused GPU attention kernel."""
         if flops <= 0:
             return 0.0
         samples = []
@@ -114,7 +140,7 @@ class ComputeModel:
             return _monotone_interp([s.flops for s in samples], [s.time_s for s in samples], flops, best)
         eff = self.efficiency(flops, dtype)
         if attention and self.device.kind == "gpu":
-            eff *= GPU_ATTENTION_EFF_MAX / self.eff_max
+            eff *= self.attention_eff / self.eff_max
         return flops / (self.device.peak_flops_for(dtype) * eff)
 
     def _memory_s(self, bytes_moved: float, dtype: str, kind: str = "elementwise",
@@ -223,7 +249,7 @@ class ComputeModel:
                           roofline with eff(W) without a profile)
           attention       a batched matmul of per-matrix shape `mnk` (work / 2mnk matrices) from the
                           batched-matmul table (`batched_gemm_time_s`); a fused kernel (mnk None) by work,
-                          at GPU_ATTENTION_EFF_MAX on a GPU
+                          at attention_eff(device) on a GPU
           memory kinds    `work` bytes in the measured table of that class (MEMORY_KINDS) at the rate of a
                           tensor of `tensor_bytes`; bandwidth × efficiency without a profile
         plus the launch floor (measured times already include it, so there it is a minimum).
@@ -254,7 +280,7 @@ class ComputeModel:
             attention_count) + memory_count × t_mem(memory_bytes / memory_count)
 
         t_gemm: the GEMM table or the roofline with eff(W) and the launch floor; t_attn: the batched-matmul
-        table (CPU) or the roofline at GPU_ATTENTION_EFF_MAX (fused flash attention); t_mem: the elementwise
+        table (CPU) or the roofline at attention_eff(device) (fused flash attention); t_mem: the elementwise
         table or bandwidth × efficiency. Every kernel costs at least the launch floor. Work is spread
         evenly over a group's kernels, which prices a mix of sizes at their mean size.
         """

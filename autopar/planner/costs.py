@@ -378,7 +378,9 @@ class CostModel:
                 time_s=tuple(t + hooks for t in tm["time"]), compute_s=(tm["compute"] + hooks,) * len(MODES),
                 recompute_s=rec, tp_comm_s=(tm["tp_comm"],) * len(MODES), act_bytes=tm["act"],
                 state_bytes=self._state_run(ri, c.tp, c.zero_stage, c.dp),
-                backward_s=tm["compute"] if overlaps else 0.0,
+                # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
+                backward_s=tail.hidden_s(grad_bytes, tm["compute"] - tm["backward"], tm["backward"])
+                if overlaps else 0.0,
                 grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"] + self._shared_sync_s(ri, c),
                 optimizer_s=self._opt_run(ri, c.tp, shards) + opt_host, send_s=tm["send"],
                 host_s=tm["host"] + hooks, optimizer_host_s=self._opt_host_s(ri, c.tp, shards) + opt_host))

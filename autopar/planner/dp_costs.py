@@ -29,7 +29,9 @@ optimizer step (`optimizer_host_s`) — not in γ, and not on GPUs, where the ho
 ZeRO-0/1 collectives span the rank's whole gradient, so they are linearised around the average
 rank's G (γ per byte plus a fixed γ0, exact where the measured time is affine in size); FSDP2's are
 per layer and priced exactly per layer. On gloo nothing here overlaps compute (ProcessGroupGloo runs
-on the same cores, and autopar issues ZeRO-0/1 after backward), so all of it is exposed.
+on the same cores, and autopar issues ZeRO-0/1 after backward), so all of it is exposed. On NCCL, FSDP2's
+collectives run beside compute: each micro-batch's passes hide as much of that micro-batch's gathers as
+they last (`hidden_s`, the planner's β).
 """
 
 from __future__ import annotations
@@ -108,6 +110,20 @@ class DPTail:
         k = self.gathers_per_step
         return (k * self._coll("all_gather", grad_bytes, self.dp) + self._coll("reduce_scatter", grad_bytes, self.dp)
                 + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes)
+
+    def hidden_s(self, grad_bytes: float, forward_s: float, backward_s: float) -> float:
+        """Of `layer_s(grad_bytes)`, the time NCCL hides behind one layer's passes over all micro-batches (β).
+        FSDP2 gathers a layer while the previous one computes, so in each micro-batch its forward hides up to
+        `forward_s` of its all-gather and its backward up to `backward_s` of the backward all-gather (ZeRO-3)
+        and, in the last micro-batch, of the reduce-scatter: a pass longer than its collective hides all of
+        it, a shorter one only its own length (the rest waits in the critical path, exposed in the tail)."""
+        if grad_bytes <= 0 or self.gathers_per_step == 0:
+            return 0.0
+        m = self.microbatches
+        ag = self._coll("all_gather", grad_bytes, self.dp)
+        rs = self._coll("reduce_scatter", grad_bytes, self.dp)
+        ag_b = ag if self.zero_stage == 3 else 0.0
+        return (m * min(ag, forward_s) + (m - 1) * min(ag_b, backward_s) + min(ag_b + rs, backward_s))
 
     def collectives_per_step(self, layers_with_params: int) -> int:
         """Collectives one rank issues per step for data parallelism and the loss."""
