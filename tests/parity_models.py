@@ -96,15 +96,18 @@ def graph_of(kind: str, model: nn.Module) -> ModelGraph:
     return autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
 
 
-def make_plan(graph: ModelGraph, **config: Any) -> Plan:
-    """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp)."""
+def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, **config: Any) -> Plan:
+    """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp);
+    `layer_recompute` (layer name → mode) overrides config.recompute for those layers."""
     config.setdefault("micro_batch_size", BATCH // (config.get("dp", 1) * config.get("num_microbatches", 1)))
     cfg = ParallelConfig(**config)
     n_chunks = cfg.pp * cfg.virtual_stages
     names = [la.name for la in graph.layers]
     bounds = [round(i * len(names) / n_chunks) for i in range(n_chunks + 1)]
+    modes = [(layer_recompute or {}).get(n, cfg.recompute) for n in names]
     stages = tuple(StagePlan(index=i, layers=tuple(names[bounds[i]:bounds[i + 1]]), pp_rank=i % cfg.pp,
-                             recompute=cfg.recompute, time_per_microbatch_s=0.0, peak_memory_bytes=0)
+                             recompute=cfg.recompute, time_per_microbatch_s=0.0, peak_memory_bytes=0,
+                             layer_recompute=tuple(modes[bounds[i]:bounds[i + 1]]) if layer_recompute else ())
                    for i in range(n_chunks))
     # hand-made: a nominal one-second step, consistent with its breakdown (plans are validated on use)
     est = Estimate(step_time_s=1.0, tokens_per_s=float(cfg.global_batch_size * SEQ), tflops_per_device=0.0, mfu=0.0,

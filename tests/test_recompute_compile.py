@@ -1,0 +1,101 @@
+"""op_sac and compiled blocks without processes: which matmuls op_sac runs again, what capture says it
+keeps, how fused kernels are priced, and how the planner offers both (hand-counted references)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from autopar.capture.fusion import Step, fused_kernels
+from autopar.capture.graph import Kernel
+from autopar.cluster import Cluster
+from autopar.codegen.recompute import apply_recompute
+from autopar.config import ParallelConfig, PlannerOptions
+from autopar.planner.costs import CostModel
+from autopar.planner.space import Candidate
+
+H, S = 64, 16  # gpt-tiny block: hidden 64, 4 heads, MLP 4·64, fp32
+
+
+def _block():
+    torch.manual_seed(0)
+    model, _ = autopar.zoo.build("gpt-tiny", seq_len=S, device="cpu", dropout=0.0, n_layers=1, hidden_size=H,
+                                 n_heads=4, vocab_size=128)
+    return model.blocks[0]
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmuls(mode: str) -> int:
+    block = _block()
+    apply_recompute(block, mode)
+    x = torch.randn(2, S, H, requires_grad=True)
+    out = block(x)
+    with _CountMatmuls() as count:
+        out.sum().backward()
+    return count.n
+
+
+def test_op_sac_runs_every_second_matmul_again() -> None:
+    """A GPT block has 6 linears (q, k, v, o, fc, proj): backward runs 2 matmuls per linear (input and weight
+    gradients, 12). op_sac saves the 1st, 3rd and 5th and reruns the 2nd and 4th (k, o); the 6th (proj)
+    it would rerun too, but non-reentrant checkpointing stops recomputing once every tensor backward needs
+    is back, and backward needs proj's input, not its output. Full recompute reruns 5 for the same reason;
+    selective reruns none (the fused attention kernel is its only recomputed op here)."""
+    assert _backward_matmuls("none") == 12
+    assert _backward_matmuls("selective") == 12
+    assert _backward_matmuls("op_sac") == 12 + 2
+    assert _backward_matmuls("full") == 12 + 5
+
+
+def test_capture_counts_what_op_sac_keeps() -> None:
+    """Per sample, bf16 (the zoo's meta dtype): the block input, q, v (the 1st and 3rd linears), the
+    attention output, fc's output (4·H), S·(4·H + 4·H)·2 bytes, and the flash kernel's fp32 log-sum-exp
+    (4 heads × S) and RNG seed/offset (a few bytes). Of it, all but the block input lies inside the TP
+    patterns."""
+    g = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=S, device="meta", n_layers=1, hidden_size=H,
+                                           n_heads=4, vocab_size=128))
+    block = next(la for la in g.layers if la.kind == "block")
+    expect = S * (4 * H + 4 * H) * 2 + 4 * S * 4
+    assert expect <= block.saved_activation_bytes_op_sac <= expect + 32
+    assert block.saved_activation_bytes_op_sac < block.saved_activation_bytes
+    assert block.saved_activation_bytes_op_sac - block.saved_activation_bytes_op_sac_tp_sharded == S * H * 2
+
+
+def test_a_fused_chain_reads_its_inputs_and_writes_its_outputs_once() -> None:
+    """x → a = gelu(x) → b = a·2 → c = b + y, then a matmul reads c: eager streams 2+2+3 tensors of n bytes
+    (read x, write a; read a, write b; read b and y, write c); fused it reads x and y and writes c: 3·n."""
+    n = 1000
+    k = Kernel(kind="elementwise", count=1, work=2.0 * n, tensor_bytes=n)
+    steps = [Step("memory", ((1, n),), ((2, n),), k), Step("memory", ((2, n),), ((3, n),), k),
+             Step("memory", ((3, n), (4, n)), ((5, n),), k), Step("gemm", ((5, n), (6, n)), ((7, n),), None)]
+    (fused,) = fused_kernels(steps)
+    assert fused.work == 3 * n
+    # a tensor saved for backward (kept) is written out even if only the chain reads it
+    (kept,) = fused_kernels(steps, keep=frozenset({2}))
+    assert kept.work == 4 * n
+
+
+def test_compiled_blocks_are_priced_faster_and_offered_by_the_planner() -> None:
+    net, x = autopar.zoo.build("llama3-8b", seq_len=2048)
+    graph = autopar.capture(net, x)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    costs = CostModel.for_cluster(graph, cluster)
+    cand = Candidate.of(ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1, num_microbatches=2))
+    block = next(i for i, g in enumerate(costs.runs) if g[0].kind == "block")
+    eager = costs.problem(cand).runs[block]
+    compiled = costs.problem(Candidate.of(ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1,
+                                                         num_microbatches=2, compile=True))).runs[block]
+    assert compiled.compute_s[0] < eager.compute_s[0]
+    assert compiled.act_bytes == eager.act_bytes
+    plan = autopar.plan(graph, cluster, global_batch_size=16, options=PlannerOptions(compile=None, top_k=0))
+    assert plan.config.compile  # never slower, so chosen when the planner may
