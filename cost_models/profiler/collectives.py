@@ -10,6 +10,13 @@ Within a time budget (budget.py): each op gets an equal share of what is left wh
 are warmed up in increasing order until the next would overrun half that share, the trials shrink to fit
 the rest, and the sizes left out are extrapolated from the fitted curve (CollectiveSample.extrapolated).
 The same processes first time the kernel mix of contention.py, 2, 4 ... N at once.
+
+Given that mix (CPU profiles), every timed call is reached from compute, as in training: each rank runs
+one mix, untimed, before each call, and a sample is the ranks' mean time blocked in the call (`_timed`).
+On a CPU whose cores the ranks share with each other and with other work, a collective in a training
+step costs the op plus the wait for a peer that arrives later or was descheduled; back-to-back calls,
+with every rank already waiting in the op, do not see that wait (measured here: tensor-parallel steps
+blocked ~6 ms per 2-rank all-reduce against ~1.5 ms in a back-to-back table, at load 9).
 """
 
 from __future__ import annotations
@@ -99,16 +106,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], iters: int, group: dist.ProcessGroup, device: torch.device) -> float:
+def _timed(fn: Callable[[], None], iters: int, group: dist.ProcessGroup, device: torch.device,
+           between: Callable[[], None] | None = None) -> float:
+    """Seconds per call of fn. Back to back: the slowest rank's mean, nccl-tests' "time". With `between`, a
+    compute segment each rank runs (untimed) before each call: the ranks' mean time blocked in the call,
+    what a training step pays for a collective it reaches from compute — the op plus waiting for peers
+    that arrive later or were descheduled (contention.py's processes sharing the cores)."""
     dist.barrier(group=group)
     _sync(device)
-    t0 = time.perf_counter()
+    if between is None:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        local = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return float(local.item())
+    blocked = 0.0
     for _ in range(iters):
+        between()
+        _sync(device)
+        t0 = time.perf_counter()
         fn()
-    _sync(device)
-    local = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    return float(local.item())
+        _sync(device)
+        blocked += time.perf_counter() - t0
+    local = torch.tensor([blocked / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(local, group=group)
+    return float(local.item()) / dist.get_world_size(group)
 
 
 def _agreed(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
@@ -120,8 +144,10 @@ def _agreed(value: float, device: torch.device, group: dist.ProcessGroup | None 
 
 
 def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torch.device, sizes: list[int],
-              trials: int, trial_s: float, budget_s: float) -> dict[int, float]:
-    """{n_bytes: mean seconds per op} for the sizes that fit in budget_s, measured in increasing size.
+              trials: int, trial_s: float, budget_s: float,
+              between: Callable[[], None] | None = None) -> dict[int, float]:
+    """{n_bytes: mean seconds per op} for the sizes that fit in budget_s, measured in increasing size,
+    each call after a compute segment when `between` is given (`_timed`).
 
     Every decision uses rank 0's clock or all-reduced times, so all ranks of the group take the same one."""
     start = time.monotonic()
@@ -137,8 +163,10 @@ def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torc
             if elapsed() + 2 * predicted > budget_s / 2:
                 break
         fns[n_bytes] = _op_fn(op, n_bytes, g, rank, group, device)
-        firsts[n_bytes] = _timed(fns[n_bytes], 1, group, device)
-    iters = {n: max(1, min(200, int(trial_s / max(t, 1e-7)))) for n, t in firsts.items()}
+        firsts[n_bytes] = _timed(fns[n_bytes], 1, group, device, between)
+    # after compute, two calls a trial: the compute segment, not the op, sets a trial's length
+    most = 2 if between is not None else 200
+    iters = {n: max(1, min(most, int(trial_s / max(t, 1e-7)))) for n, t in firsts.items()}
     # trials interleave the sizes, so each size's trials spread over the whole sweep of this op: on a
     # shared machine the load changes over seconds, and a median over trials taken back to back would
     # describe one moment, not the machine. As many as fit: at least one, no more than `trials`
@@ -146,7 +174,7 @@ def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torc
     for _ in range(trials):
         t0 = elapsed()
         for n, fn in fns.items():
-            times[n].append(_timed(fn, iters[n], group, device))
+            times[n].append(_timed(fn, iters[n], group, device, between))
         t1 = elapsed()
         if t1 + (t1 - t0) > budget_s:
             break
@@ -166,6 +194,7 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
     groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan} | set(group_sizes(nproc)))}
     try:
+        mix = None
         if mix_dtype is not None:  # contention.py: the kernel mix in g processes at once, g = 2, 4, ... nproc
             mix = kernel_mix(device, mix_dtype)
             # windows of a fiftieth of the time left, 0.05-0.3 s: long beside the OS's time slices (a few ms)
@@ -183,7 +212,7 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
             budget_s = _agreed((deadline - time.monotonic()) / (len(plan) - i), device)
             if rank < g and budget_s > 0:
                 for n_bytes, t in _sweep_op(op, g, rank, groups[g], device, sizes, trials, trial_s,
-                                            budget_s).items():
+                                            budget_s, mix).items():
                     if rank == 0:
                         results.put(("sample", op, g, n_bytes, t))
             dist.barrier()
