@@ -16,7 +16,13 @@ from autopar.plan import Estimate, Plan, StagePlan
 from autopar.planner.assemble import build_estimate, build_plan
 from autopar.planner.costs import CostModel
 from autopar.planner.search import price, search
-from autopar.validate import MAX_GLOBAL_BATCH, check_options, check_positive_int, check_stages_for_graph
+from autopar.validate import (
+    MAX_GLOBAL_BATCH,
+    check_device_runs,
+    check_options,
+    check_positive_int,
+    check_stages_for_graph,
+)
 
 __all__ = ["plan", "estimate", "parallelize"]
 
@@ -68,7 +74,9 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, globa
     check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH)
     options = check_options(options)
     cluster = _cluster(cluster)
-    costs = CostModel.for_cluster(_graph(model, example_inputs), cluster, profile, options.memory_reserve_fraction)
+    graph = _graph(model, example_inputs)
+    check_device_runs(cluster, graph.dtype)
+    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
                       global_batch_size=global_batch_size)
@@ -96,7 +104,9 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
                            f"{global_batch_size}; adjust micro_batch_size or num_microbatches")
     options = check_options(options)
     cluster = _cluster(cluster)
-    costs = CostModel.for_cluster(_graph(model, example_inputs), cluster, profile, options.memory_reserve_fraction)
+    graph = _graph(model, example_inputs)
+    check_device_runs(cluster, graph.dtype)
+    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)

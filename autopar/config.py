@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import ConfigError
-from cost_models.memory import RECOMPUTE_MODES
+from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, RECOMPUTE_MODES
 
 __all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES"]
 
@@ -140,7 +140,7 @@ class PlannerOptions:
     exclude_zero_stages: tuple[int, ...] = ()
     exclude_recompute: tuple[str, ...] = ()  # recompute modes no layer may use (e.g. to compare spaces)
     max_virtual_stages: int = 4
-    memory_reserve_fraction: float = 0.1  # kept free for the allocator and NCCL buffers
+    memory_reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION  # CUDA context, NCCL, cuBLAS (cost_models.memory)
     time_limit_s: float = 60.0
     top_k: int = 5  # runner-up configurations kept in the plan
 

@@ -41,6 +41,9 @@ class Estimate:
     violated: str = ""
     memory_breakdown: dict[str, int] = field(default_factory=dict)  # the peak rank's bytes by category
     memory_capacity_bytes: int = 0  # usable per device (device memory less the reserve); 0 when unknown
+    # the predicted torch.cuda.max_memory_reserved: the peak plus the caching allocator's fragmentation
+    # (cost_models.memory.reserved_bytes); 0 in plans written before it
+    reserved_bytes: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.breakdown) - set(BREAKDOWN_KEYS)

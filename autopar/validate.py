@@ -27,6 +27,7 @@ __all__ = [
     "check_plan",
     "check_plan_for_graph",
     "check_plan_for_cluster",
+    "check_device_runs",
     "check_options",
     "check_positive_int",
     "check_output_path",
@@ -280,6 +281,18 @@ def rebuild_graph(plan: Plan) -> Any:
 
 
 # ---------------------------------------------------------------- options and paths
+
+
+def check_device_runs(cluster: Any, dtype: Any) -> None:
+    """The cluster's device lists a throughput for `dtype` (a torch.dtype or its name), so it can be priced."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        cluster.device.peak_flops_for(name)
+    except KeyError:
+        runs = [d for d in ("float32", "bfloat16", "float16") if d in cluster.device.peak_flops]
+        raise AutoparError(f"the model trains in {name} but device {cluster.device.name} of cluster {cluster.name!r} "
+                           f"has no {name} throughput in the catalog; train in {' or '.join(runs)} (CLI: --dtype)"
+                           ) from None
 
 
 def check_positive_int(name: str, value: Any, *, bound: int | None = None) -> int:

@@ -9,7 +9,7 @@ import json
 
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
-from autopar.validate import MAX_GLOBAL_BATCH, check_positive_int
+from autopar.validate import MAX_GLOBAL_BATCH, check_device_runs, check_positive_int
 
 __all__ = ["register"]
 
@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _estimate(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.cli.cmd_plan import _check_dtype, _cluster, _graph
+    from autopar.cli.cmd_plan import _cluster, _graph
     from autopar.models import training_dtype
     from autopar.report.text import render_estimate
 
@@ -46,7 +46,8 @@ def _estimate(args: argparse.Namespace) -> int:
         raise AutoparError(f"--config {args.config!r}: {e}") from None
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
-    _check_dtype(cluster, dtype)
+    if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
+        check_device_runs(cluster, dtype)
     est = autopar.estimate(_graph(args.model, args.seq_len, dtype), cluster, config)
     if args.json:
         print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))

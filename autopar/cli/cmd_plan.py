@@ -16,6 +16,7 @@ from autopar.validate import (
     MAX_DEVICES,
     MAX_GLOBAL_BATCH,
     MAX_TOP_K,
+    check_device_runs,
     check_output_path,
     check_positive_int,
     check_saved_plan,
@@ -108,6 +109,9 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         if value is not None:
             check_positive_int(f"--{flag.replace('_', '-')}", value,
                                bound=MAX_GLOBAL_BATCH if flag in ("global_batch_size", "mbs") else None)
+    if args.dtype is not None and ":" in args.model:
+        raise AutoparError(f"--dtype applies to zoo models; MODEL {args.model} is a factory, which builds the model in "
+                           "its own dtype: set it there (the plan follows the dtype the factory returns)")
     if not 0 <= args.top <= MAX_TOP_K:
         raise AutoparError(f"--top {args.top}: keep 0 to {MAX_TOP_K} runner-up layouts")
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
@@ -122,17 +126,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if not args.timeline.lower().endswith((".png", ".svg")):
             raise AutoparError(f"--timeline {args.timeline}: use a .png or .svg file name")
         check_output_path(args.timeline, "--timeline")
-
-
-def _check_dtype(cluster, dtype) -> None:
-    """The cluster's device must run the training dtype (its catalog entry lists a peak for it)."""
-    name = str(dtype).removeprefix("torch.")
-    try:
-        cluster.device.peak_flops_for(name)
-    except KeyError:
-        runs = [d for d in ("float32", "bfloat16", "float16") if d in cluster.device.peak_flops]
-        raise AutoparError(f"--dtype {name}: device {cluster.device.name} of cluster {cluster.name!r} has no "
-                           f"{name} throughput in the catalog; use --dtype {' or '.join(runs)}") from None
 
 
 def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ...] | list[str] = ()):
@@ -155,7 +148,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
-    _check_dtype(cluster, dtype)
+    if ":" not in args.model:  # a zoo model trains in `dtype`: refuse before capturing it (a factory: after)
+        check_device_runs(cluster, dtype)
     graph = _graph(args.model, args.seq_len, dtype, args.override)
     plan = autopar.plan(graph, cluster, global_batch_size=args.global_batch_size,
                         options=opts)
