@@ -131,7 +131,7 @@ def test_estimate_prices_a_layout_with_the_planners_objective() -> None:
     cfg = ParallelConfig.parse(str(plan.config))
     est = autopar.estimate(graph, cluster, cfg, stages=plan.stages)  # the plan's own cuts and modes
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
-    if len({s.recompute for s in plan.stages}) == 1:  # one mode everywhere: re-optimised cuts tie
+    if len({k for s in plan.stages for k in s.layer_modes}) == 1:  # one mode everywhere: re-optimised cuts tie
         est = autopar.estimate(graph, cluster, cfg)
         assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
     for alt_cfg, alt_est in plan.alternatives:

@@ -99,3 +99,24 @@ def test_compiled_blocks_are_priced_faster_and_offered_by_the_planner() -> None:
     assert compiled.act_bytes == eager.act_bytes
     plan = autopar.plan(graph, cluster, global_batch_size=16, options=PlannerOptions(compile=None, top_k=0))
     assert plan.config.compile  # never slower, so chosen when the planner may
+
+
+def test_per_layer_recompute_round_trips_and_old_plans_load(tmp_path) -> None:
+    """A stage's layer modes travel through the Plan JSON and `show`; plans written with one mode per stage
+    (no layer_recompute) still load, every layer taking the stage's mode."""
+    from parity_models import graph_of, make_plan
+
+    graph = graph_of("gpt", autopar.zoo.build("gpt-tiny", seq_len=16, device="meta", n_layers=2, hidden_size=64,
+                                              n_heads=4, vocab_size=128)[0])
+    plan = make_plan(graph, dp=1, layer_recompute={"blocks.0": "op_sac"})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = autopar.Plan.load(path)
+    assert back.stages[0].layer_modes == ("none", "op_sac", "none", "none", "none")
+    assert back.stages[0].recompute_of("blocks.0") == "op_sac"
+    from autopar.report.text import recompute_cell
+    assert recompute_cell(back.stages[0]) == "1×op_sac+4×none"
+    old = back.to_dict()
+    for st in old["stages"]:
+        del st["layer_recompute"]
+    assert autopar.Plan.from_dict(old).stages[0].layer_modes == ("none",) * 5
