@@ -55,6 +55,11 @@ def test_op_sac_runs_every_second_matmul_again() -> None:
     assert _backward_matmuls("selective") == 12
     assert _backward_matmuls("op_sac") == 12 + 2
     assert _backward_matmuls("full") == 12 + 5
+    # capture prices exactly the matmuls op_sac runs again
+    g = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=S, device="meta", n_layers=1, hidden_size=H,
+                                           n_heads=4, vocab_size=128, dropout=0.0))
+    block = next(la for la in g.layers if la.kind == "block")
+    assert sum(k.count for k in block.kernels_forward.kernels if k.kind == "gemm" and not k.op_sac_saved) == 2
 
 
 def test_capture_counts_what_op_sac_keeps() -> None:

@@ -86,8 +86,9 @@ class Kernel:
     attention_core: part of the attention core (the attention matmuls or fused kernel, and the scores'
       mask, softmax and dropout between them): what selective recompute runs again (Korthikanti et al.
       2022, §4.2). Forward kernels only.
-    op_sac_saved: op-level selective checkpointing keeps its output, so recompute under "op_sac" does not
-      run it again (autopar.capture.kernels.op_sac_saves). Forward kernels only.
+    op_sac_saved: recompute under "op_sac" does not run it again: the policy keeps its output
+      (autopar.capture.kernels.op_sac_saves), or it follows the last op whose output backward needs, where
+      checkpointing stops recomputing. Forward kernels only.
     """
 
     kind: str

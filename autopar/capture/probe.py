@@ -206,10 +206,14 @@ class _OpLog(TorchDispatchMode):
 def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str], steps: list[Step],
                 saved_ids: set[int]) -> KernelMix:
     """Forward kernels by kind; an op inside a TP pattern (its linear, or data from column linears) is sharded.
-    `steps` (one per op) give the chains TorchInductor fuses (KernelMix.fused)."""
+    `steps` (one per op) give the chains TorchInductor fuses (KernelMix.fused). Under op_sac an op runs
+    again in backward unless its output is saved or it follows the last op whose output backward needs
+    (non-reentrant checkpointing stops recomputing there: torch.utils.checkpoint's early stop)."""
     sums: dict[str, float] = {}
     kernels = []
     steps = list(steps)
+    last_needed = max((i for i, (op, st) in enumerate(zip(ops, steps, strict=True))
+                       if not op.sac_saved_bytes and any(w in saved_ids for w, _ in st.writes)), default=-1)
     for i, op in enumerate(ops):
         if op.kind == "view":
             continue
@@ -222,7 +226,7 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str], steps: list[
         if in_tp:
             sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
         if op.record is not None:
-            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0))
+            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0 or i > last_needed))
             steps[i] = dataclasses.replace(steps[i], kernel=kernels[-1])
     return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
                      kernels=merge_kernels(kernels), fused=fused_kernels(steps, frozenset(saved_ids)))
