@@ -18,6 +18,7 @@ are divided by tp, so code that views `(b, s, self.n_heads, head_dim)` sees the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -35,11 +36,13 @@ from autopar.capture.graph import LayerSpec, SequenceSpan, TPPattern, sequence_s
 from autopar.capture.units import common_parent
 from autopar.errors import PlanMismatchError
 
-__all__ = ["HEAD_COUNT_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
+__all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
 
 # Attribute names that models use for (local) head counts; rewritten to count / tp.
 HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_local_heads",
                     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_kv_heads")
+# Attribute names for the concatenated width of the heads (BART-style attention reshapes with them).
+HEAD_WIDTH_ATTRS = ("embed_dim", "all_head_size", "inner_dim", "kv_dim")
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -108,10 +111,36 @@ def _scatter_input_hook(tp_mesh: DeviceMesh):
 
 def _rewrite_head_counts(module: nn.Module, pattern: TPPattern, tp: int) -> None:
     counts = {pattern.num_heads, pattern.num_kv_heads or pattern.num_heads}
+    widths = {c * pattern.head_dim for c in counts} if pattern.head_dim else set()
     for attr in HEAD_COUNT_ATTRS:
         value = getattr(module, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value in counts:
             setattr(module, attr, value // tp)
+    for attr in HEAD_WIDTH_ATTRS:  # the heads' concatenated width, used to reshape their output
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value in widths:
+            setattr(module, attr, value // tp)
+
+
+def _explain_failures(name: str):
+    """Wraps a sharded module's forward: an error inside it (code that sizes a tensor with a width the
+    rewrite did not know) is reported as what it is, not as a bare shape error from deep in torch."""
+
+    def wrap(forward):
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            except PlanMismatchError:
+                raise
+            except RuntimeError as e:
+                raise PlanMismatchError(
+                    f"module {name!r} failed under tensor parallelism ({str(e).splitlines()[0][:200]}): its code "
+                    "likely sizes a tensor with the full head count or width, which autopar did not rewrite for "
+                    "one rank's heads. Re-plan with tp=1 for this model") from e
+        return run
+
+    return wrap
 
 
 def _check_divisible(layer: LayerSpec, pattern: TPPattern, tp: int) -> None:
@@ -146,15 +175,19 @@ def _width_check(name: str, width: int):
     return hook
 
 
-def _replicate_inner_norms(module: nn.Module, owner: str, pattern: TPPattern, tp_mesh: DeviceMesh) -> None:
+def _replicate_inner_params(module: nn.Module, owner: str, pattern: TPPattern, tp_mesh: DeviceMesh, *,
+                            tight: bool) -> None:
     """Parameters inside a pattern that are not its projections.
 
-    Per-head norms (Qwen3's q/k norms: a weight of head_dim elements) see only this rank's heads, so
-    their gradients are partial sums: they become replicated DTensors over local inputs declared
-    sharded on dim 0 (a row-wise op, so any dim but the normalised one is a valid split) and DTensor
-    sums their gradients over the TP group. Any other such module must see full-width inputs (a norm
-    of the block's input, when the projections sit directly in the block): checked on every call,
-    refused when it would run on a shard. A non-norm module of head width is refused outright.
+    Modules between the column and row linears see only this rank's heads or hidden units, so their
+    weights' gradients are partial sums: per-head norms (Qwen3's q/k norms, a weight of head_dim
+    elements) and, inside an attention or MLP sub-module, element-wise modules with scalar
+    parameters (a learned activation). They become replicated DTensors over local inputs declared
+    sharded on dim 0 (row-wise ops: any dim but the last is a valid split), so DTensor sums their
+    gradients over the TP group. Any other such module must see full-width inputs (a norm of the
+    block's input, when the projections sit in the block itself): checked on every call, refused
+    when it would run on a shard. A module of head width or scalar parameters that cannot be placed
+    is refused outright.
     """
     projections = {*pattern.column, *pattern.row}
     head_dim = pattern.head_dim if pattern.kind == "attention" else None
@@ -164,14 +197,17 @@ def _replicate_inner_norms(module: nn.Module, owner: str, pattern: TPPattern, tp
         own = [p for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)]
         if not own:
             continue
-        width = own[0].size(-1) if own[0].dim() else 0
-        if head_dim and width == head_dim and is_norm(sub):
+        width = own[0].size(-1) if own[0].dim() else 1
+        per_head = head_dim and width == head_dim and is_norm(sub)
+        scalar = all(p.numel() == 1 for p in own) and tight and name != owner
+        if per_head or scalar:
             parallelize_module(module, tp_mesh, {name: SequenceParallel(sequence_dim=0, use_local_output=True)})
-        elif head_dim and width == head_dim:
+        elif (head_dim and width == head_dim) or all(p.numel() == 1 for p in own):
             raise PlanMismatchError(
-                f"module {name!r} ({type(sub).__name__}) holds per-head parameters inside the tensor-parallel "
-                f"region of {owner!r} and is not a norm; autopar cannot shard it faithfully. Re-plan with tp=1")
-        elif width:
+                f"module {name!r} ({type(sub).__name__}) holds parameters inside the tensor-parallel region of "
+                f"{owner!r} that autopar cannot place (per-head or scalar, not in an attention or MLP "
+                "sub-module); re-plan with tp=1 for this model")
+        else:
             sub.register_forward_pre_hook(_width_check(name, width), with_kwargs=True)
 
 
@@ -193,17 +229,26 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
             _check_divisible(layer, pattern, tp)
             if pattern.kind in ("mlp", "attention"):
                 owner = common_parent((*pattern.column, *pattern.row))
-                plan: dict[str, object] = {name: ColwiseParallel() for name in pattern.column}
+                # The pattern's input becomes one DTensor at its owner when the owner is a sub-module
+                # (attention, MLP) that feeds it straight to the column linears; when the linears sit
+                # in the block itself, whose residuals and norms run on plain tensors, each column
+                # linear converts its own input (one more all-reduce of the input gradient per column).
+                shared_input = owner not in layer.modules and owner != layer.name
+                col_in = Shard(1) if sp else Replicate()
+                plan: dict[str, object] = {name: ColwiseParallel() if shared_input else
+                                           ColwiseParallel(input_layouts=col_in) for name in pattern.column}
                 plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
                              for name in pattern.row})
                 parallelize_module(module, tp_mesh, plan)
                 for name in pattern.row:
                     module.get_submodule(name).register_forward_hook(_own_output)
                 owner_module = module.get_submodule(owner)
-                _replicate_inner_norms(module, owner, pattern, tp_mesh)
-                owner_module.register_forward_pre_hook(_shared_input_hook(tp_mesh, sp), with_kwargs=True)
+                _replicate_inner_params(module, owner, pattern, tp_mesh, tight=shared_input)
+                if shared_input:
+                    owner_module.register_forward_pre_hook(_shared_input_hook(tp_mesh, sp), with_kwargs=True)
                 if pattern.kind == "attention":
                     _rewrite_head_counts(owner_module, pattern, tp)
+                owner_module.forward = _explain_failures(owner)(owner_module.forward)
             elif pattern.kind == "embedding":
                 parallelize_module(module, tp_mesh, {name: RowwiseParallel(input_layouts=Replicate(),
                                                                           output_layouts=Replicate())
