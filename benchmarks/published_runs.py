@@ -117,6 +117,12 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, str, bo
         return autopar.estimate(graph, cluster, cfg), str(cfg), True
 
 
+def _memory_as_published(run: dict, est) -> float:
+    """The estimate's bytes in the source's terms: torch.cuda.max_memory_reserved (torchtitan logs it) is the
+    tensor peak plus the caching allocator's fragmentation (Estimate.reserved_bytes); else the tensor peak."""
+    return est.reserved_bytes if run.get("memory_kind", "reserved") == "reserved" else est.peak_memory_bytes
+
+
 def fitted_constant_mfu(rows: list[Priced]) -> tuple[float, float]:
     """(c, MAPE) of the baseline step = 6·N·tokens / (gpus · peak · c), c minimising the MAPE over `rows`.
     The MAPE is piecewise convex in 1/c with its minimum at a weighted median of the per-run ratios, so
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         est, layout, refused = price(run, graph, cluster)
         pub = published_step_s(run, graph)
         row = Priced(name=run["name"], published_s=pub, predicted_s=est.step_time_s, fits=not refused, config=layout,
-                     published_GiB=run.get("memory_GiB"), predicted_GiB=est.peak_memory_bytes / GiB,
+                     published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.num_params, tokens=run["global_batch"] * run["seq_len"],
                      peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"])
         rows.append(row)

@@ -24,6 +24,8 @@ __all__ = [
     "zero3_gathered_param_bytes",
     "logits_bytes",
     "ALLOCATOR_RESERVE_FRACTION",
+    "ALLOCATOR_FRAGMENTATION",
+    "reserved_bytes",
     "RECOMPUTE_MODES",
     "SCHEDULES",
 ]
@@ -35,12 +37,23 @@ __all__ = [
 RECOMPUTE_MODES = ("none", "selective", "op_sac", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
-# Fraction of device memory kept free for the caching allocator's fragmentation, the CUDA context and
-# NCCL buffers. ZeRO (Rajbhandari et al. 2020, §3.2 "Residual memory consumption") reports fragmentation
-# leaving >30% of memory unusable in extreme cases; PyTorch's expandable segments and Megatron-style
-# contiguous buffers keep it far lower, and 10% is what autopar.PlannerOptions.memory_reserve_fraction
-# defaults to. Calibrate with torch.cuda.max_memory_reserved() / max_memory_allocated() on a real run.
-ALLOCATOR_RESERVE_FRACTION = 0.10
+# Fraction of device memory a layout may not fill with tensors (autopar.PlannerOptions.memory_reserve_fraction):
+# what lives outside PyTorch's caching allocator — the CUDA context and loaded kernels (~0.5 GiB), NCCL's
+# per-communicator buffers (NCCL_BUFFSIZE 4 MiB × 2 directions × up to 32 channels ≈ 256 MiB per
+# communicator, 3–4 communicators in a 3-D layout), cuBLAS workspaces (32 MiB per stream on Hopper,
+# PyTorch's CUBLAS_WORKSPACE_CONFIG notes) — about 2–3 GiB, 3–4% of an 80 GB device, plus a little slack.
+# The allocator's fragmentation is not part of it: short of memory it frees its cached blocks and retries
+# before raising out-of-memory, which is why published runs fill their devices: torchtitan's Llama 2 13B
+# without recompute on 80 GB A100s needs ~72.5 GiB of tensors (benchmarks/published_runs.py), more than a
+# 10% reserve allowed.
+ALLOCATOR_RESERVE_FRACTION = 0.05
+# What the caching allocator holds beyond the tensors it serves, as a fraction of what it holds: 15% on
+# average over eight LLMs trained with recompute, ZeRO and offloading on A100-80GB (Guo et al. 2024,
+# "GMLake: Efficient and Transparent GPU Memory Defragmentation for Large-scale DNN Training with Virtual
+# Memory Stitching", ASPLOS'24, abstract and §6: fragmentation reduced by 15% on average, up to 33%).
+# It turns a predicted tensor peak (torch.cuda.max_memory_allocated) into the torch.cuda.max_memory_reserved
+# that trainers such as torchtitan report (`reserved_bytes`).
+ALLOCATOR_FRAGMENTATION = 0.15
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,3 +200,12 @@ def logits_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dty
     for name, v in (("micro_batch", micro_batch), ("seq_len", seq_len), ("vocab", vocab), ("tp", tp)):
         _check_positive_int(name, v)
     return micro_batch * seq_len * (vocab / tp) * (dtype_bytes + 4 * fp32_copies)
+
+
+def reserved_bytes(allocated_bytes: float, usable_bytes: float) -> float:
+    """torch.cuda.max_memory_reserved() for a tensor peak of `allocated_bytes`: the caching allocator holds
+    allocated / (1 − ALLOCATOR_FRAGMENTATION), but never more than the device offers it (`usable_bytes`:
+    short of memory it frees cached blocks and retries), nor less than the tensors themselves."""
+    if allocated_bytes < 0 or usable_bytes <= 0:
+        raise ValueError(f"allocated_bytes={allocated_bytes} must be ≥ 0 and usable_bytes={usable_bytes} > 0")
+    return max(allocated_bytes, min(allocated_bytes / (1.0 - ALLOCATOR_FRAGMENTATION), usable_bytes))

@@ -68,7 +68,7 @@ devices_per_node = 2
 [device]
 name = "tiny-gpu"
 kind = "gpu"
-memory_GiB = 0.25
+memory_GiB = 0.2
 memory_bandwidth_GBps = 1000
 peak_TFLOPs = { bfloat16 = 100, float32 = 20 }
 source = "test fixture"
@@ -82,7 +82,7 @@ latency_us = 6
 
 
 def test_explain_names_the_constraint_an_infeasible_layout_violates(tmp_path, capsys) -> None:
-    """gpt-tiny at 256 tokens fits a 0.25 GiB device with micro-batches of 8, not as one micro-batch of 32."""
+    """gpt-tiny at 256 tokens fits a 0.2 GiB device with micro-batches of 8, not as one micro-batch of 32."""
     cluster = tmp_path / "small.toml"
     cluster.write_text(SMALL_CLUSTER)
     plan = tmp_path / "p.json"

@@ -83,3 +83,18 @@ def test_bad_recompute_and_sp():
         memory.korthikanti_activation_bytes(seq_len=1, micro_batch=1, hidden=8, heads=1, recompute="some")
     with pytest.raises(ValueError, match="sequence_parallel"):
         memory.korthikanti_activation_bytes(seq_len=1, micro_batch=1, hidden=8, heads=1, sequence_parallel=True)
+
+
+def test_reserved_is_the_peak_plus_the_allocators_fragmentation_within_the_device():
+    """GMLake (Guo et al. 2024): the caching allocator holds 15% more than its tensors on average; short of
+    memory it frees cached blocks, so what it holds never exceeds what the device offers, nor drops below
+    the tensors themselves."""
+    from cost_models.memory import ALLOCATOR_FRAGMENTATION, reserved_bytes
+
+    gib = float(1 << 30)
+    assert ALLOCATOR_FRAGMENTATION == 0.15
+    assert reserved_bytes(70 * gib, 91 * gib) == pytest.approx(70 * gib / 0.85)  # torchtitan 8B: ~82.4
+    assert reserved_bytes(70 * gib, 76 * gib) == 76 * gib
+    assert reserved_bytes(80 * gib, 76 * gib) == 80 * gib
+    with pytest.raises(ValueError):
+        reserved_bytes(-1.0, 76 * gib)

@@ -12,6 +12,7 @@ from autopar.plan import Estimate, Plan, SolverInfo, StagePlan
 from autopar.planner.costs import CostModel
 from autopar.planner.ilp import MODES
 from autopar.planner.search import SearchResult, Solved
+from cost_models import memory
 
 __all__ = ["build_estimate", "build_stages", "build_plan"]
 
@@ -69,7 +70,8 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
                     tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
                     peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host,
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
-                    memory_capacity_bytes=int(costs.usable_bytes))
+                    memory_capacity_bytes=int(costs.usable_bytes),
+                    reserved_bytes=int(memory.reserved_bytes(max(totals), costs.usable_bytes)))
 
 
 def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:

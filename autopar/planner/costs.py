@@ -146,8 +146,8 @@ class CostModel:
         self._span = sequence_span(graph)
 
     @classmethod
-    def for_cluster(cls, graph: ModelGraph, cluster, profile=None, memory_reserve_fraction: float = 0.1
-                    ) -> CostModel:
+    def for_cluster(cls, graph: ModelGraph, cluster, profile=None,
+                    memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION) -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),

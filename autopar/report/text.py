@@ -109,7 +109,8 @@ def render_diff(a: Plan, b: Plan) -> str:
 def memory_lines(e: Estimate) -> list[str]:
     """Whether the layout fits, then its peak rank's bytes by category against what is usable."""
     cap = e.memory_capacity_bytes
-    head = (f"  memory         fits: peak {gib(e.peak_memory_bytes)} of {gib(cap)} usable" if e.fits else
+    held = f" (the caching allocator would hold ~{gib(e.reserved_bytes)})" if e.reserved_bytes else ""
+    head = (f"  memory         fits: peak {gib(e.peak_memory_bytes)} of {gib(cap)} usable{held}" if e.fits else
             f"  memory         DOES NOT FIT: constraint {e.violated} is violated; peak {gib(e.peak_memory_bytes)} "
             f"per device, {gib(cap)} usable ({e.peak_memory_bytes / cap:.0%}); the planner never chooses it")
     rows = [head] if cap else []
