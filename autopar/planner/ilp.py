@@ -266,16 +266,14 @@ def _layer_modes(problem: InnerProblem, counts: list[int], u: dict[tuple[int, in
     block method likewise recomputes the first layers of a stage)."""
     p = problem.num_ranks
     of = [ri for ri, r in enumerate(problem.runs) for _ in range(r.count)]
-    left = dict(u)
+    queue: dict[tuple[int, int], list[int]] = {}  # (run, rank) → one mode index per layer, heaviest first
+    for (r, q, k), n in sorted(u.items(), key=lambda item: -item[0][2]):
+        queue.setdefault((r, q), []).extend([k] * n)
     out, pos = [], 0
     for s, n in enumerate(counts):
-        q = s % p
         for i in range(pos, pos + n):
-            k = next((k for k in sorted((k for (r, qq, k) in left if r == of[i] and qq == q), reverse=True)
-                      if left[of[i], q, k] > 0), 0)
-            if (of[i], q, k) in left:
-                left[of[i], q, k] -= 1
-            out.append(MODES[k])
+            left = queue.get((of[i], s % p))
+            out.append(MODES[left.pop(0) if left else 0])
         pos += n
     return tuple(out)
 
