@@ -7,9 +7,10 @@ What is adjusted, and why that is sound:
   eager-op floor (cost_models.compute). Multiplying every time in those tables by a multiplies every
   predicted kernel time by exactly a (the model is homogeneous of degree 1 in the table times), so a
   plan re-priced on the calibrated profile predicts a× the kernel time it did. a is the in-situ cost of
-  this model's kernels (small shapes, cold caches, framework dispatch between them, other tenants of a
-  shared machine) relative to the isolated micro-benchmarks. Processes sharing cores is modelled before
-  that (Cluster.local divides the cores among the processes), so a is a property of model and machine.
+  this model's kernels (small shapes, framework dispatch between them, a load that changed since the
+  profile) relative to the micro-benchmarks. Processes sharing cores, caches and the machine's other
+  load are measured before that (Profile.process_slowdown, the kernel mix timed in n processes at once,
+  applied by Cluster.local), so a stays near 1 on the machine the profile describes.
 - Host overhead. The planner prices DTensor's dispatch (tensor parallelism on CPU) from the profile's host
   floor, not its kernel tables, and reports that part of its prediction (Estimate.host_s). It is scaled
   by its own factor h: it is Python work that runs while the peer ranks wait in latency-bound
@@ -25,9 +26,10 @@ What is adjusted, and why that is sound:
   dp = K), which scales every collective of K ranks predicted from them by the same factor.
 - Point-to-point. The p2p table is multiplied by measured / predicted pp_comm of the pipelined runs. On
   gloo a send returns only once the peer has posted its receive, so the measured send time of a pipeline
-  holds waits for the neighbour that a ping-pong table does not see (measured here: 15-60 ms per step
-  against ~1 ms predicted); pricing them into each boundary send makes schedules with more boundaries
-  (interleaving) cost what they do, which is what the planner's choice needs.
+  holds waits for the neighbour. The profiler times each send after a compute segment on both ranks
+  (profiler.collectives), which holds the wait for a peer that arrives later or was descheduled; what
+  is left is the schedule's own wait for the neighbour's work, which this factor prices into each
+  boundary send, so that schedules with more boundaries (interleaving) cost what they do.
 - Nothing else: the pipeline bubble follows from the calibrated stage times; components predicted as
   zero (e.g. a data-parallel sync the planner assumes hidden) cannot be scaled, and stay in the report.
 

@@ -25,6 +25,18 @@ def test_fitted_curve_is_the_median_rate_of_the_last_three_points():
         fitted_time_s([], 1.0)
 
 
+def test_collectives_extrapolate_on_the_alpha_beta_line():
+    from cost_models.profiler.budget import alpha_beta_time_s
+
+    def line(n):  # α = 1 ms, β = 1 GB/s
+        return 1e-3 + n / 1e9
+    points = [(n, line(n)) for n in (2**20, 2**21, 2**22)]
+    assert alpha_beta_time_s(points, 2**28) == pytest.approx(line(2**28))
+    # latency points alone (flat): the largest point's rate beyond it, never a faster one
+    flat = [(1024, 1e-2), (2048, 1e-2)]
+    assert alpha_beta_time_s(flat, 4096) == pytest.approx(2e-2)
+
+
 def test_trials_shrink_to_fit_but_one_always_runs():
     assert trials_within(1.0, 0.1, trial_s=0.02, most=5) == 5
     assert trials_within(1.0, 0.3, trial_s=0.02, most=5) == 2  # (1.0 - 0.3) // 0.3
@@ -127,3 +139,21 @@ def test_cluster_local_prices_kernels_with_the_measured_process_slowdown():
     assert Cluster.local(nproc=4, profile=prof).profile.gemm[0].time_s == pytest.approx(1.7e-4 * share(4) / share(2))
     # a profile without the measurement keeps the core share
     assert Cluster.local(nproc=4, profile=_local_profile()).profile.gemm[0].time_s == pytest.approx(1e-4 * share(4))
+
+
+@pytest.mark.multiproc
+def test_collective_sweep_keeps_its_budget_and_extrapolates_the_large_sizes():
+    """1 KiB to 256 MiB in 4 s, starting the processes included (~1 s): a 256 MiB gloo all-reduce takes
+    ~0.3 s here and the sweep in full ~7 s."""
+    from cost_models.profiler.collectives import measure_collectives
+
+    t0 = time.monotonic()
+    sweep = measure_collectives(2, backend="gloo", quick=True, progress=lambda _m: None,
+                                sizes=[2**e for e in range(10, 29)], plan=[("all_reduce", 2)], budget_s=4.0,
+                                mix_dtype="float32")
+    took = time.monotonic() - t0
+    assert took < 4.0 + 3.0
+    measured = [s.n_bytes for s in sweep.samples if not s.extrapolated]
+    extrapolated = [s for s in sweep.samples if s.extrapolated]
+    assert measured and extrapolated and min(s.n_bytes for s in extrapolated) > max(measured)
+    assert len(sweep.samples) == 19 and sweep.mix_s[2] > 0

@@ -20,8 +20,8 @@ import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-__all__ = ["PhaseClock", "SizeSweep", "fitted_time_s", "trials_within", "QUICK_BUDGET_S", "QUICK_LAYERS_BUDGET_S",
-           "FULL_BUDGET_S"]
+__all__ = ["PhaseClock", "SizeSweep", "fitted_time_s", "alpha_beta_time_s", "trials_within", "QUICK_BUDGET_S",
+           "QUICK_LAYERS_BUDGET_S", "FULL_BUDGET_S"]
 
 # `autopar profile --quick` must finish in a minute (issue 13). The budget covers the measurements,
 # spawning the collective processes included; starting Python and importing torch come on top (~5 s on
@@ -43,6 +43,28 @@ def fitted_time_s(points: Sequence[tuple[float, float]], work: float) -> float:
         raise ValueError("fitted_time_s needs at least one measured point")
     rates = [w / t for w, t in sorted(points)[-3:]]
     return work / statistics.median(rates)
+
+
+def alpha_beta_time_s(points: Sequence[tuple[float, float]], n_bytes: float) -> float:
+    """Time of a message of n_bytes from measured (n_bytes, time_s) points of one collective: the line
+    time = α + n/β fitted by least squares to the last three points (the α-β model of comm.py), at least
+    the largest point's time. A collective's small sizes are latency: extrapolated at their rate, a 1 KiB
+    all-reduce of 10 ms would price 1 MiB at 10 s (seen here) where the line gives ~20 ms. With one point,
+    or a line that does not rise (noise), the largest point's rate beyond it."""
+    if not points:
+        raise ValueError("alpha_beta_time_s needs at least one measured point")
+    pts = sorted(points)[-3:]
+    n_last, t_last = pts[-1]
+    slope = 0.0
+    if len(pts) >= 2:
+        mx, my = sum(n for n, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
+        var = sum((n - mx) ** 2 for n, _ in pts)
+        slope = sum((n - mx) * (t - my) for n, t in pts) / var if var > 0 else 0.0
+    if len(pts) == 1:
+        return t_last if n_bytes <= n_last else t_last * n_bytes / n_last
+    if slope <= 0:
+        slope = t_last / n_last
+    return max(t_last, t_last + slope * (n_bytes - n_last))
 
 
 def trials_within(budget_s: float, call_s: float, *, trial_s: float, most: int) -> int:

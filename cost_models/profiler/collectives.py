@@ -8,7 +8,8 @@ sizes so that each size is timed across the whole sweep — the quantity nccl-te
 
 Within a time budget (budget.py): each op gets an equal share of what is left when it starts; its sizes
 are warmed up in increasing order until the next would overrun half that share, the trials shrink to fit
-the rest, and the sizes left out are extrapolated from the fitted curve (CollectiveSample.extrapolated).
+the rest, and the sizes left out are extrapolated on the α-β line of the largest measured ones
+(CollectiveSample.extrapolated).
 The same processes first time the kernel mix of contention.py, 2, 4 ... N at once.
 
 Given that mix (CPU profiles), every timed call is reached from compute, as in training: each rank runs
@@ -34,10 +35,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cost_models.profile import CollectiveSample
-from cost_models.profiler.budget import fitted_time_s
+from cost_models.profiler.budget import alpha_beta_time_s
 from cost_models.profiler.contention import concurrent_mix_s, kernel_mix, training_threads
 
 __all__ = ["collective_sizes", "collective_plan", "measure_collectives", "CollectiveSweep"]
+
+
+# Seconds kept for tearing the processes down: gloo's destroy_process_group and interpreter exit take
+# 0.5-3 s for 4 processes on this loaded 2-vCPU VM (a quick profile ran 6 s over its budget waiting on them).
+TEARDOWN_S = 2.0
 
 
 def collective_sizes(quick: bool) -> list[int]:
@@ -159,7 +165,9 @@ def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torc
     fns = {}
     for n_bytes in sizes:  # warm-up pass, ascending: stop the range where the next size would overrun half
         if firsts:
-            predicted = fitted_time_s(list(firsts.items()), n_bytes)
+            # one point is latency: the next size (×2) is taken to cost the same until a second shows the slope
+            pts = list(firsts.items())
+            predicted = pts[-1][1] if len(pts) == 1 else alpha_beta_time_s(pts, n_bytes)
             if elapsed() + 2 * predicted > budget_s / 2:
                 break
         fns[n_bytes] = _op_fn(op, n_bytes, g, rank, group, device)
@@ -210,16 +218,16 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
         for i, (op, g) in enumerate(plan):
             # this op's share of what is left of the budget, decided by rank 0 for all
             budget_s = _agreed((deadline - time.monotonic()) / (len(plan) - i), device)
-            if rank < g and budget_s > 0:
+            if rank < g:  # past the deadline still the smallest size, one trial: a table needs a point
                 for n_bytes, t in _sweep_op(op, g, rank, groups[g], device, sizes, trials, trial_s,
                                             budget_s, mix).items():
                     if rank == 0:
                         results.put(("sample", op, g, n_bytes, t))
             dist.barrier()
+        if rank == 0:  # before the teardown, which the profile need not wait for
+            results.put(("done",))
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        results.put(("done",))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,10 +252,15 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
     sizes = sorted(sizes or collective_sizes(quick))
     plan = plan or collective_plan(nproc, quick)
     threads = threads or training_threads(nproc)
-    ctx = mp.get_context("spawn")
+    # fork on a CPU: the workers inherit the imported torch instead of importing it again, which took
+    # 10-12 s for two spawned workers on this 2-vCPU VM at load 10, most of a quick profile's share for
+    # collectives (they set one thread before any kernel, as DataLoader workers do). CUDA needs spawn.
+    fork = backend == "gloo" and "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if fork else "spawn")
     results = ctx.Queue()
     start = time.monotonic()
-    deadline = start + (budget_s if math.isfinite(budget_s) else 3600.0)
+    # the workers stop measuring TEARDOWN_S early: the parent then collects them (join, else terminate)
+    deadline = start + (budget_s - TEARDOWN_S if math.isfinite(budget_s) else 3600.0)
     # small messages are cheap and the noisiest (OS scheduling of oversubscribed ranks): 7-9 trials
     args = (nproc, _free_port(), backend, plan, sizes, 7 if quick else 9, 0.02 if quick else 0.05, threads,
             deadline, mix_dtype, results)
@@ -287,7 +300,7 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
                      f"busbw {s.busbw_Bps / 1e9:.2f} GB/s  (collectives: ~{max(0.0, left):.0f} s left)")
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=TEARDOWN_S)
             if p.is_alive():
                 p.terminate()
     return CollectiveSweep(samples=samples + _extrapolate(samples, plan, sizes, progress), mix_s=mix_s)
@@ -295,14 +308,14 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
 
 def _extrapolate(samples: list[CollectiveSample], plan: list[tuple[str, int]], sizes: list[int],
                  progress: Callable[[str], None]) -> list[CollectiveSample]:
-    """The sizes the budget left unmeasured, from the fitted curve of the measured ones (budget.py)."""
+    """The sizes the budget left unmeasured, on the α-β line of the largest measured ones (budget.py)."""
     out = []
     for op, g in plan:
         measured = [(float(s.n_bytes), s.time_s) for s in samples if (s.op, s.group_size) == (op, g)]
         missing = [n for n in sizes if n > max((w for w, _ in measured), default=math.inf)]
-        if measured and missing:
+        if len(measured) >= 2 and missing:  # one point has no slope to extrapolate along
             progress(f"{op} x{g}: {len(missing)} sizes from {missing[0] / 2**10:.0f} KiB over the time budget, "
-                     "extrapolated from the fitted curve")
-            out += [CollectiveSample(op=op, group_size=g, n_bytes=n, time_s=fitted_time_s(measured, n),
+                     "extrapolated on the α-β line of the largest measured")
+            out += [CollectiveSample(op=op, group_size=g, n_bytes=n, time_s=alpha_beta_time_s(measured, n),
                                      extrapolated=True) for n in missing]
     return out
