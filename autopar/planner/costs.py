@@ -420,7 +420,10 @@ class CostModel:
             zero3_bytes = memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest)
         logits = 0.0
         if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
-            last_inflight = self._inflight(schedule, pp, m, v)[pp - 1]
+            # the loss's logits live from the head's forward to its backward: with interleaving the head is in
+            # the last rank's last chunk, whose warm-up holds only earlier chunks, so each head forward is
+            # followed by its own backward (one in flight), not the rank's average of all its chunks
+            last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
                                                          tp=tp, dtype_bytes=self.elem)
         ranks = [RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
