@@ -33,6 +33,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+sys.path.insert(0, str(Path(__file__).parent))
+import fused_llama  # noqa: E402  (beside this script)
+
 DATA = Path(__file__).parent / "data" / "published_runs.toml"
 GiB = float(1 << 30)
 
@@ -61,9 +64,11 @@ class Priced:
 
 
 def _graph(run: dict, cache: dict):
-    key = (run["model"], run["seq_len"], tuple(sorted(run.get("overrides", {}).items())))
+    impl = run.get("model_impl", "zoo")
+    key = (run["model"], impl, run["seq_len"], tuple(sorted(run.get("overrides", {}).items())))
     if key not in cache:
-        model, x = autopar.zoo.build(run["model"], seq_len=run["seq_len"], **run.get("overrides", {}))
+        build = fused_llama.build if impl == "fused" else autopar.zoo.build
+        model, x = build(run["model"], seq_len=run["seq_len"], **run.get("overrides", {}))
         cache[key] = autopar.capture(model, x)
     return cache[key]
 
