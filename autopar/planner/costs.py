@@ -243,13 +243,15 @@ class CostModel:
                 "time": tuple(fwd + bwd + tp_fwd + tp_bwd + r for r in recompute),
                 "send": (self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True))}
 
-    def layer_compute_s(self, name: str, *, tp: int = 1, sp: bool = False, micro_batch: int = 1) -> float:
+    def layer_compute_s(self, name: str, *, tp: int = 1, sp: bool = False, micro_batch: int = 1,
+                        compiled: bool = False) -> float:
         """Forward + backward compute of layer `name` on one device, as the planner charges it (no comm,
-        no recompute): what benchmarks/cost_model_accuracy.py sets against a measured layer step."""
+        no recompute; `compiled`: as a compiled block): what benchmarks/cost_model_accuracy.py and
+        benchmarks/compile_gain_cpu.py set against a measured layer step."""
         ri = next((i for i, g in enumerate(self.runs) if any(la.name == name for la in g)), None)
         if ri is None:
             raise KeyError(f"no layer named {name!r}; layers are {[la.name for la in self.graph.layers]}")
-        return self._time(ri, tp, sp, micro_batch)["compute"]
+        return self._time(ri, tp, sp, micro_batch, compiled)["compute"]
 
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
