@@ -142,6 +142,19 @@ def fitted_constant_mfu(rows: list[Priced]) -> tuple[float, float]:
     return best, mape(best)
 
 
+def _planner_against_meta(runs: list[dict], cache: dict) -> None:
+    """Llama-3-405B on 16,384 H100: Meta's layout against what autopar.plan chooses for the same job."""
+    run = next((r for r in runs if r["name"] == "llama3-405b-16k-gpus"), None)
+    if run is None:
+        return
+    graph, cluster = _graph(run, cache), _cluster(run)
+    meta, layout, _ = price(run, graph, cluster)
+    plan = autopar.plan(graph, cluster, global_batch_size=run["global_batch"], options=PlannerOptions(top_k=0))
+    print(f"llama3-405b on {run['gpus']:,} H100: Meta's layout priced at MFU {meta.mfu:.1%} (published 38–41%), "
+          f"{meta.step_time_s:.2f} s; autopar plan {plan.config}: MFU {plan.estimate.mfu:.1%}, "
+          f"{plan.estimate.step_time_s:.2f} s ({plan.solver.status}, gap {plan.solver.gap:g})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="price only runs whose name contains this")
@@ -180,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(e <= 0.10 for e in mem)} within 10%")
     print(f"refused     {sum(not r.fits for r in rows)} of {len(rows)} published layouts priced as not fitting")
     print(f"baseline    6·N·tokens at one MFU fitted to these runs ({c:.1%}): MAPE {base:.1%}")
+    _planner_against_meta(runs, cache)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     return 0 if all(math.isfinite(r.predicted_s) for r in rows) else 1
