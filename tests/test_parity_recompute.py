@@ -22,7 +22,7 @@ TWO_RANK = [
     ("gpt", dict(pp=2, num_microbatches=2, layer_recompute={"blocks.0": "selective", "blocks.1": "full"})),
 ]
 ONE_RANK_COMPILED = [
-    ("gpt", dict(compile=True, layer_recompute={"blocks.0": "op_sac", "blocks.1": "none"})),
+    ("gpt", dict(compile=True, recompute="op_sac")),
 ]
 
 
