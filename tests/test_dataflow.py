@@ -128,3 +128,21 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_name():
     messages = run_distributed(_refused_on_one_stage, 2, timeout_s=120)
     assert "model's input tensors" in messages[1]
     assert messages[0].startswith("rank 1 could not build its part of the plan") and "input tensors" in messages[0]
+
+
+class _ReadsValues(nn.Module):
+    """Its forward reads a tensor's value in Python: it cannot be run on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x * float(x.sum().item() > 0)
+
+
+def test_forward_that_reads_values_is_refused_for_pipelining():
+    with pytest.raises(PlanMismatchError, match="use pp=1"):
+        trace_dataflow(_ReadsValues(), ["blocks.0", "blocks.1"], (torch.zeros(2, 8),))

@@ -92,6 +92,11 @@ class DataFlow:
     random_glue: tuple[str, ...]  # random ops outside units (recomputing them would draw new numbers)
     inputs: tuple[LeafMeta | None, ...]  # the model's positional inputs (None: not a tensor)
 
+    @classmethod
+    def single_stage(cls) -> DataFlow:
+        """The flow of a one-stage layout: nothing crosses a cut, so no dry run is needed."""
+        return cls(order=(), calls={}, replicated=frozenset(), output_taint=frozenset(), random_glue=(), inputs=())
+
     def stages(self, stage_of_unit: Mapping[str, int], num_stages: int) -> tuple[StageIO, ...]:
         """Receive/send sets per stage for units placed by `stage_of_unit` (contiguous in call order)."""
         self._check_order(stage_of_unit)
@@ -257,6 +262,14 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
                 mode.set(inputs, frozenset({INPUT}))
                 out = model(*inputs, **forward_kwargs(model))
                 output_taint = mode.tag(model_logits(out))
+    except PlanMismatchError:
+        raise
+    except Exception as e:
+        raise PlanMismatchError(
+            f"pipelining runs {type(model).__name__}'s forward once on fake tensors to find what crosses each "
+            f"stage cut, and it failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}. "
+            "A forward that reads tensor values (.item(), data-dependent shapes) cannot be cut into stages; "
+            "use pp=1 for this model") from e
     finally:
         for h in handles:
             h.remove()

@@ -16,7 +16,7 @@ from torch import nn
 from autopar.capture.graph import ModelGraph
 from autopar.codegen.compile import apply_compile
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
-from autopar.codegen.dataflow import trace_dataflow
+from autopar.codegen.dataflow import DataFlow, trace_dataflow
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
 from autopar.codegen.pipeline import build_schedule, build_stage, check_stage_placement, layer_modules, stage_of_units
@@ -133,7 +133,8 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     _broadcast_from_rank0(model)
 
     units = stage_of_units(graph, plan)
-    flow = trace_dataflow(model, list(units), _microbatch_inputs(graph, example_inputs, cfg.micro_batch_size))
+    flow = (trace_dataflow(model, list(units), _microbatch_inputs(graph, example_inputs, cfg.micro_batch_size))
+            if len(plan.stages) > 1 else DataFlow.single_stage())
     ios = flow.stages(units, len(plan.stages))
     ties = alias_groups(model)
     shared = SharedGradients(model, stages_holding(model, units, flow.replicated, len(plan.stages)),
