@@ -44,8 +44,10 @@ class Estimate:
     # the predicted torch.cuda.max_memory_reserved: the peak plus the caching allocator's fragmentation
     # (cost_models.memory.reserved_bytes); 0 in plans written before it
     reserved_bytes: int = 0
+    notes: tuple[str, ...] = ()  # how the model was priced where it matters, e.g. its unfused eager kernels
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "notes", tuple(self.notes))
         unknown = set(self.breakdown) - set(BREAKDOWN_KEYS)
         if unknown:
             raise ValueError(f"Estimate.breakdown has unknown keys {sorted(unknown)}; expected {BREAKDOWN_KEYS}")

@@ -228,3 +228,18 @@ def test_gpt3_175b_on_1024_a100s_follows_published_practice() -> None:
     assert plan.estimate.peak_memory_bytes <= cluster.device.memory_bytes * (1 - ALLOCATOR_RESERVE_FRACTION)
     assert plan.estimate.reserved_bytes == pytest.approx(min(plan.estimate.peak_memory_bytes / 0.85,
                                                              plan.estimate.memory_capacity_bytes), abs=1)
+
+
+def test_estimate_says_when_the_model_runs_unfused_eager_kernels() -> None:
+    """The zoo Llama's RMSNorm, SiLU·mul and rotary run as separate eager kernels: priced one by one, and said."""
+    model, x = autopar.zoo.build("llama-tiny", seq_len=256)
+    graph = autopar.capture(model, x)
+    cluster = Cluster.preset("dgx-h100")
+    est = autopar.estimate(graph, cluster, ParallelConfig(dp=8, micro_batch_size=1, num_microbatches=1))
+    assert len(est.notes) == 1 and est.notes[0].startswith("unfused eager kernels")
+    costs = autopar.planner.costs.CostModel.for_cluster(graph, cluster)
+    count, share = costs.eager_memory_share(tp=1, sp=False, mbs=1)
+    assert count >= 10 and f"{share:.0%} of its compute" in est.notes[0]
+    compiled = autopar.estimate(graph, cluster, ParallelConfig(dp=8, micro_batch_size=1, num_microbatches=1,
+                                                               compile=True))
+    assert compiled.notes == ()

@@ -71,7 +71,20 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
                     peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host,
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
                     memory_capacity_bytes=int(costs.usable_bytes),
-                    reserved_bytes=int(memory.reserved_bytes(max(totals), costs.usable_bytes)))
+                    reserved_bytes=int(memory.reserved_bytes(max(totals), costs.usable_bytes)),
+                    notes=_eager_note(costs, c))
+
+
+def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
+    """A note when the model's blocks run unfused eager kernels that take a visible share of the time."""
+    if getattr(c, "compile", False):
+        return ()
+    count, share = costs.eager_memory_share(tp=c.tp, sp=c.sequence_parallel, mbs=c.micro_batch_size)
+    if share < 0.05:
+        return ()
+    return (f"unfused eager kernels: each block runs {count} memory-bound kernels per forward (norms, "
+            f"activations, rotary, residuals), each reading and writing HBM: {share:.0%} of its compute, priced "
+            "so; fused kernels or compiled blocks (--compile) would spend less",)
 
 
 def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:

@@ -253,6 +253,20 @@ class CostModel:
             raise KeyError(f"no layer named {name!r}; layers are {[la.name for la in self.graph.layers]}")
         return self._time(ri, tp, sp, micro_batch, compiled)["compute"]
 
+    def eager_memory_share(self, *, tp: int, sp: bool, mbs: int) -> tuple[int, float]:
+        """(memory-bound kernels per forward, their share of forward + backward time) of the model's first
+        block, run eagerly: each norm, activation, rotary and residual op a kernel of its own that reads and
+        writes HBM, as the model's code runs them (0, 0.0 without a captured kernel list)."""
+        block = next((la for la in self.graph.layers if la.kind == "block" and la.kernels_forward.kernels), None)
+        if block is None:
+            return 0, 0.0
+        memory_bound = [k for k in block.kernels_forward.kernels if k.kind not in ("gemm", "attention")]
+        total = self._pass_s(block.kernels_forward, tp, sp, mbs) + self._pass_s(block.kernels_backward, tp, sp, mbs)
+        mem = sum(self._pass_s(dataclasses.replace(mix, kernels=tuple(k for k in mix.kernels
+                                                                       if k.kind not in ("gemm", "attention"))),
+                               tp, sp, mbs) for mix in (block.kernels_forward, block.kernels_backward))
+        return sum(k.count for k in memory_bound), (mem / total if total > 0 else 0.0)
+
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel

@@ -69,6 +69,7 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
              f"predicted       {_estimate_line(e)}", "", "time per step"]
     lines += _breakdown(e)
     lines += ["", "stages (memory per device)"] + _stage_table(plan)
+    lines += [f"note            {n}" for n in e.notes]
     alts = plan.alternatives[:top] if top is not None else plan.alternatives
     if alts:
         lines += ["", "runner-ups"]
@@ -123,7 +124,7 @@ def memory_lines(e: Estimate) -> list[str]:
 def render_estimate(config: ParallelConfig, e: Estimate) -> str:
     """`autopar estimate`: the layout, its step time and breakdown, and its memory against the device's."""
     return "\n".join([f"layout         {config}", f"               {_estimate_line(e)}", *_breakdown(e),
-                      *memory_lines(e)])
+                      *memory_lines(e), *(f"  note           {n}" for n in e.notes)])
 
 
 def render_explain(plan: Plan, config: ParallelConfig, estimate: Estimate | None, reason: str | None) -> str:
