@@ -51,8 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin recompute on every layer")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="compile each block with torch.compile (--no-compile: eager, the default)")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
+                   help="compile each block with torch.compile: --compile (on), off (eager, the default) or "
+                        "auto (the planner prices both and picks)")
     p.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -137,13 +138,15 @@ def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ..
     return capture(module, inputs)
 
 
+_COMPILE = {"on": True, "off": False, "auto": None}  # --compile → PlannerOptions.compile
+
 def _plan(args: argparse.Namespace) -> int:
     import autopar
 
     _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
-                          schedule=args.schedule, recompute=args.recompute, compile=args.compile, top_k=args.top,
-                          time_limit_s=args.time_limit)
+                          schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
+                          top_k=args.top, time_limit_s=args.time_limit)
     from autopar.models import training_dtype
 
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)

@@ -11,12 +11,24 @@ how the planner prices a compiled block (autopar.planner.costs).
 
 from __future__ import annotations
 
+import shutil
+
 from torch import nn
 
+from autopar.errors import PlanMismatchError
+
 __all__ = ["apply_compile"]
+
+_CXX = ("c++", "g++", "clang++")
 
 
 def apply_compile(module: nn.Module) -> None:
     """Compile `module`'s call in place. Graph breaks fall back to eager for their part (fullgraph=False),
-    so a block whose Python dynamo cannot follow still trains, only with less fusion."""
+    so a block whose Python dynamo cannot follow still trains, only with less fusion. On CPU TorchInductor
+    builds C++ kernels: without a C++ compiler on PATH the plan is refused here, not at the first step."""
+    param = next(module.parameters(), None)
+    if param is not None and param.device.type == "cpu" and not any(shutil.which(c) for c in _CXX):
+        raise PlanMismatchError(f"the plan compiles blocks (compile=1) but no C++ compiler ({', '.join(_CXX)}) is on "
+                                "PATH, which torch.compile needs on CPU; install one (e.g. g++) or re-plan with "
+                                "--compile off")
     module.compile(fullgraph=False)
