@@ -125,3 +125,16 @@ def test_per_layer_recompute_round_trips_and_old_plans_load(tmp_path) -> None:
     for st in old["stages"]:
         del st["layer_recompute"]
     assert autopar.Plan.from_dict(old).stages[0].layer_modes == ("none",) * 5
+
+
+def test_cli_pins_op_sac_and_compiled_blocks_or_lets_the_planner_choose(tmp_path) -> None:
+    from autopar.cli.main import main
+
+    base = ["plan", "gpt-tiny", "--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "128"]
+    assert main([*base, "--recompute", "op_sac", "--compile", "--out", str(tmp_path / "a.json")]) == 0
+    a = autopar.Plan.load(tmp_path / "a.json")
+    assert a.config.compile and {k for s in a.stages for k in s.layer_modes} == {"op_sac"}
+    assert main([*base, "--compile", "auto", "--out", str(tmp_path / "b.json")]) == 0
+    assert autopar.Plan.load(tmp_path / "b.json").config.compile  # compiled blocks are never priced slower
+    assert main([*base, "--out", str(tmp_path / "c.json")]) == 0
+    assert not autopar.Plan.load(tmp_path / "c.json").config.compile  # eager unless asked
