@@ -13,6 +13,7 @@ from autopar.cluster import Cluster
 from autopar.codegen.recompute import apply_recompute
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.planner.costs import CostModel
+from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate
 
 H, S = 64, 16  # gpt-tiny block: hidden 64, 4 heads, MLP 4·64, fp32
@@ -138,3 +139,28 @@ def test_cli_pins_op_sac_and_compiled_blocks_or_lets_the_planner_choose(tmp_path
     assert autopar.Plan.load(tmp_path / "b.json").config.compile  # compiled blocks are never priced slower
     assert main([*base, "--out", str(tmp_path / "c.json")]) == 0
     assert not autopar.Plan.load(tmp_path / "c.json").config.compile  # eager unless asked
+
+
+def test_graphs_captured_before_op_sac_still_plan() -> None:
+    """A graph JSON without the op_sac and fusion fields loads; op_sac is priced as none's memory with full's
+    time there (never better than either, so never chosen) and compiled blocks as eager."""
+    from autopar.capture.graph import ModelGraph
+
+    g = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=S, device="meta", n_layers=2, hidden_size=H,
+                                           n_heads=4, vocab_size=128))
+    d = g.to_dict()
+    for la in d["layers"]:
+        del la["saved_activation_bytes_op_sac"], la["saved_activation_bytes_op_sac_tp_sharded"]
+        for mix in ("kernels_forward", "kernels_backward"):
+            del la[mix]["fused"]
+            for k in la[mix]["kernels"]:
+                del k["op_sac_saved"]
+    old = ModelGraph.from_dict(d)
+    costs = CostModel.for_cluster(old, Cluster.preset("dgx-h100", nodes=1))
+    run = next(r for r, grp in zip(costs.problem(Candidate.of(ParallelConfig(dp=8))).runs, costs.runs, strict=True)
+               if grp[0].kind == "block")
+    op_sac, full, none = (MODES.index(k) for k in ("op_sac", "full", "none"))
+    assert run.time_s[op_sac] == run.time_s[full] and run.act_bytes[op_sac] == run.act_bytes[none]
+    eager = costs.problem(Candidate.of(ParallelConfig(dp=8))).runs
+    compiled = costs.problem(Candidate.of(ParallelConfig(dp=8, compile=True))).runs
+    assert [r.time_s for r in eager] == [r.time_s for r in compiled]
