@@ -59,6 +59,10 @@ def summary(prof: Profile) -> dict:
         "launch_overhead_us": prof.launch_overhead_s * 1e6,
         "collectives": colls,
         "layer_times_ms": {k: v * 1e3 for k, v in prof.layer_times.items()},
+        "process_slowdown": {str(n): f for n, f in sorted(prof.process_slowdown.items())},
+        "extrapolated": {"gemm": sum(g.extrapolated for g in prof.gemm),
+                         "elementwise": sum(e.extrapolated for e in prof.elementwise),
+                         "collectives": sum(c.extrapolated for c in prof.collectives)},
     }
 
 
@@ -86,6 +90,13 @@ def run(args: argparse.Namespace) -> int:
     for name, rows in s["collectives"].items():
         print(f"  {name}: " + ", ".join(f"{r['bytes'] / 2**10:.0f} KiB {r['busbw_GBps']:.2f}" for r in rows)
               + "  (busbw GB/s)")
+    if s["process_slowdown"]:
+        print("  kernels with n processes at once: "
+              + ", ".join(f"{n}: x{f:.2f}" for n, f in s["process_slowdown"].items()) + " their table times")
+    ext = s["extrapolated"]
+    if any(ext.values()):
+        print(f"  past the time budget, extrapolated: {ext['gemm']} GEMM, {ext['elementwise']} elementwise and "
+              f"{ext['collectives']} collective entries (marked in the profile)")
     for key, ms in s["layer_times_ms"].items():
         print(f"  layer {key}: {ms:.3f} ms")
     return 0
