@@ -112,8 +112,9 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
             continue
         bnd, inc = tight.pop(i)
         lead = ranked[0] * (1 + 1e-9) if ranked else float("inf")
-        if inc is not None and (inc.objective_s <= bnd.value_s * (1 + 1e-9) or key > lead):
-            continue  # its incumbent meets its bound (its optimum), or it cannot beat the lead: a runner-up
+        if key > lead or (inc is not None and inc.objective_s <= bnd.value_s * (1 + 1e-9)):
+            continue  # it cannot beat the lead (its incumbent, if any, stays a runner-up), or its incumbent
+            # meets its bound: that is its optimum
         left = options.time_limit_s - (time.perf_counter() - t0)
         t_ilp = time.perf_counter()
         sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=lead if lead < float("inf") else None,
