@@ -207,7 +207,7 @@ def check_plan_for_graph(plan: Plan, graph: Any, *, where: str = "plan") -> None
     for layer in graph.layers:
         for pattern in layer.tp_patterns:
             if not pattern.max_degree_ok(plan.config.tp):
-                raise _bad(where, f"tp = {plan.config.tp} does not split layer {layer.name}'s {pattern.kind} "
+                raise _bad(where, f"layer {layer.name}: tp={plan.config.tp} does not divide its {pattern.kind} "
                                   f"pattern (heads={pattern.num_heads}, kv heads={pattern.num_kv_heads}, "
                                   f"vocab={pattern.vocab_size})")
     if plan.seq_len != graph.seq_len:
@@ -255,7 +255,7 @@ def check_plan_for_cluster(plan: Plan, cluster: Any, *, where: str = "plan") -> 
                                 f"{cluster.world_size}; plan for this cluster with `autopar plan`")
     per_node = cluster.devices_per_node
     if per_node % tp:
-        raise _bad(where, f"tp = {tp} does not divide the {per_node} devices of a {cluster.name} node, so a "
+        raise _bad(where, f"tp={tp} does not divide the {per_node} devices of a {cluster.name} node, so a "
                           "tensor-parallel group would straddle nodes")
 
 
@@ -373,4 +373,4 @@ def check_saved_plan(plan: Plan, *, where: str = "plan") -> None:
         world, tp = plan.config.world_size, plan.config.tp
         if world % per_node or per_node % tp:
             raise _bad(where, f"a {plan.cluster_name} node has {per_node} devices, so the world size "
-                              f"(tp·pp·dp = {world}) must be a multiple of {per_node} and tp = {tp} must divide it")
+                              f"(tp·pp·dp = {world}) must be a multiple of {per_node} and tp={tp} must divide it")

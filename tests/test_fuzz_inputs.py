@@ -144,7 +144,7 @@ def test_hand_edits_of_a_plan_are_refused_with_what_is_wrong(plan, graph, tmp_pa
     elif edit == "tp3":
         d["config"]["tp"] = 3
         d["alternatives"] = []
-        want = "tp = 3"
+        want = "tp=3 does not divide"
     else:
         d["estimate"]["peak_memory_bytes"] = math.nan
         want = "peak_memory_bytes"
