@@ -7,8 +7,8 @@ uses, so k of a rank's n layers may recompute (Megatron-LM's --recompute-num-lay
 2025, picks that count per stage). With interleaving all chunks hold ⌊L/S⌋ or ⌈L/S⌉ layers, as
 Megatron-LM's interleaved schedule wants equal chunks. Identical layers are interchangeable and a rank's
 time and memory are sums over its layers, so modes are counted per rank and run (u below), not per layer
-or chunk: that removes the symmetric solutions that would otherwise make the ILP slow. This module takes numbers and
-names only (no torch; the data classes and `evaluate` live in `autopar.planner.problem`), so tests can
+or chunk: that removes the symmetric solutions that would otherwise make the ILP slow. This module takes
+numbers and names only (no torch; the data classes and `evaluate` live in `autopar.planner.problem`), so tests can
 check it against brute force.
 
 Data. The layer sequence is a list of *runs*: run r is n_r consecutive identical layers (equal
@@ -26,7 +26,7 @@ the allocator reserve and stage-independent terms). Workspace W[k] = max_r (a[r,
 activations that recomputing one layer materialises again (layers recompute one at a time in backward,
 so a rank needs the largest W[k] of the modes it uses).
 
-Variables (all per stage s = 0..S−1, run r, mode k):
+Variables (per stage s = 0..S−1, pipeline rank q, run r, mode k):
   F[r,s] ∈ {0..n_r}  integer   layers of run r in stages ≤ s (cumulative; F[r,S−1] = n_r)
   c[r,s] = F[r,s] − F[r,s−1]  layers of run r in stage s (an expression, ≥ 0)
   g[r,s] ∈ {0,1}               run r has started by stage s
@@ -66,7 +66,7 @@ Constraints (the name prefix of each family, as it appears in the model):
 
 Solving: HiGHS (CBC when HiGHS is missing) with relative gap 0, optionally warm-started from a feasible
 solution (`autopar.planner.incumbent`) and with `cutoff_s` as an objective bound (branches that cannot
-beat the search's k-th best are pruned; then `solve` returns None). The returned cuts and modes are
+beat the best layout the search knows are pruned; then `solve` returns None). The returned cuts and modes are
 re-priced by `autopar.planner.problem.evaluate`, which must agree with the ILP objective.
 """
 
