@@ -367,7 +367,7 @@ class CostModel:
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype),
                       host_floor_s=self.host_floor_s)
 
-    def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
+    def problem(self, c: Candidate, modes: tuple[str, ...] = MODES, per_layer: bool = True) -> InnerProblem:
         # runs do not depend on the schedule: candidates that differ only in it share them
         runs = self._runs(dataclasses.replace(c, schedule="1f1b", virtual_stages=1))
         ranks = self.rank_memory(c)
@@ -375,7 +375,7 @@ class CostModel:
                             num_microbatches=c.num_microbatches,
                             inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
-                            modes=modes, grad_sync_latency_s=self.dp_tail(c).fixed_s)
+                            modes=modes, grad_sync_latency_s=self.dp_tail(c).fixed_s, per_layer=per_layer)
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         tail = self.dp_tail(c)
@@ -424,16 +424,19 @@ class CostModel:
         return total
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
-        return self._ranks(c.tp, c.pp, c.dp, c.zero_stage == 3, c.schedule, c.num_microbatches, c.virtual_stages,
+        return self._ranks(c.tp, c.pp, c.dp, c.zero_stage, c.schedule, c.num_microbatches, c.virtual_stages,
                            c.micro_batch_size)
 
-    def _rank_memory_key(self, tp: int, pp: int, dp: int, zero3: bool, schedule: str, m: int, v: int,
+    def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
                          mbs: int) -> tuple[RankMemory, ...]:
         g = self.graph
         zero3_bytes = 0.0
-        if zero3 and dp > 1:
+        if zero_stage >= 2 and dp > 1:
             largest = max(self._local_run(ri, tp) for ri in range(len(self.runs))) * self.elem
-            zero3_bytes = memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest)
+            # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer; ZeRO-3 also holds the
+            # running and the prefetched layer's gathered weights (ZeRO-2 keeps its weights, already counted)
+            zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest) if zero_stage == 3
+                           else largest)
         logits = 0.0
         if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
             # the loss's logits live from the head's forward to its backward: with interleaving the head is in
