@@ -139,6 +139,7 @@ class PlannerOptions:
     exclude_schedules: tuple[str, ...] = ()
     exclude_zero_stages: tuple[int, ...] = ()
     exclude_recompute: tuple[str, ...] = ()  # recompute modes no layer may use (e.g. to compare spaces)
+    recompute_per_layer: bool = True  # False: one recompute mode for all layers of a pipeline rank
     max_virtual_stages: int = 4
     memory_reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION  # CUDA context, NCCL, cuBLAS (cost_models.memory)
     time_limit_s: float = 60.0

@@ -1,12 +1,14 @@
-"""What op-level selective checkpointing and compiled blocks gain in predicted step time (issue 14).
+"""What per-layer recompute, op-level selective checkpointing and compiled blocks gain in predicted step
+time (issue 14).
 
     python benchmarks/recompute_compile_gain.py [--only NAME]
 
-For each of the zoo's large models on its reference cluster, plans three times with autopar.plan's
-defaults otherwise: (1) recompute modes none / selective / full only, eager blocks; (2) with op_sac too
-(the default space); (3) with op_sac and every block compiled (PlannerOptions(compile=True)). Every row
-chooses a recompute mode per layer. Prints each row's predicted step time, its gain over row (1), its
-layout and how many layers use each recompute mode, and the planning time.
+For each of the zoo's large models on its reference cluster, plans four times with autopar.plan's
+defaults otherwise: (1) the space before issue 14: one of none / selective / full per pipeline rank, eager
+blocks; (2) a mode per layer (k of a rank's n layers may recompute); (3) with op_sac too (the default
+space); (4) with op_sac and every block compiled (PlannerOptions(compile=True)). Prints each row's
+predicted step time, its gain over row (1), its layout and how many layers use each recompute mode, and
+the planning time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ CASES = {  # model, preset, nodes, global batch, sequence
     "llama3-405b": ("llama3-405b", "dgx-h100", 2048, 2048, 8192),
 }
 ROWS = {
-    "none/selective/full, eager": PlannerOptions(exclude_recompute=("op_sac",)),
+    "one of 3 modes per rank": PlannerOptions(exclude_recompute=("op_sac",), recompute_per_layer=False),
+    "+ per layer": PlannerOptions(exclude_recompute=("op_sac",)),
     "+ op_sac": PlannerOptions(),
     "+ op_sac + compiled blocks": PlannerOptions(compile=True),
 }

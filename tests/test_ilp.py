@@ -43,7 +43,7 @@ def random_problem(seed: int) -> InnerProblem:
     modes = rng.choice([MODES, MODES, ("none", "full"), ("none", "op_sac"), ("selective",)])
     return InnerProblem(runs=tuple(runs), num_ranks=p, virtual_stages=v, num_microbatches=m, inflight=inflight,
                         capacity_bytes=cap, inter_node=tuple(rng.random() < 0.5 for _ in range(S - 1)),
-                        modes=modes, grad_sync_latency_s=rng.uniform(0, 0.5))
+                        modes=modes, grad_sync_latency_s=rng.uniform(0, 0.5), per_layer=rng.random() < 0.75)
 
 
 def compositions(n: int, k: int):
@@ -111,6 +111,8 @@ def brute_force(pr: InnerProblem) -> float | None:
                 ks = [(pr.runs[of[i + j]], MODES.index(k)) for (i, _), part in zip(segs, parts, strict=True)
                       for j, k in enumerate(part)]
                 used = {k for part in parts for k in part}
+                if not pr.per_layer and len(used) > 1:
+                    continue  # one mode per rank asked
                 mem = sum(r.state_bytes + pr.inflight[q] * r.act_bytes[k] for r, k in ks) + \
                     max(workspace[k] for k in used)
                 t = sum(r.time_s[k] for r, k in ks)

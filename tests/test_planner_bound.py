@@ -3,6 +3,7 @@ bound is exact where a formula says what the optimum is; the incumbent is feasib
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -92,6 +93,13 @@ def test_k_of_n_layers_recompute_where_memory_binds() -> None:
     assert sol.layer_modes == ("selective", "none", "none", "none", "none", "none")
     assert sol.objective_s == pytest.approx(28.6) == brute_force(pr)
     assert 3.0 < bnd.bottleneck_s <= 3.2 and bnd.value_s <= 28.6
+    # one mode per rank (the space before per-layer recompute): rank 0's three layers must all recompute;
+    # selective for all three fits (3 + 3·1.5 + 0.5 = 8 ≤ 11) at 3.6, and the (3, 3) cut stays best:
+    # (m − 1)·3.6 + (3.6 + 3) = 31.8
+    uniform = dataclasses.replace(pr, per_layer=False)
+    sol = solve(uniform, bound=tight_bound(uniform), start=incumbent(uniform, tight_bound(uniform)))
+    assert sol is not None and sol.objective_s == pytest.approx(31.8) == brute_force(uniform)
+    assert sol.layer_modes == ("selective",) * 3 + ("none",) * 3
 
 
 def test_a_rank_that_cannot_hold_its_share_is_named() -> None:

@@ -367,7 +367,7 @@ class CostModel:
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, self.dtype),
                       host_floor_s=self.host_floor_s)
 
-    def problem(self, c: Candidate, modes: tuple[str, ...] = MODES) -> InnerProblem:
+    def problem(self, c: Candidate, modes: tuple[str, ...] = MODES, per_layer: bool = True) -> InnerProblem:
         # runs do not depend on the schedule: candidates that differ only in it share them
         runs = self._runs(dataclasses.replace(c, schedule="1f1b", virtual_stages=1))
         ranks = self.rank_memory(c)
@@ -375,7 +375,7 @@ class CostModel:
                             num_microbatches=c.num_microbatches,
                             inflight=self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.inter_node(c),
-                            modes=modes, grad_sync_latency_s=self.dp_tail(c).fixed_s)
+                            modes=modes, grad_sync_latency_s=self.dp_tail(c).fixed_s, per_layer=per_layer)
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         tail = self.dp_tail(c)

@@ -31,7 +31,8 @@ Variables (per stage s = 0..S−1, pipeline rank q, run r, mode k):
   c[r,s] = F[r,s] − F[r,s−1]  layers of run r in stage s (an expression, ≥ 0)
   g[r,s] ∈ {0,1}               run r has started by stage s
   u[r,q,k] ∈ {0..n_r} integer  layers of run r on pipeline rank q (all its chunks) under mode k
-  z[q,k] ∈ {0,1}               rank q has a layer under mode k (k ≠ none; for the workspace)
+  z[q,k] ∈ {0,1}               rank q has a layer under mode k (k ≠ none, for the workspace; every k
+                               when one mode per rank is asked)
   w[q] ≥ 0                     rank q's recompute workspace
   e[r,s] ≥ 0                   stage s ends inside run r (sets the size of the tensor sent on)
   t[q], T, E ≥ 0               rank time, bottleneck rank time, step tail (DP comm + optimizer)
@@ -50,6 +51,7 @@ Constraints (the name prefix of each family, as it appears in the model):
   chunk_lo/hi_{s}  ⌊L/S⌋ ≤ Σ_r c[r,s] ≤ ⌈L/S⌉  (v > 1 only)    interleaved chunks are near-equal
   split_{r}_{q}    Σ_k u[r,q,k] = Σ_{s≡q} c[r,s];  u[r,q,k] ≤ n_r·z[q,k]   (umode_{r}_{q}_{k})
   workspace_{q}_{k} w[q] ≥ W[k]·z[q,k]
+  mode_{q}         Σ_k z[q,k] = 1   (only when InnerProblem.per_layer is False: one mode per rank)
   ends_{r}_{s}     e[r,s] ≥ g[r,s] − g[r+1,s]                the last layer of stage s is in run r
   rank_time_{q}    t[q] = Σ τ·u + Σ_{s≡q} (π(out, fwd) + π(in, bwd))   each stage sends its output forward
                                                              and its input gradient backward
@@ -135,7 +137,7 @@ def start_values(problem: InnerProblem, sol: InnerSolution) -> dict[str, float]:
             cum[of[i]] += 1
             key = f"u_{of[i]}_{st.rank}_{MODES.index(sol.layer_modes[i])}"
             out[key] = out.get(key, 0.0) + 1.0
-            if sol.layer_modes[i] != MODES[0]:
+            if sol.layer_modes[i] != MODES[0] or not problem.per_layer:
                 out[f"z_{st.rank}_{MODES.index(sol.layer_modes[i])}"] = 1.0
         if s < S - 1:
             for r in range(R):
@@ -172,7 +174,8 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     u = {(r, q, k): lp.add_variable(f"u_{r}_{q}_{k}", 0, runs[r].count, cat="Integer")
          for r in range(R) for q in range(p) for k in K}
     ws = {k: problem.workspace_bytes(MODES[k]) / unit for k in K}
-    z = {(q, k): lp.add_variable(f"z_{q}_{k}", cat="Binary") for q in range(p) for k in K if ws[k] > 0}
+    z = {(q, k): lp.add_variable(f"z_{q}_{k}", cat="Binary") for q in range(p) for k in K
+         if ws[k] > 0 or not problem.per_layer}
     w = {q: lp.add_variable(f"w_{q}", 0) for q in range(p)}
     e = {(r, s): lp.add_variable(f"e_{r}_{s}", 0) for r in range(R) for s in range(S - 1)}
     t = {q: lp.add_variable(f"t_{q}", 0) for q in range(p)}
@@ -214,6 +217,8 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
         for k in K:
             if (q, k) in z:
                 lp += w[q] >= ws[k] * z[q, k], f"workspace_{q}_{k}"
+        if not problem.per_layer:
+            lp += pulp.lpSum(z[q, k] for k in K) == 1, f"mode_{q}"
         lp += t[q] == pulp.lpSum(runs[r].time_s[k] * u[r, q, k] for r in range(R) for k in K) + \
             pulp.lpSum(send[q]), f"rank_time_{q}"
         lp += t[q] <= T, f"bottleneck_{q}"

@@ -41,7 +41,7 @@ def best_modes(pr: InnerProblem, layers_per_stage: tuple[int, ...]) -> tuple[str
             kf = MODES.index(fast)
             base = sum(c * (r.state_bytes + phi * r.act_bytes[kf]) for c, r in zip(counts[q], pr.runs, strict=True))
             t_fast = sum(c * r.time_s[kf] for c, r in zip(counts[q], pr.runs, strict=True))
-            for lean in pr.modes:
+            for lean in pr.modes if pr.per_layer else (fast,):
                 kl = MODES.index(lean)
                 runs = [ri for ri in range(R)
                         if counts[q][ri] and pr.runs[ri].act_bytes[kl] < pr.runs[ri].act_bytes[kf]]

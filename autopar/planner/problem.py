@@ -57,6 +57,7 @@ class InnerProblem:
     inter_node: tuple[bool, ...]  # per boundary between stage s and s+1 (S−1 entries)
     modes: tuple[str, ...] = MODES  # allowed recompute modes
     grad_sync_latency_s: float = 0.0  # γ0: latency part of the gradient collectives (0 when dp = 1)
+    per_layer: bool = True  # False: one mode for all layers of a pipeline rank (the space without k of n)
 
     def __post_init__(self) -> None:
         s = self.num_stages
@@ -198,6 +199,9 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
     for i, mode in enumerate(layer_modes):
         if mode not in problem.modes:
             violated = f"mode_{i} (recompute {mode!r} not allowed)"
+    for q in range(p):
+        if not problem.per_layer and len(used_modes[q]) > 1:
+            violated = violated or f"mode_{q} (one recompute mode per rank)"
     if v > 1 and max(layers_per_stage) - min(layers_per_stage) > 1:
         violated = violated or "chunk_lo/hi (interleaved chunks differ by at most one layer)"
     for q in range(p):

@@ -73,7 +73,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
                                  global_batch_size=global_batch_size, options=options)
     modes = _modes(options)
-    problems = [costs.problem(c, modes) for c in cands]
+    problems = [costs.problem(c, modes, options.recompute_per_layer) for c in cands]
     heap = [(lower_bound(pr), i, 0) for i, pr in enumerate(problems)]
     heapq.heapify(heap)
     keep = options.top_k + 1
