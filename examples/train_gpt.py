@@ -42,7 +42,7 @@ import torch.distributed as dist
 import autopar
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.checkpoint import Checkpointer, complete_checkpoints
-from autopar.codegen.elastic import init_process_group, restart_count
+from autopar.codegen.elastic import init_process_group, job_restart_count
 from autopar.codegen.mesh import resolve_device
 from autopar.codegen.timing import rank_timing
 from autopar.errors import AutoparError, PlanMismatchError
@@ -194,7 +194,8 @@ def train(args) -> int:
                     if args.checkpoint_dir else None)
     done = 0
     # A restarted attempt (torchrun --max-restarts) continues from the latest checkpoint, if one was made.
-    restarted = checkpointer is not None and restart_count() > 0 and bool(complete_checkpoints(args.checkpoint_dir))
+    first_attempt = job_restart_count() == 0  # collective: every rank must agree
+    restarted = checkpointer is not None and not first_attempt and bool(complete_checkpoints(args.checkpoint_dir))
     if args.resume or restarted:
         info = checkpointer.resume()
         done = info.step
@@ -204,7 +205,6 @@ def train(args) -> int:
     if args.record and args.steps - done <= args.warmup:
         raise AutoparError(f"--record: this run trains steps {done + 1}..{args.steps}, not more than --warmup "
                            f"({args.warmup}); lower --warmup or raise --steps")
-    first_attempt = restart_count() == 0
     vocab = autopar.zoo.config(args.model).vocab_size
     tokens_per_step = args.global_batch_size * args.seq_len
     times, losses = [], []

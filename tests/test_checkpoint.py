@@ -106,8 +106,9 @@ def plan_a(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, plan_a) -> Run:
-    """8 steps of tp2·dp2 on 4 processes, a checkpoint every 2 steps (all kept)."""
-    return _run(tmp_path_factory.mktemp("run") / "a", 4, plan_a, "--checkpoint-every", "2", "--keep-checkpoints", "4")
+    """8 steps of tp2·dp2 on 4 processes, a checkpoint every 2 steps (all kept), written asynchronously."""
+    return _run(tmp_path_factory.mktemp("run") / "a", 4, plan_a, "--checkpoint-every", "2", "--keep-checkpoints", "4",
+                "--async-checkpoint")
 
 
 @pytest.mark.multiproc
