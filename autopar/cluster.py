@@ -385,7 +385,8 @@ def _link_field(data: dict[str, Any], key: str, where: str) -> LinkSpec:
 def _cluster_from_mapping(data: Any, where: str) -> Cluster:
     if not isinstance(data, dict):
         kind = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(data), "a number")
-        raise ClusterSpecError(f"{where} holds {kind} ({json.dumps(data)[:40]}); a cluster file "
+        shown = "" if data is None else f" ({json.dumps(data)[:40]})"
+        raise ClusterSpecError(f"{where} holds {kind}{shown}; a cluster file "
                                f"is one table/object with fields {list(_FILE_KEYS)}")
     unknown = sorted(set(data) - set(_FILE_KEYS))
     if unknown:
