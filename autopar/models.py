@@ -73,7 +73,8 @@ def _load_module(target: str) -> ModuleType:
 
 
 def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype | None = None,
-                  overrides: dict[str, Any] | None = None) -> tuple[nn.Module, tuple]:
+                  overrides: dict[str, Any] | None = None, seq_len_optional: bool = False
+                  ) -> tuple[nn.Module, tuple]:
     """`(model, example_inputs)` for a MODEL string; see the module docstring for the accepted forms.
 
     dtype: the dtype of a zoo model (default: the zoo's bfloat16); a factory decides its own dtype.
@@ -100,8 +101,13 @@ def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype |
         raise AutoparError(f"{target!r} has no callable {factory_name!r}; its functions are {found}")
     try:
         params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = {}
+    except (TypeError, ValueError):  # a builtin or extension callable: what it takes is unknown
+        params = None
+    takes_any = params is None or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    params = params or {}
+    if seq_len is not None and "seq_len" not in params and not takes_any and not seq_len_optional:
+        raise AutoparError(f"MODEL factory {spec} takes no seq_len, so --seq-len {seq_len} would be ignored; drop it "
+                           "(the factory's example inputs set the sequence length) or add a seq_len parameter")
     passed = {"seq_len"} if seq_len is not None and "seq_len" in params else set()
     needed = [n for n, p in params.items() if p.default is p.empty and n not in passed
               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

@@ -20,6 +20,8 @@ def raises():
     raise RuntimeError("weights file missing")
 def needs(hidden):
     return nn.Linear(hidden, hidden), (torch.zeros(1, hidden),)
+def fixed():
+    return nn.Linear(8, 8), (torch.zeros(2, 8),)
 '''
 
 CASES = [  # (command line, a phrase the one error line must hold)
@@ -35,6 +37,8 @@ CASES = [  # (command line, a phrase the one error line must hold)
     ("plan gpt-tiny --cluster {ok} --nodes 4 --global-batch-size 8", "does not apply to the cluster file"),
     ("plan {factories}:raises --cluster local --global-batch-size 8", "raised RuntimeError: weights file missing"),
     ("plan {factories}:needs --cluster local --global-batch-size 8", "needs argument(s) ['hidden']"),
+    ("plan {factories}:fixed --cluster local --global-batch-size 8 --seq-len 64", "takes no seq_len"),
+    ("plan {factories}:fixed --cluster local --global-batch-size 8 --dtype float32", "--dtype applies to zoo"),
     ("plan gpt-tiny --cluster local --global-batch-size 8 --profile {null}", "not the object"),
     ("show {list}", "holds a JSON list"),
     ("report {list} {list}", "holds a JSON list"),

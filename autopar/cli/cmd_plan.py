@@ -129,12 +129,16 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_output_path(args.timeline, "--timeline")
 
 
-def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ...] | list[str] = ()):
+def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ...] | list[str] = (), *,
+           seq_len_optional: bool = False):
+    """The captured MODEL; seq_len_optional: seq_len comes from a plan, not from --seq-len (a factory
+    without a seq_len parameter then ignores it instead of refusing it)."""
     from autopar.capture import capture
     from autopar.models import resolve_model
     from autopar.zoo import parse_overrides
 
-    module, inputs = resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides))
+    module, inputs = resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides),
+                                   seq_len_optional=seq_len_optional)
     return capture(module, inputs)
 
 
@@ -218,7 +222,7 @@ def _explain(args: argparse.Namespace) -> int:
     nproc = plan.world_size if spec == "local" else None
     cluster = _cluster(spec, nodes, nproc, None)
     dtype = training_dtype("local" if plan.cluster_name == "local" else "cluster")
-    graph = _graph(args.model or plan.model_name, plan.seq_len, dtype)
+    graph = _graph(args.model or plan.model_name, plan.seq_len, dtype, seq_len_optional=True)
     if graph.fingerprint != plan.graph_fingerprint:
         raise PlanMismatchError(
             f"{args.plan} was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}), "
