@@ -13,9 +13,10 @@ Then the Spearman rank correlation, and the planner's own choice: given Cluster.
 calibrated profile, unpinned, for the process count of the fastest measured layout; it is run
 alternately with that layout (ABAB).
 
-Without --profile the machine is profiled first, as `autopar profile --quick --nproc N` does for the
-largest process count N of the layouts (kernels with the training processes' threads, their slowdown
-with 2..N processes at once, collectives; under a minute). The uncalibrated errors are that profile's
+Without --profile the machine is profiled first, as `autopar profile gpt-tiny --seq-len 128 --quick
+--nproc N` does for the largest process count N of the layouts (kernels with the training processes'
+threads, the model's layers and their slowdown with 2..N processes at once, collectives reached from
+compute; under two minutes). The uncalibrated errors are that profile's
 own prediction of this machine; the calibrated ones after one pass of `autopar calibrate` on round 1.
 The CPU model (lscpu) and the load average are printed with the figures.
 """
@@ -113,11 +114,11 @@ def cpu_model() -> str:
 
 
 def measure_profile(out: Path, nproc: int) -> Profile:
-    from cost_models.profiler import profile_machine
+    from autopar.profiling import profile_model
 
-    print(f"profiling this machine (quick sweep, {nproc} processes, as `autopar profile --quick --nproc {nproc}`)"
-          " ...", flush=True)
-    profile = profile_machine(nproc=nproc, quick=True)
+    print(f"profiling this machine as `autopar profile {MODEL} --seq-len {SEQ_LEN} --nproc {nproc} --quick` ...",
+          flush=True)
+    profile = profile_model(MODEL, seq_len=SEQ_LEN, nproc=nproc, quick=True)
     profile.save(out / "profile.json")
     print(f"  {profile.notes}; kernels with n processes at once: "
           + ", ".join(f"{n}: x{f:.2f}" for n, f in sorted(profile.process_slowdown.items())), flush=True)

@@ -26,7 +26,8 @@ from cost_models.profiler.kernels import (
     measure_gemm,
     measure_launch_s,
 )
-from cost_models.profiler.layers import LayerCase, measure_layer
+from cost_models.profiler.layers import LayerCase, measure_layer, training_step
+from cost_models.profiler.timing import time_callable
 
 __all__ = ["profile_machine", "machine_info", "local_device_name", "default_dtypes", "LayerCase", "QUICK_BUDGET_S",
            "FULL_BUDGET_S"]
@@ -68,7 +69,8 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
     nproc defaults to the GPU count, or to the CPU count (at least 2) on a CPU machine.
     dtypes defaults to the local training dtype (`default_dtypes`).
     On a CPU, kernels are timed with the threads one of the nproc training processes will run
-    (`contention.training_threads`), and the same kernel mix in 2, 4 ... nproc processes at once gives
+    (`contention.training_threads`), and the same work in 2, 4 ... nproc processes at once (the model's
+    layers forward and backward when given and the workers fork, else contention.kernel_mix) gives
     Profile.process_slowdown. clock "thread" times kernels by single-threaded CPU time (CPU only);
     layers, collectives and the concurrent mix are always timed by the wall clock.
     budget_s (wall seconds for the measurements) defaults to QUICK_BUDGET_S with quick, else
@@ -130,7 +132,12 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
             note(f"layer {case.label or case.signature} b={case.micro_batch}: "
                  + ", ".join(f"{k.split(':')[1]} {v * 1e3:.2f} ms" for k, v in times.items()))
         mix_dtype = None if cuda else dtypes[0]
-        ref_s = reference_s(device, mix_dtype, clock, budget_s=1.0) if mix_dtype and run_collectives else 0.0
+        # the model's layers, when given, are the kernels whose slowdown the run will see (contention.py)
+        model_step = training_step(list(layers)) if layers and mix_dtype else None
+        ref_s = 0.0
+        if mix_dtype and run_collectives:
+            ref_s = (time_callable(model_step, device, trials=5, trial_s=0.05, clock=clock, budget_s=2.0)
+                     if model_step else reference_s(device, mix_dtype, clock, budget_s=1.0))
     finally:
         torch.set_num_threads(threads)
     backend = "nccl" if cuda else "gloo"
@@ -138,7 +145,8 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
     slowdown: dict[int, float] = {}
     if run_collectives:
         sweep = measure_collectives(nproc, backend=backend, quick=quick, progress=note,
-                                    budget_s=begin("collectives"), mix_dtype=mix_dtype, threads=run_threads)
+                                    budget_s=begin("collectives"), mix_dtype=mix_dtype, step=model_step,
+                                    threads=run_threads)
         colls = sweep.samples
         slowdown = {n: s / ref_s for n, s in sweep.mix_s.items() if ref_s > 0}
         for n, f in sorted(slowdown.items()):

@@ -194,7 +194,7 @@ def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torc
 
 def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str, int]], sizes: list[int],
             trials: int, trial_s: float, threads: int, deadline: float, mix_dtype: str | None,
-            results: mp.Queue) -> None:
+            step: Callable[[], object] | None, results: mp.Queue) -> None:
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -203,14 +203,15 @@ def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str
     groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan} | set(group_sizes(nproc)))}
     try:
         mix = None
-        if mix_dtype is not None:  # contention.py: the kernel mix in g processes at once, g = 2, 4, ... nproc
+        if mix_dtype is not None:  # contention.py: the mix in g processes at once, g = 2, 4, ... nproc
             mix = kernel_mix(device, mix_dtype)
+            timed = step or mix
             # windows of a fiftieth of the time left, 0.05-0.3 s: long beside the OS's time slices (a few ms)
             window = _agreed(min(0.3, max(0.05, (deadline - time.monotonic()) / 50)), device)
             for g in group_sizes(nproc):
                 dist.barrier()
                 if rank < g:
-                    t = torch.tensor([concurrent_mix_s(mix, device, window_s=window, trials=3)], dtype=torch.float64)
+                    t = torch.tensor([concurrent_mix_s(timed, device, window_s=window, trials=3)], dtype=torch.float64)
                     dist.all_reduce(t, group=groups[g])
                     if rank == 0:
                         results.put(("mix", g, float(t.item()) / g))
@@ -242,11 +243,12 @@ class CollectiveSweep:
 def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Callable[[str], None],
                         sizes: list[int] | None = None, plan: list[tuple[str, int]] | None = None,
                         budget_s: float = math.inf, mix_dtype: str | None = None,
-                        threads: int | None = None) -> CollectiveSweep:
+                        step: Callable[[], object] | None = None, threads: int | None = None) -> CollectiveSweep:
     """Spawn `nproc` processes and time each (op, group size) of `plan` at each of `sizes` bytes, in
     increasing size within `budget_s` (spawning included); with mix_dtype, first the kernel mix in 2, 4 ...
-    nproc of them at once (contention.py). threads: torch threads per process (default: a training
-    process's, `training_threads`)."""
+    nproc of them at once (contention.py), or `step` instead when given (a callable the forked workers
+    inherit: the model's own layers, forward and backward). threads: torch threads per process (default:
+    a training process's, `training_threads`)."""
     if nproc < 2:
         return CollectiveSweep(samples=[], mix_s={})
     sizes = sorted(sizes or collective_sizes(quick))
@@ -257,13 +259,14 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
     # collectives (they set one thread before any kernel, as DataLoader workers do). CUDA needs spawn.
     fork = backend == "gloo" and "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork" if fork else "spawn")
+    step = step if fork else None  # a closure crosses into the workers only by fork
     results = ctx.Queue()
     start = time.monotonic()
     # the workers stop measuring TEARDOWN_S early: the parent then collects them (join, else terminate)
     deadline = start + (budget_s - TEARDOWN_S if math.isfinite(budget_s) else 3600.0)
     # small messages are cheap and the noisiest (OS scheduling of oversubscribed ranks): 7-9 trials
     args = (nproc, _free_port(), backend, plan, sizes, 7 if quick else 9, 0.02 if quick else 0.05, threads,
-            deadline, mix_dtype, results)
+            deadline, mix_dtype, step, results)
     procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()
@@ -289,7 +292,8 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
                 break
             if msg[0] == "mix":
                 mix_s[msg[1]] = msg[2]
-                progress(f"kernel mix in {msg[1]} processes at once: {msg[2] * 1e3:.2f} ms per mix")
+                progress(f"{'model step' if step else 'kernel mix'} in {msg[1]} processes at once: "
+                         f"{msg[2] * 1e3:.2f} ms per call")
                 continue
             _, op, g, n_bytes, t = msg
             s = CollectiveSample(op=op, group_size=g, n_bytes=n_bytes, time_s=t)

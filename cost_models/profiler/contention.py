@@ -4,11 +4,12 @@ The kernel tables are timed in one process. A CPU training job runs n processes,
 one thread (OMP_NUM_THREADS=1), sharing the cores, the last-level cache, the memory bus and whatever
 else the machine is running. Dividing the cores among processes (autopar.cluster.cpu_slowdown) misses
 all but the first; calibration used to find the rest afterwards (kernels ×2.2 on this 2-vCPU VM,
-README). Here it is measured up front: the same kernel mix — a GEMM and a cold elementwise add, the two
-kinds a training step spends its time in — is timed where the tables were taken (`reference_s`, in the
-profiling process with its clock), then in n spawned processes at once, each with the training
-processes' thread count, by the wall clock a training step is measured with. process_slowdown[n] is
-the mean over the n processes of their time per mix, divided by the reference.
+README). Here it is measured up front: the same work — the model's layers, forward and backward, when
+the profile has them (profiler.layers.training_step), else a kernel mix of a GEMM and cold elementwise
+adds, the two kinds a training step spends its time in — is timed where the tables were taken
+(`reference_s`, in the profiling process with its clock), then in n processes at once, each with the
+training processes' thread count, by the wall clock a training step is measured with.
+process_slowdown[n] is the mean over the n processes of their time per call, divided by the reference.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from cost_models.profile import layer_key
 from cost_models.profiler.budget import trials_within
 from cost_models.profiler.timing import synchronize, time_callable
 
-__all__ = ["LayerCase", "measure_layer"]
+__all__ = ["LayerCase", "measure_layer", "training_step"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,3 +72,14 @@ def measure_layer(case: LayerCase, device: torch.device, *, quick: bool,
         out[layer_key(case.signature, "bwd", case.micro_batch)] = statistics.median(
             _backward_s(case, device, reps) for _ in range(trials))
     return out
+
+
+def training_step(cases: list[LayerCase]) -> Callable[[], None]:
+    """One forward and backward of every case: the model's own kernels, for timing how they slow down
+    in several processes at once (contention.py)."""
+    def step() -> None:
+        for case in cases:
+            tensors, grads = _grad_outputs(case.forward())
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+    return step
