@@ -219,7 +219,15 @@ def _seconds(what: str, v: object, *, positive: bool = False) -> None:
 
 
 def _check_numbers(r: RunRecord) -> None:
-    """Every time in a record read from a file is a finite number of seconds, every count an integer."""
+    """Every time in a record read from a file is a finite number of seconds, every count an integer, every
+    name a string and every flag a bool."""
+    for f in dataclasses.fields(r):
+        named = isinstance(f.default, str) or f.type in ("str", str)
+        if named and not isinstance(getattr(r, f.name), str):
+            raise ValueError(f"{f.name} = {getattr(r, f.name)!r}; it must be a string")
+    for f in dataclasses.fields(r.config):
+        if isinstance(f.default, bool) and not isinstance(getattr(r.config, f.name), bool):
+            raise ValueError(f"config.{f.name} = {getattr(r.config, f.name)!r}; it must be true or false")
     _seconds("predicted_step_time_s", r.predicted_step_time_s, positive=True)
     _seconds("predicted_host_s", r.predicted_host_s)
     if set(r.predicted_breakdown) != set(BREAKDOWN_KEYS):

@@ -11,6 +11,7 @@ so a tampered plan never trains.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from pathlib import Path
@@ -86,8 +87,9 @@ def _check_config(cfg: ParallelConfig, where: str) -> None:
         raise _bad(where, f"config.schedule = {cfg.schedule!r} must be one of {SCHEDULES}")
     if not isinstance(cfg.recompute, str) or cfg.recompute not in RECOMPUTE_MODES:
         raise _bad(where, f"config.recompute = {cfg.recompute!r} must be one of {RECOMPUTE_MODES}")
-    if not isinstance(cfg.sequence_parallel, bool):
-        raise _bad(where, f"config.sequence_parallel = {cfg.sequence_parallel!r} must be true or false")
+    for f in dataclasses.fields(cfg):  # sequence_parallel, and flags added after this check was written
+        if isinstance(f.default, bool) and not isinstance(getattr(cfg, f.name), bool):
+            raise _bad(where, f"config.{f.name} = {getattr(cfg, f.name)!r} must be true or false")
     if cfg.world_size > MAX_DEVICES:
         raise _bad(where, f"tp·pp·dp = {cfg.world_size:,} devices exceeds autopar's bound of {MAX_DEVICES:,}")
 
@@ -100,6 +102,21 @@ def _check_estimate(est: Estimate, where: str, *, tokens_per_step: int | None) -
         _nonneg(where, name, getattr(est, name))
     if est.mfu > 1.0:
         raise _bad(where, f"mfu = {est.mfu:.9g}: no layout uses more than the devices' peak FLOP/s")
+    for f in dataclasses.fields(est):  # every other figure, including fields added after this check was written
+        v = getattr(est, f.name)
+        if f.name == "breakdown" or isinstance(v, (bool, str)):
+            continue
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _nonneg(where, f"{f.name}[{k!r}]", x)
+        elif isinstance(v, (tuple, list)):
+            if not all(isinstance(x, str) for x in v):
+                raise _bad(where, f"{f.name} = {v!r} must be a list of strings")
+        else:
+            _nonneg(where, f.name, v)
+    if getattr(est, "fits", True) is not True:
+        raise _bad(where, f"fits = {est.fits!r}: a plan holds a layout that fits device memory "
+                          f"({getattr(est, 'violated', '') or 'no constraint named'})")
     if not _is_int(est.peak_memory_bytes) or est.peak_memory_bytes < 0:
         raise _bad(where, f"peak_memory_bytes = {est.peak_memory_bytes!r} must be a non-negative integer")
     if set(est.breakdown) != set(BREAKDOWN_KEYS):

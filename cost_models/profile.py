@@ -314,8 +314,18 @@ def _text(what: str, v: Any, choices: tuple[str, ...] | None = None) -> None:
         raise ProfileMismatch(f"{what} = {v!r}; it must be {'one of ' + str(choices) if choices else 'a string'}")
 
 
+def _flags(what: str, obj: Any) -> None:
+    """Every field whose default is a bool holds a bool (flags added after these checks were written too)."""
+    for f in dataclasses.fields(obj):
+        if isinstance(f.default, bool) and not isinstance(getattr(obj, f.name), bool):
+            raise ProfileMismatch(f"{what}.{f.name} = {getattr(obj, f.name)!r}; it must be true or false")
+
+
 def check_loaded(p: Profile) -> None:
     """Refuse a profile read from a file whose numbers no measurement could give (ProfileMismatch)."""
+    for kind in ("gemm", "elementwise", "collectives"):
+        for i, sample in enumerate(getattr(p, kind)):
+            _flags(f"{kind}[{i}]", sample)
     m = p.machine
     _count("machine.cpu_count", m.cpu_count, 1)
     _count("machine.ram_bytes", m.ram_bytes, 0)

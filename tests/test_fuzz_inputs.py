@@ -111,6 +111,7 @@ def test_every_mutation_of_a_plan_is_refused_or_round_trips(plan, graph, tmp_pat
             assert Plan.from_dict(got.to_dict()) == got, what
             got.save(f)
             assert Plan.load(f) == got, what
+            assert "NaN" not in f.read_text() and "Infinity" not in f.read_text(), what  # json's NaN is one object
         else:
             refused += 1
     # What passes is a label (names, solver statistics), a field deleted or set to its default, or an
@@ -231,6 +232,7 @@ def test_every_mutation_of_a_profile_is_refused_or_round_trips(tmp_path) -> None
         got = _outcome(Profile.load, f, d, (ProfileMismatch,))
         if isinstance(got, Profile):
             assert Profile.from_dict(json.loads(got.to_json())) == got, what
+            assert "NaN" not in got.to_json() and "Infinity" not in got.to_json(), what
         else:
             refused += 1
             with pytest.raises(AutoparError):  # what autopar (Cluster.local/preset) raises for the same file
@@ -249,7 +251,9 @@ def test_every_mutation_of_a_run_record_is_refused_or_round_trips(plan, tmp_path
     for what, d in _mutations(rec.to_dict()):
         got = _outcome(RunRecord.load, f, d, (AutoparError,))
         if isinstance(got, RunRecord):
-            assert RunRecord.from_dict(json.loads(json.dumps(got.to_dict()))) == got, what
+            text = json.dumps(got.to_dict())
+            assert RunRecord.from_dict(json.loads(text)) == got, what
+            assert "NaN" not in text and "Infinity" not in text, what
         else:
             refused += 1
     assert refused > 100
