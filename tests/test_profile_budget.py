@@ -145,15 +145,25 @@ def test_cluster_local_prices_kernels_with_the_measured_process_slowdown():
 def test_collective_sweep_keeps_its_budget_and_extrapolates_the_large_sizes():
     """1 KiB to 256 MiB in 4 s, starting the processes included (~1 s): a 256 MiB gloo all-reduce takes
     ~0.3 s here and the sweep in full ~7 s."""
+    import multiprocessing
+
     from cost_models.profiler.collectives import measure_collectives
+
+    calls = multiprocessing.get_context("fork").Value("i", 0)  # the workers fork: the step is theirs to call
+    a = torch.randn(128, 128)
+
+    def step():
+        with calls.get_lock():
+            calls.value += 1
+        return a @ a
 
     t0 = time.monotonic()
     sweep = measure_collectives(2, backend="gloo", quick=True, progress=lambda _m: None,
                                 sizes=[2**e for e in range(10, 29)], plan=[("all_reduce", 2)], budget_s=4.0,
-                                mix_dtype="float32")
+                                mix_dtype="float32", step=step)
     took = time.monotonic() - t0
     assert took < 4.0 + 3.0
     measured = [s.n_bytes for s in sweep.samples if not s.extrapolated]
     extrapolated = [s for s in sweep.samples if s.extrapolated]
     assert measured and extrapolated and min(s.n_bytes for s in extrapolated) > max(measured)
-    assert len(sweep.samples) == 19 and sweep.mix_s[2] > 0
+    assert len(sweep.samples) == 19 and sweep.mix_s[2] > 0 and calls.value > 2  # both ranks timed the step
