@@ -86,7 +86,8 @@ def layer_cases(model: nn.Module, example_inputs: tuple, graph: ModelGraph, devi
 def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bool = False,
                   seq_len: int | None = None, progress: Callable[[str], None] | None = None,
                   collectives: bool = True, dtype: str | None = None, clock: str = "wall",
-                  budget_s: float | None = None) -> Profile:
+                  budget_s: float | None = None,
+                  overrides: dict | None = None) -> Profile:
     """Measure this machine and, when `model_spec` is given, each distinct layer of that model, in `dtype`
     (default autopar.models.training_dtype() here: the kernel tables of other dtypes are left out), within
     budget_s seconds (default: cost_models.profiler's for quick or full). clock "thread" times kernels with
@@ -105,7 +106,7 @@ def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bo
         from autopar.capture import capture
         from autopar.models import resolve_model
 
-        model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=torch_dtype)
+        model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=torch_dtype, overrides=overrides)
         graph = capture(model, example_inputs)
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         cases = layer_cases(model, example_inputs, graph, device)

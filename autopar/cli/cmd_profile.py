@@ -11,7 +11,9 @@ import json
 import sys
 import time
 
+from autopar.errors import AutoparError
 from autopar.profiling import profile_model
+from autopar.zoo import parse_overrides
 from cost_models.profile import Profile
 from cost_models.profiler.budget import FULL_BUDGET_S, QUICK_BUDGET_S, QUICK_LAYERS_BUDGET_S
 
@@ -33,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"{FULL_BUDGET_S:.0f}; +{QUICK_LAYERS_BUDGET_S:.0f} with MODEL). Each sweep measures sizes in "
                         "increasing order and extrapolates the ones past its share (marked in the profile)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length of MODEL's example input")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="zoo config field, e.g. dropout=0 (repeatable; as examples/train_gpt.py takes it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="the dtype to measure kernels in and to build a zoo MODEL in (default: the local training "
                         "dtype, float32 on a CPU-only machine, else bfloat16; pass the same to `autopar plan`)")
@@ -71,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, "--out")  # before minutes of measuring, not after
     t0 = time.perf_counter()
+    if args.override and not args.model:
+        raise AutoparError("--override sets fields of MODEL's config; name the zoo MODEL to profile, e.g. "
+                           "`autopar profile gpt-tiny --override dropout=0`")
     prof = profile_model(args.model, nproc=args.nproc, quick=args.quick, seq_len=args.seq_len,
                          progress=lambda msg: print(msg, file=sys.stderr, flush=True),
                          collectives=not args.no_collectives, dtype=args.dtype, clock=args.clock,
-                         budget_s=args.budget)
+                         budget_s=args.budget, overrides=parse_overrides(args.override))
     prof.save(args.out)
     s = summary(prof)
     s["elapsed_s"] = time.perf_counter() - t0
