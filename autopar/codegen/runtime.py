@@ -221,5 +221,7 @@ class ParallelModel:
         state_io.save(path, self.modules, self._inner_optimizer)
 
     def load(self, path: str) -> None:
-        """Load a checkpoint saved by `save` on the same layout (collective)."""
+        """Load a checkpoint saved by `save` under any layout (tp, pp, dp, ZeRO stage, world size), resharded
+        by parameter name (collective). For atomic, verified, resumable checkpoints use
+        `autopar.codegen.checkpoint.Checkpointer`."""
         state_io.load(path, self.modules, self._inner_optimizer)
