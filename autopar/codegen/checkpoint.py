@@ -5,8 +5,9 @@ the model and optimizer state by parameter name (`state.py`), every rank's RNG s
 `manifest.json`: the step, the model's name, the caller's `extra` (e.g. the data position), and the
 size and CRC-32 of every file.
 
-- Atomic: ranks write into `step_N.partial/`; only when every rank has written its files does rank 0
-  add the manifest and rename the folder to `step_N` (a rename is atomic on POSIX). A crash mid-save
+- Atomic: ranks write into `step_N.partial/` (DCP's writer fsyncs each file); only when every rank
+  has written its files does rank 0 add the manifest and rename the folder to `step_N` (a rename is
+  atomic on POSIX). A crash mid-save
   leaves a `.partial` folder, which resume ignores and the next save removes.
 - Verified: resume checks every file's size and CRC-32 against the manifest before loading, and on a
   mismatch (or a load that fails) falls back to the previous complete checkpoint, saying why.
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.codegen import state as state_io
 from autopar.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from autopar.codegen.runtime import ParallelModel
 
 __all__ = ["CheckpointInfo", "Checkpointer", "complete_checkpoints"]
 
@@ -120,7 +124,7 @@ class Checkpointer:
     whose parameter names or shapes differ names both models.
     """
 
-    def __init__(self, pm, root: str | Path, *, model_name: str, keep_last: int = 2,
+    def __init__(self, pm: ParallelModel, root: str | Path, *, model_name: str, keep_last: int = 2,
                  async_save: bool = False) -> None:
         if keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}; keep at least the latest checkpoint (keep_last >= 1)")
