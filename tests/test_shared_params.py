@@ -43,3 +43,16 @@ def test_cross_stage_gradient_sum_is_priced_on_both_ends(tp, dp, zero):
     one_stage = Candidate(tp=tp, pp=1, dp=dp, zero_stage=zero, micro_batch_size=1, num_microbatches=2,
                           schedule="1f1b", virtual_stages=1, sequence_parallel=False)
     assert all(costs._shared_sync_s(ri, one_stage) == 0.0 for ri in range(len(names)))
+
+
+def test_one_stage_holds_a_tied_weight_once():
+    """Same model with and without the tie, on one stage: the tied one needs exactly one head weight's
+    model states less (16 bytes per parameter in mixed precision, here fp32 training: 4+4+8)."""
+    tied, untied = _graph("llama_tied"), _graph("llama")
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    cfg = autopar.ParallelConfig(dp=8, micro_batch_size=1, num_microbatches=1)
+    est_tied = autopar.estimate(tied, cluster, cfg, global_batch_size=8)
+    est_untied = autopar.estimate(untied, cluster, cfg, global_batch_size=8)
+    per_param = 4 + 4 + 8  # fp32 weights, grads, two Adam moments (the graphs are captured in fp32)
+    assert est_untied.peak_memory_bytes - est_tied.peak_memory_bytes == pytest.approx(VOCAB * HIDDEN * per_param,
+                                                                                      rel=1e-6)

@@ -445,9 +445,23 @@ class CostModel:
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
                                                          tp=tp, dtype_bytes=self.elem)
+        # with one stage, a weight two layers share is counted by both layers but held once: give it back
+        shared = self._shared_duplicate_states(tp, zero_stage, dp).total_bytes if pp == 1 else 0.0
         ranks = [RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
-                            capacity_bytes=self.usable_bytes - lg - zero3_bytes) for lg in (0.0, logits)]
+                            capacity_bytes=self.usable_bytes - lg - zero3_bytes + shared) for lg in (0.0, logits)]
         return (ranks[0],) * (pp - 1) + (ranks[1],)  # only the last rank holds the logits
+
+    def _shared_duplicate_states(self, tp: int, zero_stage: int, dp: int):
+        """Model states of the extra copies the layers' sums count of weights several layers share (a tied
+        embedding and head): real replicas on different pipeline stages, one weight on one stage."""
+        n = 0.0
+        for sp in self.graph.shared_params:
+            if len(sp.layers) > 1:
+                split = self.tp_param_fraction(self.graph.layer(sp.layers[0])) > 0
+                n += (len(sp.layers) - 1) * sp.num_params / (tp if split else 1)
+        w = self.elem
+        return memory.model_state_bytes(n, zero_stage=zero_stage, dp=dp, weight_bytes=w, grad_bytes=w,
+                                        optimizer_bytes=12 if w == 2 else 8)
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
         """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""
@@ -468,6 +482,10 @@ class CostModel:
         out = []
         for q, names in enumerate(layer_names_by_rank):
             st = [self._states(self.graph.layer(n), c) for n in names]
+            if c.pp == 1:  # held once (see _rank_memory_key)
+                dup = self._shared_duplicate_states(c.tp, c.zero_stage, c.dp)
+                st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,
+                                    optimizer_bytes=-dup.optimizer_bytes))
             out.append({"weights": int(sum(s.weights_bytes for s in st)), "grads": int(sum(s.grads_bytes for s in st)),
                         "optimizer": int(sum(s.optimizer_bytes for s in st)), "activations": int(act_bytes_by_rank[q]),
                         "workspace": int(workspace_by_rank[q]), "logits": int(ranks[q].logits_bytes),
