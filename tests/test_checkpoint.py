@@ -264,9 +264,8 @@ def _bad_inputs(root: str, plan_for_four: str) -> dict:
 
 
 @pytest.mark.multiproc
-def test_bad_checkpoints_and_plans_are_refused_clearly(tmp_path):
-    plan = _plan(tmp_path / "A.json", 4, tp=2, dp=2)
-    out = run_distributed(_bad_inputs, 1, str(tmp_path), str(plan))[0]
+def test_bad_checkpoints_and_plans_are_refused_clearly(tmp_path, plan_a):
+    out = run_distributed(_bad_inputs, 1, str(tmp_path), str(plan_a))[0]
     assert "no complete checkpoint in" in out["empty"] and "without --resume" in out["empty"]
     assert out["fallback_step"] == 1  # the corrupted step-2 shard was detected; step 1 loaded instead
     assert out["next_loss"] == pytest.approx(_single_device_losses(2)[1], rel=RTOL)
@@ -275,3 +274,29 @@ def test_bad_checkpoints_and_plans_are_refused_clearly(tmp_path):
     assert "holds model 'gpt'" in out["other_model"] and "'hf_llama'" in out["other_model"]
     assert "is for 4 processes" in out["world_size"] and "this job has 1" in out["world_size"]
     assert "--plan auto" in out["world_size"]
+
+
+def test_restart_attempts_are_numbered_alike_by_every_worker():
+    """Workers of one attempt join one block, whatever order they arrive in; a block of another world size
+    (the job came back with fewer processes) starts afresh."""
+    import threading
+
+    import torch.distributed as dist
+
+    from autopar.codegen.elastic import _join_block
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    got: list[tuple[int, int]] = []
+
+    def join(world: int) -> None:
+        got.append((world, _join_block(dist.TCPStore("127.0.0.1", port, 1, is_master=False), world)))
+
+    for world in (4, 4, 2):
+        threads = [threading.Thread(target=join, args=(world,)) for _ in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(got) == [(2, 3), (2, 3), (4, 1), (4, 1), (4, 1), (4, 1), (4, 2), (4, 2), (4, 2), (4, 2)]
+    del server
