@@ -13,6 +13,7 @@ __all__ = [
     "ClusterSpecError",
     "ConfigError",
     "InfeasiblePlanError",
+    "PeerFailedError",
     "PlanMismatchError",
     "ProfileMismatchError",
 ]
@@ -48,3 +49,7 @@ class ProfileMismatchError(AutoparError):
 
 class CheckpointError(AutoparError):
     """A checkpoint is missing, incomplete, corrupted, or of another model."""
+
+
+class PeerFailedError(AutoparError):
+    """Another rank of the job failed; this rank stopped because of it (the message names that rank)."""

@@ -146,3 +146,36 @@ class _ReadsValues(nn.Module):
 def test_forward_that_reads_values_is_refused_for_pipelining():
     with pytest.raises(PlanMismatchError, match="use pp=1"):
         trace_dataflow(_ReadsValues(), ["blocks.0", "blocks.1"], (torch.zeros(2, 8),))
+
+
+def _one_rank_raises_mid_step() -> str:
+    """Rank 1's stage raises inside the step; rank 0 is then blocked receiving from it."""
+    import torch.distributed as dist
+    from parity_models import batches, build_model, graph_of, make_plan, optimizer
+
+    from autopar.codegen import parallelize
+
+    model = build_model("gpt")
+    graph = graph_of("gpt", model)
+    pm = parallelize(model, make_plan(graph, pp=2, num_microbatches=2), graph=graph, optimizer=optimizer)
+
+    def boom(module, args):
+        raise ValueError("boom in the last block")
+
+    if dist.get_rank() == 1:
+        pm.modules[0].get_submodule("blocks.1").register_forward_pre_hook(boom)
+    x, t = batches(1)[0]
+    try:
+        pm.train_step(pm.local_batch(x), pm.local_batch(t))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+@pytest.mark.multiproc
+def test_a_rank_failing_mid_step_is_named_by_its_peers():
+    from dist_harness import run_distributed
+
+    messages = run_distributed(_one_rank_raises_mid_step, 2, timeout_s=180)
+    assert messages[1] == "ValueError: boom in the last block"
+    assert messages[0].startswith("PeerFailedError: rank 1 failed during train_step (ValueError: boom")

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from autopar.codegen import state as state_io
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
+from autopar.codegen.failures import named_failures
 from autopar.codegen.loss import gather_vocab
 from autopar.codegen.shared import SharedGradients
 from autopar.codegen.timing import CommClock, StepTimer
@@ -156,7 +157,7 @@ class ParallelModel:
         self._check_local(inputs)
         self.train()
         timer = self.timer
-        with timer.step() if timer else nullcontext():
+        with named_failures("train_step"), timer.step() if timer else nullcontext():
             self.optimizer.zero_grad(set_to_none=True)
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
