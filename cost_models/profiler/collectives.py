@@ -26,6 +26,7 @@ import math
 import queue as queue_mod
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -257,7 +258,7 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
     # fork on a CPU: the workers inherit the imported torch instead of importing it again, which took
     # 10-12 s for two spawned workers on this 2-vCPU VM at load 10, most of a quick profile's share for
     # collectives (they set one thread before any kernel, as DataLoader workers do). CUDA needs spawn.
-    fork = backend == "gloo" and "fork" in mp.get_all_start_methods()
+    fork = backend == "gloo" and sys.platform.startswith("linux")  # macOS forks unsafely past its frameworks
     ctx = mp.get_context("fork" if fork else "spawn")
     step = step if fork else None  # a closure crosses into the workers only by fork
     results = ctx.Queue()
