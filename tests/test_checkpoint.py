@@ -229,7 +229,7 @@ def _flip_byte(path: Path) -> None:
 
 
 def _bad_inputs(root: str, plan_for_four: str) -> dict:
-    from autopar.codegen.checkpoint import Checkpointer
+    from autopar.codegen.checkpoint import Checkpointer, complete_checkpoints
     from autopar.errors import CheckpointError
 
     out: dict = {}
@@ -239,19 +239,25 @@ def _bad_inputs(root: str, plan_for_four: str) -> dict:
     except CheckpointError as e:
         out["empty"] = str(e)
     ck = Checkpointer(pm, Path(root) / "ck", model_name="gpt", keep_last=3)
+    rng_at_step1 = None
     for step in (1, 2):
         _train(pm, step, step)
+        rng_at_step1 = torch.get_rng_state() if step == 1 else rng_at_step1
         ck.save(step)
+        torch.rand(3)  # the generator moves on after the save
     _flip_byte(Path(root) / "ck" / "step_00000002" / "__0_0.distcp")
     out["fallback_step"] = ck.resume().step
+    out["rng_restored"] = torch.equal(torch.get_rng_state(), rng_at_step1)
     out["next_loss"] = _train(pm, 2, 2)[0]  # step 2 again, from the step-1 checkpoint
     _flip_byte(Path(root) / "ck" / "step_00000001" / "__0_0.distcp")
     try:
         ck.resume()
     except CheckpointError as e:
         out["all_corrupt"] = str(e)
-    _train(pm, 3, 3)
-    Checkpointer(pm, Path(root) / "gpt", model_name="gpt").save(3)
+    kept = Checkpointer(pm, Path(root) / "gpt", model_name="gpt", keep_last=2)
+    for step in (3, 4, 5):
+        kept.save(step)
+    out["kept"] = [c.step for c in complete_checkpoints(Path(root) / "gpt")]
     try:
         Checkpointer(_parallel("hf_llama"), Path(root) / "gpt", model_name="hf_llama").resume()
     except CheckpointError as e:
@@ -268,6 +274,8 @@ def test_bad_checkpoints_and_plans_are_refused_clearly(tmp_path, plan_a):
     out = run_distributed(_bad_inputs, 1, str(tmp_path), str(plan_a))[0]
     assert "no complete checkpoint in" in out["empty"] and "without --resume" in out["empty"]
     assert out["fallback_step"] == 1  # the corrupted step-2 shard was detected; step 1 loaded instead
+    assert out["rng_restored"]  # same world size: the generator is where it was at the step-1 save
+    assert out["kept"] == [4, 5]  # keep_last=2
     assert out["next_loss"] == pytest.approx(_single_device_losses(2)[1], rel=RTOL)
     assert "no usable checkpoint" in out["all_corrupt"] and "corrupted" in out["all_corrupt"]
     assert "step_00000002" in out["all_corrupt"] and "step_00000001" in out["all_corrupt"]
