@@ -167,3 +167,28 @@ def test_collective_sweep_keeps_its_budget_and_extrapolates_the_large_sizes():
     extrapolated = [s for s in sweep.samples if s.extrapolated]
     assert measured and extrapolated and min(s.n_bytes for s in extrapolated) > max(measured)
     assert len(sweep.samples) == 19 and sweep.mix_s[2] > 0 and calls.value > 2  # both ranks timed the step
+
+
+def test_planner_prices_a_layer_no_faster_than_the_profile_timed_it():
+    """A measured layer pass (Profile.layer_times at micro-batch 1) bounds the kernel sum from below at
+    micro-batches ≥ 1, without tensor parallelism; no measurement, no change."""
+    import autopar
+    from autopar.cluster import Cluster
+    from autopar.planner.costs import CostModel
+    from autopar.zoo import build
+    from cost_models.profile import ElementwiseSample, layer_key
+
+    model, x = build("gpt-tiny", seq_len=64, batch_size=1)
+    graph = autopar.capture(model, x)
+    block = next(la for la in graph.layers if la.kind == "block")
+    tables = dict(elementwise=(ElementwiseSample(op="add", dtype=graph.dtype, n_bytes=2**20, time_s=1e-4),))
+    plain = CostModel.for_cluster(graph, Cluster.local(nproc=2, profile=_local_profile(**tables)))
+    slow = {layer_key(block.signature, "fwd", 1): 0.5, layer_key(block.signature, "bwd", 1): 0.25}
+    cluster = Cluster.local(nproc=2, profile=_local_profile(**tables, layer_times=slow))
+    timed = CostModel.for_cluster(graph, cluster)
+    measured = sum(cluster.profile.layer_times.values())  # 0.75 s scaled as the kernel tables are
+    assert plain.layer_compute_s(block.name, micro_batch=1) < 0.1 < measured  # the bound sets the time below
+    assert timed.layer_compute_s(block.name, micro_batch=1) == pytest.approx(measured)
+    assert timed.layer_compute_s(block.name, micro_batch=4) == pytest.approx(measured)
+    assert timed.layer_compute_s(block.name, micro_batch=1, tp=2) == pytest.approx(
+        plain.layer_compute_s(block.name, micro_batch=1, tp=2))
