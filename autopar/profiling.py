@@ -22,7 +22,7 @@ from autopar.errors import AutoparError, ProfileMismatchError
 from cost_models.profile import Profile, ProfileMismatch
 from cost_models.profiler import LayerCase, local_device_name, machine_info, profile_machine
 
-__all__ = ["layer_cases", "profile_model", "load_local_profile"]
+__all__ = ["LAYER_MICRO_BATCHES", "layer_cases", "profile_model", "load_local_profile"]
 
 
 def _record_inputs(model: nn.Module, example_inputs: tuple, names: Sequence[str]) -> dict[str, tuple]:
@@ -64,22 +64,38 @@ def _real_module(module: nn.Module, device: torch.device) -> nn.Module:
     return mod.train()
 
 
-def layer_cases(model: nn.Module, example_inputs: tuple, graph: ModelGraph, device: torch.device) -> list[LayerCase]:
-    """One LayerCase per distinct signature (the first layer carrying it)."""
+# Micro-batches (in units of the example batch) at which each distinct layer is timed. A layer's time is
+# not proportional to its samples on a CPU (framework time per call, and kernels whose cost the
+# kernel tables do not see: SDPA with dropout runs the unfused math path), so a plan's micro-batch is
+# priced from the largest one measured at or below it (autopar.planner.costs: _measured_floor_s).
+LAYER_MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def _with_batch(example_inputs: tuple, factor: int) -> tuple:
+    """The example inputs with `factor` times as many samples (dim 0 repeated)."""
+    return tuple(torch.cat([t] * factor) if isinstance(t, torch.Tensor) and t.dim() >= 1 else t
+                 for t in example_inputs)
+
+
+def layer_cases(model: nn.Module, example_inputs: tuple, graph: ModelGraph, device: torch.device,
+                micro_batches: Sequence[int] = (1,)) -> list[LayerCase]:
+    """One LayerCase per distinct signature (the first layer carrying it) and micro-batch (multiples of
+    the example batch), smallest micro-batches first, so a time budget drops the largest."""
     firsts = {}
     for layer in graph.layers:
         firsts.setdefault(layer.signature, layer)
     names = [m for layer in firsts.values() for m in layer.modules]
-    inputs = _record_inputs(model, example_inputs, names)
+    modules = {name: _real_module(model.get_submodule(name), device) for name in names}
     cases = []
-    for sig, layer in firsts.items():
-        runs: list[Callable[[], Any]] = []
-        for name in layer.modules:
-            mod = _real_module(model.get_submodule(name), device)
-            args, kwargs = _materialize(inputs[name], device)
-            runs.append(lambda mod=mod, args=args, kwargs=kwargs: mod(*args, **kwargs))
-        cases.append(LayerCase(signature=sig, micro_batch=graph.example_batch_size, label=layer.name,
-                               forward=lambda runs=runs: [run() for run in runs]))
+    for factor in micro_batches:
+        inputs = _record_inputs(model, _with_batch(example_inputs, factor), names)
+        for sig, layer in firsts.items():
+            runs: list[Callable[[], Any]] = []
+            for name in layer.modules:
+                args, kwargs = _materialize(inputs[name], device)
+                runs.append(lambda mod=modules[name], args=args, kwargs=kwargs: mod(*args, **kwargs))
+            cases.append(LayerCase(signature=sig, micro_batch=graph.example_batch_size * factor, label=layer.name,
+                                   forward=lambda runs=runs: [run() for run in runs]))
     return cases
 
 
@@ -109,7 +125,7 @@ def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bo
         model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=torch_dtype, overrides=overrides)
         graph = capture(model, example_inputs)
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        cases = layer_cases(model, example_inputs, graph, device)
+        cases = layer_cases(model, example_inputs, graph, device, LAYER_MICRO_BATCHES)
         name = graph.model_name
     try:
         return profile_machine(nproc=nproc, quick=quick, layers=cases, progress=progress, model_name=name,

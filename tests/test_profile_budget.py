@@ -192,3 +192,22 @@ def test_planner_prices_a_layer_no_faster_than_the_profile_timed_it():
     assert timed.layer_compute_s(block.name, micro_batch=4) == pytest.approx(measured)
     assert timed.layer_compute_s(block.name, micro_batch=1, tp=2) == pytest.approx(
         plain.layer_compute_s(block.name, micro_batch=1, tp=2))
+
+
+def test_layers_are_timed_at_several_micro_batches_smallest_first():
+    """A layer's time on a CPU is not proportional to its samples (framework time per call, SDPA with
+    dropout on the unfused path), so the profile times each layer at 1, 2, 4 and 8 samples; the budget
+    drops the largest first."""
+    import autopar
+    from autopar.capture import capture
+    from autopar.profiling import LAYER_MICRO_BATCHES, layer_cases
+
+    model, x = autopar.zoo.build("gpt-tiny", seq_len=16, device="meta", dtype=torch.float32, n_layers=2)
+    graph = capture(model, x)
+    cases = layer_cases(model, x, graph, torch.device("cpu"), LAYER_MICRO_BATCHES)
+    batches = [c.micro_batch for c in cases]
+    assert batches == sorted(batches) and set(batches) == set(LAYER_MICRO_BATCHES)
+    assert len(cases) == len(LAYER_MICRO_BATCHES) * len({la.signature for la in graph.layers})
+    for case in cases:
+        outs = [o for o in case.forward() if isinstance(o, torch.Tensor)]
+        assert outs and all(o.shape[0] == case.micro_batch for o in outs)
