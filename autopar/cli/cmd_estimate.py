@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 
+from autopar.cli.cmd_plan import add_model_and_cluster
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.validate import MAX_GLOBAL_BATCH, check_device_runs, check_positive_int
@@ -18,10 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("estimate", help="price one layout of a model on a cluster (step time, MFU, memory)",
                               description="Price a given layout with the planner's objective; a layout over "
                                           "memory is priced too and reported as not fitting.")
-    p.add_argument("model", metavar="MODEL", help="zoo name (e.g. llama3-8b), path/file.py:factory or pkg.mod:factory")
-    p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
-    p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
-    p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
+    add_model_and_cluster(p, example="llama3-8b")
     p.add_argument("--config", required=True,
                    help='the layout, e.g. "tp=8,pp=16,dp=128,mbs=1,m=16,schedule=interleaved_1f1b,v=8,sp=1"')
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")

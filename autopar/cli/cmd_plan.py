@@ -22,17 +22,22 @@ from autopar.validate import (
     check_saved_plan,
 )
 
-__all__ = ["register"]
+__all__ = ["register", "add_model_and_cluster"]
+
+
+def add_model_and_cluster(p: argparse.ArgumentParser, *, example: str) -> None:
+    """MODEL and the cluster flags, as `plan` and `estimate` both take them."""
+    p.add_argument("model", metavar="MODEL", help=f"zoo name (e.g. {example}), path/file.py:factory or pkg.mod:factory")
+    p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
+    p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="plan the fastest layout of a model on a cluster",
                               description="Search tp/pp/dp, ZeRO, micro-batching, schedule, recompute and stage "
                                           "cuts for the fastest layout that fits memory (exact ILP).")
-    p.add_argument("model", metavar="MODEL", help="zoo name (e.g. gpt3-175b), path/file.py:factory or pkg.mod:factory")
-    p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
-    p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
-    p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
+    add_model_and_cluster(p, example="gpt3-175b")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
