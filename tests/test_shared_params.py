@@ -10,6 +10,7 @@ from hf_families import HIDDEN, VOCAB, build_family
 import autopar
 from autopar import Cluster
 from autopar.planner.costs import CostModel
+from autopar.planner.shared_costs import shared_sync_s
 from autopar.planner.space import Candidate
 
 
@@ -38,11 +39,11 @@ def test_cross_stage_gradient_sum_is_priced_on_both_ends(tp, dp, zero):
     share = VOCAB * HIDDEN * costs.elem / tp / (dp if zero >= 2 else 1)  # vocab-parallel under TP, FSDP shard
     expected = costs.collective_s("all_reduce", share, 2, 2)  # 2·2·dp·tp ≤ 8 GPUs: one node
     for ri, name in enumerate(names):
-        got = costs._shared_sync_s(ri, cand)
+        got = shared_sync_s(costs, ri, cand)
         assert got == pytest.approx(expected if name in ("model.embed_tokens", "lm_head") else 0.0)
     one_stage = Candidate(tp=tp, pp=1, dp=dp, zero_stage=zero, micro_batch_size=1, num_microbatches=2,
                           schedule="1f1b", virtual_stages=1, sequence_parallel=False)
-    assert all(costs._shared_sync_s(ri, one_stage) == 0.0 for ri in range(len(names)))
+    assert all(shared_sync_s(costs, ri, one_stage) == 0.0 for ri in range(len(names)))
 
 
 def test_one_stage_holds_a_tied_weight_once():

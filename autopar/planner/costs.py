@@ -50,6 +50,7 @@ from functools import lru_cache
 from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph, sequence_span
 from autopar.planner.dp_costs import FLOOR_S, DPTail
 from autopar.planner.ilp import MODES, InnerProblem, Run
+from autopar.planner.shared_costs import shared_duplicate_states, shared_sync_s
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import tp_collectives
 from cost_models import memory
@@ -314,17 +315,18 @@ class CostModel:
             memory_count=mix.memory_count, dtype=self.dtype)
 
     # ---- per candidate ----
-    def _states(self, layer: LayerSpec, c: Candidate):
+    def model_states(self, num_params: float, zero_stage: int, dp: int) -> memory.ModelStateBytes:
+        """Weights, gradients and optimizer states of num_params on one device, in this model's dtype."""
         w = self.elem
         opt = 12 if w == 2 else 8  # mixed precision: fp32 master + 2 moments; fp32 training: 2 moments
-        return memory.model_state_bytes(self.local_params(layer, c.tp), zero_stage=c.zero_stage, dp=c.dp,
-                                        weight_bytes=w, grad_bytes=w, optimizer_bytes=opt)
+        return memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=w, grad_bytes=w,
+                                        optimizer_bytes=opt)
+
+    def _states(self, layer: LayerSpec, c: Candidate) -> memory.ModelStateBytes:
+        return self.model_states(self.local_params(layer, c.tp), c.zero_stage, c.dp)
 
     def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int) -> float:
-        w = self.elem
-        opt = 12 if w == 2 else 8
-        return memory.model_state_bytes(self._local_run(ri, tp), zero_stage=zero_stage, dp=dp, weight_bytes=w,
-                                        grad_bytes=w, optimizer_bytes=opt).total_bytes
+        return self.model_states(self._local_run(ri, tp), zero_stage, dp).total_bytes
 
     def _run_optimizer_s(self, ri: int, tp: int, shards: int) -> float:
         local = self._local_run(ri, tp) / shards
@@ -415,31 +417,10 @@ class CostModel:
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
                 backward_s=tail.hidden_s(grad_bytes, tm["compute"] - tm["backward"], tm["backward"])
                 if overlaps else 0.0,
-                grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"] + self._shared_sync_s(ri, c),
+                grad_sync_s=tail.layer_s(grad_bytes) + tm["tp_step"] + shared_sync_s(self, ri, c),
                 optimizer_s=self._opt_run(ri, c.tp, shards) + opt_host, send_s=tm["send"],
                 host_s=tm["host"] + hooks, optimizer_host_s=self._opt_host_s(ri, c.tp, shards) + opt_host))
         return tuple(runs)
-
-    def _shared_sync_s(self, ri: int, c: Candidate) -> float:
-        """The all-reduce that sums a shared weight's gradients over the pipeline stages holding it
-        (codegen/shared.py), charged to each holding layer. With pp > 1 contiguous cuts put a tied
-        embedding and head on different stages; a weight only top-level code reads is on every stage
-        (charged to the first layer). Gradients are those of this rank: divided by tp where the
-        vocabulary is split, by dp under ZeRO-2/3."""
-        if c.pp == 1 or not self.graph.shared_params:
-            return 0.0
-        layer = self.runs[ri][0]
-        first = self.graph.layers[0].name
-        total = 0.0
-        for sp in self.graph.shared_params:
-            holders = len(sp.layers) if sp.layers else c.pp
-            if holders < 2 or layer.name not in (sp.layers or (first,)):
-                continue
-            n = sp.num_params * self.elem / (c.tp if self.tp_param_fraction(layer) > 0 else 1)
-            n /= c.dp if c.zero_stage >= 2 else 1
-            k = min(holders, c.pp)
-            total += self.collective_s("all_reduce", n, k, k if c.tp * c.dp * c.pp <= self.devices_per_node else 1)
-        return total
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.dp, c.zero_stage, c.schedule, c.num_microbatches, c.virtual_stages,
@@ -464,22 +445,10 @@ class CostModel:
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
                                                          tp=tp, dtype_bytes=self.elem)
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
-        shared = self._shared_duplicate_states(tp, zero_stage, dp).total_bytes if pp == 1 else 0.0
+        shared = shared_duplicate_states(self, tp, zero_stage, dp).total_bytes if pp == 1 else 0.0
         ranks = [RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
                             capacity_bytes=self.usable_bytes - lg - zero3_bytes + shared) for lg in (0.0, logits)]
         return (ranks[0],) * (pp - 1) + (ranks[1],)  # only the last rank holds the logits
-
-    def _shared_duplicate_states(self, tp: int, zero_stage: int, dp: int):
-        """Model states of the extra copies the layers' sums count of weights several layers share (a tied
-        embedding and head): real replicas on different pipeline stages, one weight on one stage."""
-        n = 0.0
-        for sp in self.graph.shared_params:
-            if len(sp.layers) > 1:
-                split = self.tp_param_fraction(self.graph.layer(sp.layers[0])) > 0
-                n += (len(sp.layers) - 1) * sp.num_params / (tp if split else 1)
-        w = self.elem
-        return memory.model_state_bytes(n, zero_stage=zero_stage, dp=dp, weight_bytes=w, grad_bytes=w,
-                                        optimizer_bytes=12 if w == 2 else 8)
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
         """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""
@@ -501,7 +470,7 @@ class CostModel:
         for q, names in enumerate(layer_names_by_rank):
             st = [self._states(self.graph.layer(n), c) for n in names]
             if c.pp == 1:  # held once (see _rank_memory_key)
-                dup = self._shared_duplicate_states(c.tp, c.zero_stage, c.dp)
+                dup = shared_duplicate_states(self, c.tp, c.zero_stage, c.dp)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,
                                     optimizer_bytes=-dup.optimizer_bytes))
             out.append({"weights": int(sum(s.weights_bytes for s in st)), "grads": int(sum(s.grads_bytes for s in st)),
