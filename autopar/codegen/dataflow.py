@@ -22,6 +22,7 @@ which is exact because glue is deterministic (random glue is refused under pipel
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,15 +71,8 @@ class StageIO:
     def nbytes(self, flow: DataFlow, which: str = "sends") -> int:
         """Bytes of the tensors crossing this stage's outgoing (or incoming) cut, per micro-batch."""
         keys = self.sends if which == "sends" else self.receives
-        return sum(math_prod(leaf.shape) * leaf.dtype.itemsize
+        return sum(math.prod(leaf.shape) * leaf.dtype.itemsize
                    for k in keys for leaf in flow.calls[k].leaves if isinstance(leaf, LeafMeta))
-
-
-def math_prod(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -132,7 +132,8 @@ class _StageRunner:
             return self._pack()
         if self.index != self.num_stages - 1:
             raise PlanMismatchError(f"the model's forward ended inside pipeline stage {self.index} of "
-                                    f"{self.num_stages}; the later stages' modules were never called")
+                                    f"{self.num_stages}; the later stages' modules were never called. Re-plan "
+                                    "for this model with `autopar plan` (or use pp=1)")
         return model_logits(out)
 
     def _unpack(self, args: Sequence[torch.Tensor]) -> None:

@@ -71,7 +71,8 @@ def stages_holding(model: nn.Module, stage_of_unit: Mapping[str, int], replicate
     A parameter of a unit is held by the unit's stage; one outside every unit (used by the model's
     own code) by every stage, since each stage runs that code.
     """
-    units = {u for u in stage_of_unit if u not in set(replicated)}
+    skip = set(replicated)
+    units = {u for u in stage_of_unit if u not in skip}
     holders: dict[int, set[int]] = {}
     canonical: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
