@@ -21,7 +21,8 @@ from torch.utils.flop_counter import flop_registry
 
 from cost_models.compute import ComputeModel
 
-__all__ = ["OpRecord", "describe_op", "trace_ops", "predict_op_time_s", "predict_ops_time_s"]
+__all__ = ["OpRecord", "describe_op", "moves_no_data", "read_bytes", "trace_ops", "predict_op_time_s",
+           "predict_ops_time_s"]
 
 _GEMMS = {"mm", "addmm"}
 _BATCHED_GEMMS = {"bmm", "baddbmm"}
@@ -40,14 +41,16 @@ _TRANSCENDENTAL = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_s
 class OpRecord:
     name: str  # aten overload packet, e.g. "mm"
     flops: float
-    bytes_moved: int  # tensor inputs + outputs
+    bytes_moved: int  # bytes_read + bytes_written (× passes for ops ATen runs as two)
     gemm_mnk: tuple[int, int, int] | None  # for mm / addmm, and per matrix for bmm / baddbmm
     gemm_layout: str = "nn"  # "t" for an operand stored transposed (column-major)
-    is_view: bool  # output aliases an input: no kernel runs
+    is_view: bool  # no kernel runs: outputs alias inputs (views, _unsafe_view, detach) or no tensor out (metadata)
     is_reduction: bool = False  # the largest input is ≥ 4× the largest output (sums, norms' statistics)
     gemm_batch: int = 1  # matrices in a bmm / baddbmm
     is_strided_copy: bool = False  # a copy whose source is not contiguous (a transpose made contiguous)
     tensor_bytes: int = 0  # the largest tensor it reads or writes (sets its cache / allocator regime)
+    bytes_read: int = 0  # distinct bytes of its tensor inputs (a broadcast dimension read once)
+    bytes_written: int = 0  # bytes of its tensor outputs
 
     @property
     def kind(self) -> str:
@@ -72,14 +75,32 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def read_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel reads from `t`: its distinct elements. An expanded (stride-0) dimension addresses
+    the same elements again, which a kernel serves from cache, so `x.expand(...)` costs what `x` holds."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def moves_no_data(func: Any, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> bool:
+    """Whether no kernel runs for an op: every tensor it returns aliases an input (a view, `_unsafe_view`
+    after a matmul, detach; the op schema marks only some of them as views) or it returns no tensor at all
+    (metadata queries: `prim.device`, `aten.sym_size`, which FakeTensorMode dispatches as ops)."""
+    if func._schema.is_mutable:
+        return False
+    in_storages = {_storage(t) for t in ins}
+    return all(_storage(t) in in_storages for t in outs)
+
+
 def describe_op(func: Any, args: tuple, kwargs: dict, out: Any, flops: float | None = None) -> OpRecord:
     """What one dispatched aten op costs: its class, FLOPs (torch's flop registry unless given), bytes,
     GEMM shape and layout. Works on real, meta and fake tensors (capture prices layers with it too)."""
     packet = func.overloadpacket
     ins, outs = _tensors((args, kwargs)), _tensors(out)
-    in_storages = {_storage(t) for t in ins}
-    # a view (view, t, _unsafe_view, ...) returns an alias of an input without mutating anything
-    is_view = (not func._schema.is_mutable and bool(outs) and all(_storage(t) in in_storages for t in outs))
+    is_view = moves_no_data(func, ins, outs)
     if flops is None:
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
     mnk, layout, batch = None, "nn", 1
@@ -89,14 +110,16 @@ def describe_op(func: Any, args: tuple, kwargs: dict, out: Any, flops: float | N
         mnk = (int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]))
         layout = _layout_char(a) + _layout_char(b)
         batch = int(a.shape[0]) if name in _BATCHED_GEMMS else 1
-    moved = _PASSES.get(name, 1) * sum(t.numel() * t.element_size() for t in ins + outs)
+    read = 0 if is_view else sum(read_bytes(t) for t in ins)
+    written = 0 if is_view else sum(t.numel() * t.element_size() for t in outs)
+    moved = _PASSES.get(name, 1) * (read + written)
     largest = max((t.numel() * t.element_size() for t in ins + outs), default=0)
     biggest_in = max((t.numel() for t in ins), default=0)
     reduction = bool(outs) and biggest_in >= 4 * max(t.numel() for t in outs) and mnk is None
     strided = name in _COPIES and not is_view and any(not t.is_contiguous() for t in ins)
     return OpRecord(name=name, flops=float(flops), bytes_moved=int(moved), gemm_mnk=mnk, gemm_layout=layout,
                     is_view=is_view, is_reduction=reduction, gemm_batch=batch, is_strided_copy=strided,
-                    tensor_bytes=int(largest))
+                    tensor_bytes=int(largest), bytes_read=int(read), bytes_written=int(written))
 
 
 class _Recorder(TorchDispatchMode):

@@ -146,12 +146,12 @@ def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_pa
         return "head"
     if any(e == u or e.startswith(f"{u}.") or not u for e in embedding_names for u in group.units):
         return "embedding"
-    if group.in_container and has_params:
-        return "block"
     modules = [m for u in group.units for m in model.get_submodule(u).modules()]
     with_params = [m for m in modules if any(True for _ in m.parameters(recurse=False))]
     if with_params and all("norm" in type(m).__name__.lower() for m in with_params):
-        return "norm"
+        return "norm"  # also a final norm kept beside the blocks in a ModuleDict (nanoGPT's transformer.ln_f)
+    if group.in_container and has_params:
+        return "block"
     return "other"
 
 

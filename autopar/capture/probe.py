@@ -305,9 +305,9 @@ class _Tracker(TorchDispatchMode):
         flops = self.counter.get_total_flops() - before
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not func.is_view:
-            self.bytes_read += tensor_bytes(ins)
-            self.bytes_written += tensor_bytes(outs)
+        rec = describe_op(func, args, kwargs, out, flops)
+        self.bytes_read += rec.bytes_read  # what its kernel reads and writes: 0 for views and metadata queries
+        self.bytes_written += rec.bytes_written
         in_tags = [self.tag(t) for t in ins]
         src: frozenset[str] | None = frozenset()
         for s, _ in in_tags:
@@ -328,7 +328,6 @@ class _Tracker(TorchDispatchMode):
         for t, tag in zip(outs, out_tags, strict=True):
             self.set_tag(t, tag)
         linear = self.linear_stack[-1] if self.linear_stack else None
-        rec = describe_op(func, args, kwargs, out, flops)
         kind = _op_kind(packet, rec, len(active))
         in_core = kind == "attention" or any(core for _, core in out_tags)
         self.matmuls += packet in OP_SAC_MATMUL_OPS

@@ -18,12 +18,12 @@ from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import flop_registry
 
 from autopar.capture.probe import ModelState, storage_key, tensor_bytes
 from autopar.capture.trace import placeholder_values
 from autopar.capture.units import Unit, call_signature
 from autopar.errors import CaptureError
+from cost_models.optrace import describe_op
 
 __all__ = ["Call", "TopLevelCost", "Recording", "record"]
 
@@ -69,13 +69,13 @@ class _TopLevelProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.depth == 0 and not func.is_view:  # views move no data and do no arithmetic
-            cost = self._cost()
-            count = flop_registry.get(func.overloadpacket)  # FlopCounterMode's own formulas
-            if count is not None:
-                cost.forward_flops += count(*args, **kwargs, out_val=out)
-            cost.bytes_read += tensor_bytes((args, kwargs))
-            cost.bytes_written += tensor_bytes(out)
+        if self.depth == 0:
+            op = describe_op(func, args, kwargs, out)  # FlopCounterMode's formulas; a kernel's bytes
+            if not op.is_view:  # views and metadata queries move no data and do no arithmetic
+                cost = self._cost()
+                cost.forward_flops += op.flops
+                cost.bytes_read += op.bytes_read
+                cost.bytes_written += op.bytes_written
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -94,12 +94,26 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], forward_kwargs: dict[str, Any],
+def _unbound_defaults(model: nn.Module, example_inputs: tuple, forward_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """forward's parameters the call leaves at their defaults (`targets=None`): constants of this call, so a
+    branch on them (`if targets is not None`) is traced as the call takes it, not as if a tensor came."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind_partial(*example_inputs, **forward_kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+    return {name: p.default for name, p in signature.parameters.items()
+            if name not in bound and p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], example_inputs: tuple, forward_kwargs: dict[str, Any],
                     structures: dict[str, str]) -> fx.GraphModule:
     leaves = frozenset(u.name for u in units if u.name)
     tracer = _UnitTracer(leaves)
     # Python values (flags such as use_cache=False) are baked in; tensors stay graph inputs.
     constants = {k: v for k, v in forward_kwargs.items() if not isinstance(v, torch.Tensor)}
+    constants.update(_unbound_defaults(model, example_inputs, forward_kwargs))
     try:
         graph = tracer.trace(model, concrete_args=constants or None)
     except Exception as e:
@@ -143,7 +157,7 @@ def trace_model(model: nn.Module, example_inputs: tuple, forward_kwargs: dict[st
     """
     try:
         return Traced(method="symbolic_trace",
-                      graph_module=_symbolic_trace(model, units, forward_kwargs, structures))
+                      graph_module=_symbolic_trace(model, units, example_inputs, forward_kwargs, structures))
     except _FxFailure as fx_failure:
         try:
             with _quiet():
