@@ -27,7 +27,7 @@ from autopar.validate import (
 __all__ = ["plan", "estimate", "parallelize"]
 
 
-def _graph(model: Any, example_inputs: tuple | None) -> ModelGraph:
+def _graph(model: Any, example_inputs: tuple | None, example_kwargs: dict[str, Any] | None = None) -> ModelGraph:
     if isinstance(model, ModelGraph):
         return model
     from torch import nn
@@ -35,12 +35,13 @@ def _graph(model: Any, example_inputs: tuple | None) -> ModelGraph:
     if not isinstance(model, nn.Module):
         raise AutoparError(f"model is a {type(model).__name__}; pass an nn.Module with example_inputs=(x,), or a "
                            "ModelGraph from autopar.capture(model, x) (zoo models: autopar.zoo.build(name))")
-    if example_inputs is None:
+    if example_inputs is None and not example_kwargs:
         raise AutoparError("plan/estimate got an nn.Module without example_inputs; pass example_inputs=(x,) "
-                           "or a ModelGraph from autopar.capture(model, x)")
+                           "(and example_kwargs={...} for keyword inputs) or a ModelGraph from "
+                           "autopar.capture(model, x)")
     from autopar.capture import capture  # torch-heavy; only needed for modules
 
-    return capture(model, example_inputs)
+    return capture(model, example_inputs, example_kwargs)
 
 
 def _cluster(cluster: Any, *, or_plan: bool = False) -> Any:
@@ -67,14 +68,15 @@ def _check_stages(stages: Any, config: ParallelConfig, graph: ModelGraph) -> lis
     return ordered
 
 
-def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, global_batch_size: int,
-         profile: Any = None, options: PlannerOptions | None = None) -> Plan:
-    """The fastest layout of `model` (an nn.Module with example_inputs, or a ModelGraph) on `cluster`
-    that fits memory: the exact optimum of the modelled step time, with runner-ups and solver status."""
+def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, example_kwargs: dict[str, Any] | None = None,
+         global_batch_size: int, profile: Any = None, options: PlannerOptions | None = None) -> Plan:
+    """The fastest layout of `model` (an nn.Module with example_inputs and/or example_kwargs, as its forward
+    takes them, or a ModelGraph) on `cluster` that fits memory: the exact optimum of the modelled step
+    time, with runner-ups and solver status."""
     check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH)
     options = check_options(options)
     cluster = _cluster(cluster)
-    graph = _graph(model, example_inputs)
+    graph = _graph(model, example_inputs, example_kwargs)
     check_device_runs(cluster, graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
     result = search(costs, global_batch_size=global_batch_size, options=options)
@@ -83,8 +85,8 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, globa
 
 
 def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs: tuple | None = None,
-             global_batch_size: int | None = None, profile: Any = None, options: PlannerOptions | None = None,
-             stages: tuple[StagePlan, ...] | None = None) -> Estimate:
+             example_kwargs: dict[str, Any] | None = None, global_batch_size: int | None = None, profile: Any = None,
+             options: PlannerOptions | None = None, stages: tuple[StagePlan, ...] | None = None) -> Estimate:
     """Price one given layout with exactly the planner's objective.
 
     Without `stages`: the layout's best stage cuts (an ILP) with `config.recompute` on every stage.
@@ -104,7 +106,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
                            f"{global_batch_size}; adjust micro_batch_size or num_microbatches")
     options = check_options(options)
     cluster = _cluster(cluster)
-    graph = _graph(model, example_inputs)
+    graph = _graph(model, example_inputs, example_kwargs)
     check_device_runs(cluster, graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
     if stages is None:
@@ -132,20 +134,23 @@ def _plan_everywhere(graph: ModelGraph, cluster: Any, global_batch_size: int | N
     return Plan.from_dict(payload[0])
 
 
-def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple, optimizer: Any, loss_fn: Any = None,
+def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | None = None,
+                example_kwargs: dict[str, Any] | None = None, optimizer: Any, loss_fn: Any = None,
                 global_batch_size: int | None = None, profile: Any = None, options: PlannerOptions | None = None,
                 device: Any = None) -> Any:
     """Shard `model` on this rank as a plan says and return its `ParallelModel` (call on every rank).
 
     plan_or_cluster: a `Plan` (e.g. `Plan.load("plan.json")`), or a `Cluster` to plan for first
     (rank 0 plans with `global_batch_size`, `profile` and `options`; every rank gets the same plan).
-    optimizer: a factory `params -> torch.optim.Optimizer`; loss_fn: `(logits, targets) -> mean loss`
-    (default: language-model cross entropy, vocab-parallel under tensor parallelism).
+    example_inputs / example_kwargs: the model's inputs as its forward takes them (a tuple, None allowed,
+    and a dict), nested. optimizer: a factory `params -> torch.optim.Optimizer`; loss_fn:
+    `(logits, targets) -> mean loss`, targets as `train_step` gets them (default: language-model cross
+    entropy, vocab-parallel under tensor parallelism).
     """
     from autopar import codegen
     from autopar.codegen.mesh import init_distributed, resolve_device
 
-    graph = _graph(model, example_inputs)
+    graph = _graph(model, example_inputs, example_kwargs)
     if isinstance(plan_or_cluster, Plan):
         the_plan = plan_or_cluster
     else:
@@ -154,5 +159,5 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple, opti
         init_distributed(probe, resolve_device(device))
         the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, options)
     kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
-    return codegen.parallelize(model, the_plan, graph=graph, example_inputs=example_inputs, optimizer=optimizer,
-                               device=device, **kwargs)
+    return codegen.parallelize(model, the_plan, graph=graph, example_inputs=example_inputs,
+                               example_kwargs=example_kwargs, optimizer=optimizer, device=device, **kwargs)

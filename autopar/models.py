@@ -5,7 +5,9 @@ MODEL is one of
 - `path/to/file.py:factory`, a file loaded as a module;
 - `package.module:factory`, an importable module.
 A factory is called with no argument, or with `seq_len=` when one is given and the factory accepts
-it, and returns `(model, example_inputs)` with example_inputs a tuple (a single tensor is accepted).
+it, and returns `(model, example_inputs)` with example_inputs a tuple (a single tensor is accepted),
+or `(model, example_inputs, example_kwargs)` for a forward that takes keyword inputs (an encoder–decoder's
+`decoder_input_ids`, an attention mask).
 
 A zoo model is built in a *training dtype*, because the dtype changes the captured graph (bytes,
 kernels) and so its fingerprint, which a plan must match at run time: bfloat16 where it will train on
@@ -74,8 +76,9 @@ def _load_module(target: str) -> ModuleType:
 
 def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype | None = None,
                   overrides: dict[str, Any] | None = None, seq_len_optional: bool = False
-                  ) -> tuple[nn.Module, tuple]:
-    """`(model, example_inputs)` for a MODEL string; see the module docstring for the accepted forms.
+                  ) -> tuple[nn.Module, tuple, dict[str, Any]]:
+    """`(model, example_inputs, example_kwargs)` for a MODEL string (`autopar.capture(*resolve_model(...))`);
+    see the module docstring for the accepted forms.
 
     dtype: the dtype of a zoo model (default: the zoo's bfloat16); a factory decides its own dtype.
     overrides: zoo config fields to replace (`--override dropout=0`), as examples/train_gpt.py takes them.
@@ -84,7 +87,7 @@ def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype |
         raise AutoparError(f"seq_len={seq_len}; it must be a positive number of tokens")
     if ":" not in spec:
         if spec in zoo.names():
-            return zoo.build(spec, seq_len=seq_len, dtype=dtype, **(overrides or {}))
+            return (*zoo.build(spec, seq_len=seq_len, dtype=dtype, **(overrides or {})), {})
         raise AutoparError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.names())}) and not of the "
                            "form path/file.py:factory or package.module:factory")
     if overrides:
@@ -120,12 +123,16 @@ def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype |
         result = factory(seq_len=seq_len) if passed else factory()
     except Exception as e:
         raise AutoparError(f"MODEL factory {spec} raised {type(e).__name__}: {e}") from e
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
         raise AutoparError(f"{spec}: the factory returned {type(result).__name__}; it must return "
-                           "(model, example_inputs), e.g. `return model, (input_ids,)`")
-    model, inputs = result
+                           "(model, example_inputs), e.g. `return model, (input_ids,)`, or (model, example_inputs, "
+                           "example_kwargs), e.g. `return model, (), {'input_ids': ids, 'decoder_input_ids': dec}`")
+    model, inputs, kwargs = result if len(result) == 3 else (*result, {})
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, (tuple, list)):
         raise AutoparError(f"{spec}: example_inputs is a {type(inputs).__name__}; return a tuple of tensors")
-    return model, tuple(inputs)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise AutoparError(f"{spec}: example_kwargs is a {type(kwargs).__name__}; return a dict of the keyword "
+                           "inputs of model.forward")
+    return model, tuple(inputs), kwargs

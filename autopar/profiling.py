@@ -122,7 +122,12 @@ def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bo
         from autopar.capture import capture
         from autopar.models import resolve_model
 
-        model, example_inputs = resolve_model(model_spec, seq_len=seq_len, dtype=torch_dtype, overrides=overrides)
+        model, example_inputs, example_kwargs = resolve_model(model_spec, seq_len=seq_len, dtype=torch_dtype,
+                                                              overrides=overrides)
+        if example_kwargs:
+            raise AutoparError(f"autopar profile times a model's layers from positional example inputs; "
+                               f"{model_spec} takes keyword inputs ({', '.join(example_kwargs)}): profile "
+                               "without a model (the GEMM and elementwise mix), or return them positionally")
         graph = capture(model, example_inputs)
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         cases = layer_cases(model, example_inputs, graph, device, LAYER_MICRO_BATCHES)

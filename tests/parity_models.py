@@ -110,11 +110,12 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, 
                              layer_recompute=tuple(modes[bounds[i]:bounds[i + 1]]) if layer_recompute else ())
                    for i in range(n_chunks))
     # hand-made: a nominal one-second step, consistent with its breakdown (plans are validated on use)
-    est = Estimate(step_time_s=1.0, tokens_per_s=float(cfg.global_batch_size * SEQ), tflops_per_device=0.0, mfu=0.0,
-                   peak_memory_bytes=0, breakdown={k: float(k == "compute") for k in BREAKDOWN_KEYS})
+    est = Estimate(step_time_s=1.0, tokens_per_s=float(cfg.global_batch_size * (graph.seq_len or 1)),
+                   tflops_per_device=0.0, mfu=0.0, peak_memory_bytes=0,
+                   breakdown={k: float(k == "compute") for k in BREAKDOWN_KEYS})
     return Plan(config=cfg, stages=stages, estimate=est, model_name=graph.model_name,
                 graph_fingerprint=graph.fingerprint, cluster_name="local", cluster_fingerprint="-",
-                global_batch_size=cfg.global_batch_size, seq_len=SEQ)
+                global_batch_size=cfg.global_batch_size, seq_len=graph.seq_len)
 
 
 def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -46,18 +46,19 @@ def factory_file(tmp_path: Path) -> Path:
 
 
 def test_resolve_zoo_name_builds_on_meta() -> None:
-    model, (ids,) = resolve_model("gpt-tiny", seq_len=32)
+    model, (ids,), kwargs = resolve_model("gpt-tiny", seq_len=32)
+    assert kwargs == {}
     assert ids.shape == (1, 32) and next(model.parameters()).device.type == "meta"
 
 
 def test_resolve_file_factory_passes_seq_len(factory_file: Path) -> None:
-    model, (ids,) = resolve_model(f"{factory_file}:build", seq_len=12)
+    model, (ids,), _ = resolve_model(f"{factory_file}:build", seq_len=12)
     assert type(model).__name__ == "Tiny" and ids.shape == (2, 12)
 
 
 def test_resolve_module_factory(factory_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(factory_file.parent))
-    model, inputs = resolve_model("tiny_model:build")
+    model, inputs, _ = resolve_model("tiny_model:build")
     assert type(model).__name__ == "Tiny" and isinstance(inputs, tuple)
 
 

@@ -10,6 +10,7 @@ from hf_families import build_custom, build_family
 from torch import nn
 
 import autopar
+from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import trace_dataflow
 from autopar.codegen.pipeline import build_stage, layer_modules
 from autopar.errors import PlanMismatchError
@@ -73,14 +74,13 @@ class _MaskFromIds(nn.Module):
         return self.head(x)
 
 
-def test_stage_that_needs_input_values_is_refused():
+def test_input_values_read_on_a_later_stage_cross_no_cut():
+    """Every stage reads its own micro-batches (codegen/batch.py), so the mask the last block's glue builds
+    from the ids is recomputed there: only the first block's output crosses the cut."""
     model = _MaskFromIds()
     graph, flow = _flow_and_graph(model)
-    stage_of = _cut_after(graph, 1)
-    ios = flow.stages(stage_of, 2)
-    assert ios[1].needs_input_values and not ios[0].needs_input_values
-    with pytest.raises(PlanMismatchError, match="model's input tensors"):
-        build_stage(model, flow, ios, stage_of, 1, device=torch.device("cpu"))
+    ios = flow.stages(_cut_after(graph, 1), 2)
+    assert [k[0] for k in ios[0].sends] == ["blocks.0"] and ios[1].receives == ios[0].sends
 
 
 def test_random_top_level_code_is_refused_under_pipelining():
@@ -90,7 +90,7 @@ def test_random_top_level_code_is_refused_under_pipelining():
     stage_of = _cut_after(graph, 1)
     ios = flow.stages(stage_of, 2)
     with pytest.raises(PlanMismatchError, match="draws random numbers"):
-        build_stage(model, flow, ios, stage_of, 0, device=torch.device("cpu"))
+        build_stage(model, flow, ios, stage_of, 0, device=torch.device("cpu"), feed=MicroBatches())
     model.eval()  # inactive dropout draws nothing
     assert trace_dataflow(model, list(stage_of), (torch.zeros(MBS, SEQ, dtype=torch.long),)).random_glue == ()
 
@@ -105,19 +105,34 @@ def test_stages_out_of_call_order_are_refused():
 
 
 def _refused_on_one_stage() -> str:
-    """Rank 1's stage needs the inputs' values (refused there); rank 0's stage builds fine."""
+    """Rank 1 cannot build its stage (a refusal only that stage meets); rank 0's stage builds fine."""
+    import sys
+
+    import torch.distributed as dist
     from parity_models import make_plan, optimizer
 
     from autopar.codegen import parallelize
+
+    codegen_parallelize = sys.modules["autopar.codegen.parallelize"]  # the module the function shadows
 
     torch.manual_seed(0)
     model = _MaskFromIds()
     graph = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
     plan = make_plan(graph, pp=2, num_microbatches=2)
+    build = codegen_parallelize.build_stage
+
+    def refuse_on_rank_1(*args, **kwargs):
+        if dist.get_rank() == 1:
+            raise PlanMismatchError("stage 1 holds a module tensor parallelism cannot shard")
+        return build(*args, **kwargs)
+
+    codegen_parallelize.build_stage = refuse_on_rank_1
     try:
         parallelize(model, plan, graph=graph, optimizer=optimizer)
     except PlanMismatchError as e:
         return str(e)
+    finally:
+        codegen_parallelize.build_stage = build
     return "trained"
 
 
@@ -126,8 +141,8 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_name():
     from dist_harness import run_distributed
 
     messages = run_distributed(_refused_on_one_stage, 2, timeout_s=120)
-    assert "model's input tensors" in messages[1]
-    assert messages[0].startswith("rank 1 could not build its part of the plan") and "input tensors" in messages[0]
+    assert "cannot shard" in messages[1]
+    assert messages[0].startswith("rank 1 could not build its part of the plan") and "cannot shard" in messages[0]
 
 
 class _ReadsValues(nn.Module):

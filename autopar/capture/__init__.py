@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autopar.capture.assemble import assemble
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
@@ -40,36 +40,61 @@ from autopar.errors import CaptureError
 __all__ = ["capture", "ModelGraph", "LayerSpec", "TPPattern"]
 
 
-def _normalise_inputs(example_inputs: Any) -> tuple:
+def _normalise_inputs(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict[str, Any]]:
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise CaptureError(
-        f"example_inputs is a {type(example_inputs).__name__}; pass a tuple of the positional inputs of "
-        "model.forward, e.g. (input_ids,), and keyword inputs as keyword arguments of capture()"
-    )
+        example_inputs = (example_inputs,)
+    if example_inputs is None:
+        example_inputs = ()
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(
+            f"example_inputs is a {type(example_inputs).__name__}; pass a tuple of the positional inputs of "
+            "model.forward, e.g. (input_ids,) or (pixel_values, None), and keyword inputs as "
+            "example_kwargs={'attention_mask': mask}")
+    if example_kwargs is None:
+        example_kwargs = {}
+    if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
+        raise CaptureError(f"example_kwargs is a {type(example_kwargs).__name__}; pass a dict of model.forward's "
+                           "keyword inputs, e.g. {'decoder_input_ids': ids}")
+    return tuple(example_inputs), dict(example_kwargs)
 
 
-def _batch_and_seq(inputs: tuple) -> tuple[int, int | None]:
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 1]
+def _first_tensor(inputs: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    tensors = [t for t in tree_leaves((inputs, kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 1]
     if not tensors:
-        raise CaptureError("example_inputs holds no tensor; capture needs one whose dim 0 is the batch")
-    first = tensors[0]
-    return int(first.shape[0]), (int(first.shape[1]) if first.dim() >= 2 else None)
+        raise CaptureError("example_inputs and example_kwargs hold no tensor; capture needs one whose dim 0 is "
+                           "the batch")
+    return tensors[0]
 
 
-def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> ModelGraph:
-    """Trace and measure `model` called as `model(*example_inputs, **forward_kwargs)`, in training mode.
+def _sequence_length(first: torch.Tensor, rec: Any, units: tuple[Any, ...]) -> int | None:
+    """Tokens per sample: dim 1 of token ids; for other inputs (images), dim 1 of the hidden states
+    [batch, tokens, width] that the first block of a stack reads (patches of a vision transformer, windows'
+    tokens of Swin), or None when those are not a sequence (a conv net's [batch, channels, h, w])."""
+    if not first.is_floating_point():
+        return int(first.shape[1]) if first.dim() >= 2 else None
+    stacked = {u.name for u in units if u.in_container}
+    for call in rec.calls:
+        if call.unit in stacked and call.signature in rec.first_inputs:
+            _, args, kwargs = rec.first_inputs[call.signature]
+            hidden = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            return int(hidden[0].shape[1]) if hidden and hidden[0].dim() == 3 else None
+    return None
 
+
+def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None) -> ModelGraph:
+    """Trace and measure `model` called as `model(*example_inputs, **example_kwargs)`, in training mode.
+
+    example_inputs: a tensor or a tuple of positional inputs (None where the model takes None);
+    example_kwargs: keyword inputs (an attention mask, decoder ids). Tensors may nest in tuples and dicts.
     Runs on meta tensors whatever the model's device (real weights are swapped for meta stand-ins and
-    restored), so no weight is allocated. Numbers are per sample: dim 0 of the first input is the batch.
+    restored), so no weight is allocated. Numbers are per sample: dim 0 of the first tensor is the batch.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture() needs an nn.Module, got {type(model).__name__}")
     start = time.perf_counter()
-    inputs = _normalise_inputs(example_inputs)
-    batch, seq_len = _batch_and_seq(inputs)
+    inputs, forward_kwargs = _normalise_inputs(example_inputs, example_kwargs)
+    first = _first_tensor(inputs, forward_kwargs)
+    batch = int(first.shape[0])
     if "use_cache" in inspect.signature(model.forward).parameters:
         forward_kwargs.setdefault("use_cache", False)  # a KV cache is for inference; training never builds it
     units = discover_units(model)
@@ -109,7 +134,8 @@ def capture(model: nn.Module, example_inputs: Any, **forward_kwargs: Any) -> Mod
             return assemble(
                 model=model, model_name=getattr(model, "zoo_name", None) or type(model).__name__,
                 groups=groups, rec=rec, stats=stats, input_bytes=input_bytes, boundary_bytes=boundary_bytes,
-                batch=batch, seq_len=seq_len, method=traced.method, seconds=time.perf_counter() - start,
+                batch=batch, seq_len=_sequence_length(first, rec, units), method=traced.method,
+                seconds=time.perf_counter() - start,
                 metadata={"distinct_calls_measured": len(stats), "unit_calls": len(rec.calls),
                           "torch_version": torch.__version__},
             )

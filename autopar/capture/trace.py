@@ -116,9 +116,9 @@ def _symbolic_trace(model: nn.Module, units: tuple[Unit, ...], example_inputs: t
     constants.update(_unbound_defaults(model, example_inputs, forward_kwargs))
     try:
         graph = tracer.trace(model, concrete_args=constants or None)
-    except Exception as e:
+        gm = fx.GraphModule(model, graph, type(model).__name__)  # its code is compiled here (keyword-only
+    except Exception as e:                                       # arguments fail here, see torch.fx)
         raise _FxFailure(tracer.failed_in or "", e) from e
-    gm = fx.GraphModule(model, graph, type(model).__name__)
     seen: set[str] = set()
     for unit in units:  # each distinct unit once: proves the whole model is symbolically traceable
         if not unit.name:

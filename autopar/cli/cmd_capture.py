@@ -84,9 +84,7 @@ def format_table(graph: ModelGraph, fold: bool = True) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, example_inputs = resolve_model(args.model, seq_len=args.seq_len,
-                                          overrides=parse_overrides(args.override))
-    graph = capture(model, example_inputs)
+    graph = capture(*resolve_model(args.model, seq_len=args.seq_len, overrides=parse_overrides(args.override)))
     if args.json:
         print(json.dumps({**graph.to_dict(), "fingerprint": graph.fingerprint}, indent=1))
     else:

@@ -142,9 +142,8 @@ def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ..
     from autopar.models import resolve_model
     from autopar.zoo import parse_overrides
 
-    module, inputs = resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides),
-                                   seq_len_optional=seq_len_optional)
-    return capture(module, inputs)
+    return capture(*resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides),
+                                  seq_len_optional=seq_len_optional))
 
 
 _COMPILE = {"on": True, "off": False, "auto": None}  # --compile → PlannerOptions.compile

@@ -10,8 +10,8 @@ shape, tags every tensor with the *unit calls* it was computed from (its taint):
   rotary tables, slicing) propagates the union of its inputs' taints;
 - a parameter-free unit whose outputs carry no unit taint (a rotary-table module, which reads
   only positions) is *replicated*: it runs again on every stage that calls it;
-- the model inputs carry a taint of their own, so a stage that would need the inputs' values
-  (rather than just their shape) is recognised.
+- the model inputs carry a taint of their own and never cross a cut: every rank reads its own
+  micro-batches (ids, masks, decoder ids), so each stage computes from the inputs what it needs.
 
 A unit call of stage s whose inputs carry the taint of a call of stage r < s needs that call's
 outputs on every stage r+1..s; so do the model's outputs on the last stage. Those outputs are
@@ -66,7 +66,6 @@ class StageIO:
     index: int
     receives: tuple[CallKey, ...]
     sends: tuple[CallKey, ...]
-    needs_input_values: bool
 
     def nbytes(self, flow: DataFlow, which: str = "sends") -> int:
         """Bytes of the tensors crossing this stage's outgoing (or incoming) cut, per micro-batch."""
@@ -84,24 +83,20 @@ class DataFlow:
     replicated: frozenset[str]  # parameter-free units that read no unit output: run on every stage
     output_taint: frozenset[CallKey]
     random_glue: tuple[str, ...]  # random ops outside units (recomputing them would draw new numbers)
-    inputs: tuple[LeafMeta | None, ...]  # the model's positional inputs (None: not a tensor)
 
     @classmethod
     def single_stage(cls) -> DataFlow:
         """The flow of a one-stage layout: nothing crosses a cut, so no dry run is needed."""
-        return cls(order=(), calls={}, replicated=frozenset(), output_taint=frozenset(), random_glue=(), inputs=())
+        return cls(order=(), calls={}, replicated=frozenset(), output_taint=frozenset(), random_glue=())
 
     def stages(self, stage_of_unit: Mapping[str, int], num_stages: int) -> tuple[StageIO, ...]:
         """Receive/send sets per stage for units placed by `stage_of_unit` (contiguous in call order)."""
         self._check_order(stage_of_unit)
         last_use: dict[CallKey, int] = {}
-        input_needed = [False] * num_stages
 
         def use(taint: frozenset[CallKey], stage: int) -> None:
-            for src in taint:
-                if src == INPUT:
-                    input_needed[stage] = True
-                elif stage_of_unit[src[0]] < stage:
+            for src in taint:  # the inputs (INPUT) are on every stage: each rank reads its own micro-batches
+                if src != INPUT and stage_of_unit[src[0]] < stage:
                     last_use[src] = max(last_use.get(src, -1), stage)
 
         for key in self.order:
@@ -111,8 +106,7 @@ class DataFlow:
         for s in range(num_stages):
             crossing = [k for k in self.order if stage_of_unit[k[0]] < s <= last_use.get(k, -1)]
             leaving = [k for k in self.order if stage_of_unit[k[0]] <= s < last_use.get(k, -1)]
-            ios.append(StageIO(index=s, receives=tuple(crossing), sends=tuple(leaving),
-                               needs_input_values=input_needed[s] and s > 0))
+            ios.append(StageIO(index=s, receives=tuple(crossing), sends=tuple(leaving)))
         for io in ios:
             for key in (*io.receives, *io.sends):
                 bad = [leaf for leaf in self.calls[key].leaves
@@ -209,8 +203,10 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Sequence[torch.Tensor]) -> DataFlow:
-    """Run `model(*example_inputs)` once on fake tensors and record the taint of every unit call."""
+def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Sequence[Any],
+                   example_kwargs: Mapping[str, Any] | None = None) -> DataFlow:
+    """Run `model(*example_inputs, **example_kwargs)` once on fake tensors and record the taint of every
+    unit call."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     mode = _Taint()
     records: dict[CallKey, CallRecord] = {}
@@ -251,10 +247,11 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
         handles.append(module.register_forward_hook(post(name, _has_params(module)), with_kwargs=True))
     try:
         with fake, swap_tensors(model, fake.from_tensor):
-            inputs = tree_map_only(torch.Tensor, fake.from_tensor, tuple(example_inputs))
+            inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor,
+                                           (tuple(example_inputs), dict(example_kwargs or {})))
             with mode:
-                mode.set(inputs, frozenset({INPUT}))
-                out = model(*inputs, **forward_kwargs(model))
+                mode.set((inputs, kwargs), frozenset({INPUT}))
+                out = model(*inputs, **{**forward_kwargs(model), **kwargs})
                 output_taint = mode.tag(model_logits(out))
     except PlanMismatchError:
         raise
@@ -269,6 +266,4 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
             h.remove()
     replicated -= {k[0] for k in order}  # a unit that once read a unit output is never replicated
     return DataFlow(order=tuple(order), calls=records, replicated=frozenset(replicated), output_taint=output_taint,
-                    random_glue=tuple(dict.fromkeys(mode.random_glue)),
-                    inputs=tuple(LeafMeta(shape=tuple(t.shape), dtype=t.dtype) if isinstance(t, torch.Tensor)
-                                 else None for t in example_inputs))
+                    random_glue=tuple(dict.fromkeys(mode.random_glue)))

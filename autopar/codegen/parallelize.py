@@ -7,13 +7,15 @@ activation recompute → ZeRO/data parallelism → optimizer → schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopar.capture.graph import ModelGraph
+from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.compile import apply_compile
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import DataFlow, trace_dataflow
@@ -30,14 +32,15 @@ from autopar.plan import Plan
 __all__ = ["parallelize"]
 
 
-def _graph_of(model: nn.Module, example_inputs: Sequence[torch.Tensor] | None) -> ModelGraph:
+def _graph_of(model: nn.Module, example_inputs: Sequence[Any] | None,
+              example_kwargs: Mapping[str, Any] | None) -> ModelGraph:
     try:
         from autopar.capture import capture  # owned by the capture module; imported late on purpose
     except ImportError as e:
         raise PlanMismatchError("parallelize needs the model's graph: pass graph=autopar.capture(model, x)") from e
     if example_inputs is None:
         raise PlanMismatchError("parallelize needs example_inputs (or graph=) to check the plan against the model")
-    return capture(model, tuple(example_inputs))
+    return capture(model, tuple(example_inputs), example_kwargs)
 
 
 def check_plan(plan: Plan, graph: ModelGraph) -> None:
@@ -70,15 +73,16 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def _microbatch_inputs(graph: ModelGraph, example_inputs: Sequence[torch.Tensor] | None,
-                       micro_batch_size: int) -> tuple[torch.Tensor, ...]:
+def _microbatch_inputs(graph: ModelGraph, example_inputs: Sequence[Any] | None,
+                       example_kwargs: Mapping[str, Any] | None, micro_batch_size: int) -> tuple[tuple, dict]:
     """Inputs shaped like one micro-batch (for the dry run that finds what crosses each pipeline cut)."""
-    if example_inputs is None:
+    if example_inputs is None and not example_kwargs:
         if not graph.seq_len:
             raise PlanMismatchError("parallelize needs example_inputs for a model whose graph has no sequence length")
-        return (torch.zeros(micro_batch_size, graph.seq_len, dtype=torch.long),)
-    return tuple(torch.zeros((micro_batch_size, *t.shape[1:]), dtype=t.dtype) if isinstance(t, torch.Tensor)
-                 and t.dim() >= 1 else t for t in example_inputs)
+        return (torch.zeros(micro_batch_size, graph.seq_len, dtype=torch.long),), {}
+    inputs = (tuple(example_inputs or ()), dict(example_kwargs or {}))
+    size = batch_size_of(inputs)
+    return resize_batch(inputs, size, micro_batch_size) if size is not None else inputs
 
 
 def _fsdp_paths(part: nn.Module, paths: Sequence[str]) -> list[str]:
@@ -111,7 +115,7 @@ def _agree(failure: BaseException | None) -> None:
 
 
 def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
-                example_inputs: Sequence[torch.Tensor] | None = None,
+                example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_cross_entropy,
                 device: str | torch.device | None = None) -> ParallelModel:
@@ -122,7 +126,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     groups). loss_fn: `(logits, targets) -> mean loss`; `lm_cross_entropy` runs vocab-parallel under TP.
     The model's parameters are modified in place (sharded); its weights are taken from rank 0.
     """
-    graph = graph if graph is not None else _graph_of(model, example_inputs)
+    graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs)
     check_plan(plan, graph)
     cfg = plan.config
     dev = resolve_device(device)
@@ -133,8 +137,10 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     _broadcast_from_rank0(model)
 
     units = stage_of_units(graph, plan)
-    flow = (trace_dataflow(model, list(units), _microbatch_inputs(graph, example_inputs, cfg.micro_batch_size))
+    flow = (trace_dataflow(model, list(units), *_microbatch_inputs(graph, example_inputs, example_kwargs,
+                                                                   cfg.micro_batch_size))
             if len(plan.stages) > 1 else DataFlow.single_stage())
+    feed = MicroBatches()
     ios = flow.stages(units, len(plan.stages))
     ties = alias_groups(model)
     shared = SharedGradients(model, stages_holding(model, units, flow.replicated, len(plan.stages)),
@@ -145,7 +151,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     failure: BaseException | None = None
     try:
         for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
-            part = build_stage(model, flow, ios, units, stage.index, device=dev)
+            part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed)
             layers = [graph.layer(name) for name in stage.layers]
             if cfg.tp > 1:
                 apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)
@@ -171,7 +177,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
         opt = optimizer(param_groups_by_kind(params))
     vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
-    schedule = build_schedule(plan, parts, mesh["pp"], dev, loss) if cfg.pp > 1 else None
+    schedule = build_schedule(plan, parts, mesh["pp"], dev, loss, feed) if cfg.pp > 1 else None
     return ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
-                         loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev,
+                         loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
                          shared_gradients=shared)

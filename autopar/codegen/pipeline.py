@@ -17,6 +17,7 @@ that needs it. With pp = 1 the one stage is the model itself.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.capture.graph import ModelGraph
+from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
@@ -43,6 +45,12 @@ def layer_modules(graph: ModelGraph, name: str) -> tuple[str, ...]:
 def stage_of_units(graph: ModelGraph, plan: Plan) -> dict[str, int]:
     """unit path → index of the stage holding it."""
     return {unit: stage.index for stage in plan.stages for name in stage.layers for unit in layer_modules(graph, name)}
+
+
+def _index_of(t: torch.Tensor) -> int:
+    """The micro-batch index a stage received (-1 for the runtime's shape-inference run on empty buffers)."""
+    value = float(t.reshape(-1)[0])
+    return int(value) if math.isfinite(value) and value == int(value) else -1
 
 
 class _StageExit(Exception):  # noqa: N818 - control flow, never seen by users
@@ -86,10 +94,11 @@ class _StageRunner:
     """Per-forward bookkeeping of one stage: calls seen, values received, outputs to send."""
 
     def __init__(self, *, flow: DataFlow, io: StageIO, stage_of_unit: Mapping[str, int], num_stages: int,
-                 device: torch.device, forward: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+                 device: torch.device, forward: Callable[..., Any], kwargs: dict[str, Any],
+                 feed: MicroBatches) -> None:
         self.flow, self.io, self.stage_of_unit = flow, io, stage_of_unit
         self.index, self.num_stages = io.index, num_stages
-        self.forward, self.kwargs = forward, kwargs
+        self.forward, self.kwargs, self.feed = forward, kwargs, feed
         self._sends = set(io.sends)
         self.counts: dict[str, int] = {}
         self.received: dict[CallKey, Any] = {}
@@ -117,19 +126,21 @@ class _StageRunner:
         if key in self._sends:
             self.produced[key] = out
 
-    def run(self, *args: torch.Tensor) -> Any:
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """One micro-batch's forward. With one stage, `args`/`kwargs` are the model's inputs. Pipelined,
+        the first stage gets the micro-batch index and the others what the previous stage sent, the index
+        last; every stage reads the micro-batch's inputs from `feed` (each rank holds its share of the batch)."""
         self.counts, self.received, self.produced = {}, {}, {}
-        if self.index == 0:
-            inputs = args
-        else:
-            self._unpack(args)
-            # only the inputs' shapes matter here: no value this stage uses depends on theirs (io.needs_input_values)
-            inputs = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device) if m is not None else None
-                           for m in self.flow.inputs)
+        index = None
+        if self.num_stages > 1:
+            index = _index_of(args[-1] if self.index > 0 else args[0])
+            if self.index > 0:
+                self._unpack(args[:-1])
+            args, kwargs = self.feed.call(index)
         try:
-            out = self.forward(*inputs, **self.kwargs)
+            out = self.forward(*args, **{**self.kwargs, **kwargs})
         except _StageExit:
-            return self._pack()
+            return (*self._pack(), torch.tensor([float(index)], device=self.device))
         if self.index != self.num_stages - 1:
             raise PlanMismatchError(f"the model's forward ended inside pipeline stage {self.index} of "
                                     f"{self.num_stages}; the later stages' modules were never called. Re-plan "
@@ -157,17 +168,14 @@ class _StageRunner:
 
 
 def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_of_unit: Mapping[str, int],
-                index: int, *, device: torch.device) -> nn.Module:
-    """Stage `index` as a pruned copy of `model` whose forward sends/receives what `ios` says.
+                index: int, *, device: torch.device, feed: MicroBatches) -> nn.Module:
+    """Stage `index` as a pruned copy of `model` whose forward sends/receives what `ios` says and reads
+    the model's inputs from `feed`.
 
-    With one stage in all, the model itself (its forward then returns the logits).
+    With one stage in all, the model itself (its forward then takes the model's inputs and returns the logits).
     """
     num_stages = len(ios)
     io = ios[index]
-    if io.needs_input_values:
-        raise PlanMismatchError(
-            f"pipeline stage {index} computes values from the model's input tensors outside its modules (e.g. a mask "
-            "built from the token ids); autopar sends only module outputs between stages. Use pp=1 for this model")
     if num_stages > 1 and flow.random_glue:
         raise PlanMismatchError(
             f"the model's forward draws random numbers outside its modules ({', '.join(flow.random_glue)}); under "
@@ -176,7 +184,7 @@ def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_
     forward = type(model).forward
     runner = _StageRunner(flow=flow, io=io, stage_of_unit=stage_of_unit, num_stages=num_stages,
                           device=device, forward=lambda *a, **k: None,
-                          kwargs=forward_kwargs(model))
+                          kwargs=forward_kwargs(model), feed=feed)
     others = {u for u, s in stage_of_unit.items() if s != index and u not in flow.replicated}
     stage = _prune(model, "", {u: _StandIn(u, runner) for u in others}) if others else model
     runner.forward = forward.__get__(stage)
@@ -200,21 +208,23 @@ def check_stage_placement(plan: Plan) -> None:
 
 
 def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], pp_mesh: DeviceMesh,
-                   device: torch.device, loss_fn):
+                   device: torch.device, loss_fn, feed: MicroBatches):
     """The planned schedule over this rank's stages `[(stage_index, module), ...]`.
 
     Each micro-batch's loss is divided by the number of micro-batches before backward, so the
     gradients are those of the mean over the whole batch (the losses the schedule reports are
     summed, not averaged, to get that mean). The schedule's own `scale_grads` would divide each
     stage's gradients after backward instead, twice for a weight two stages of this rank share.
+    The schedule is stepped with the micro-batch indices as input and target (`ParallelModel`), and
+    the loss reads micro-batch i's targets, whatever their structure, from `feed`.
     """
     cfg = plan.config
     m = cfg.num_microbatches
     group = pp_mesh.get_group()
     stages = [PipelineStage(mod, index, len(plan.stages), device, group=group) for index, mod in stage_modules]
 
-    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, target) / m
+    def scaled_loss(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, feed.target(_index_of(index))) / m
 
     if cfg.schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_map_only
 
 from autopar.codegen import state as state_io
+from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.loss import gather_vocab
@@ -39,7 +42,7 @@ class ParallelModel:
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, parts: Sequence[tuple[int, nn.Module]],
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
-                 device: torch.device, shared_gradients: SharedGradients | None = None) -> None:
+                 device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -49,6 +52,7 @@ class ParallelModel:
         self.optimizer = optimizer
         self.vocab_parallel = vocab_parallel
         self.device = device
+        self.feed = feed
         self.shared_gradients = shared_gradients
         self.timer: StepTimer | None = None
 
@@ -85,23 +89,19 @@ class ParallelModel:
     def local_batch_size(self) -> int:
         return self.config.micro_batch_size * self.config.num_microbatches
 
-    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This data-parallel rank's contiguous slice (dim 0) of a global batch."""
-        if batch.size(0) != self.config.global_batch_size:
-            raise AutoparError(
-                f"global batch has {batch.size(0)} samples; the plan is for {self.config.global_batch_size} "
-                f"(dp·mbs·m = {self.config.dp}·{self.config.micro_batch_size}·{self.config.num_microbatches})"
-            )
-        n = self.local_batch_size
-        return batch[self.dp_rank * n:(self.dp_rank + 1) * n]
+    def local_batch(self, batch: Any) -> Any:
+        """This data-parallel rank's contiguous slice of a global batch: a tensor, a tuple or a dict, nested
+        (`autopar.codegen.batch`); tensors without the batch's dim 0 are kept whole."""
+        n, size = self.local_batch_size, self.config.global_batch_size
+        return slice_batch(batch, self.dp_rank * n, (self.dp_rank + 1) * n, size, what="the global batch",
+                           how=f"The plan is for {size} samples (dp·mbs·m = {self.config.dp}·"
+                               f"{self.config.micro_batch_size}·{self.config.num_microbatches}).")
 
-    def _check_local(self, inputs: torch.Tensor) -> None:
-        if inputs.size(0) != self.local_batch_size:
-            raise AutoparError(
-                f"train_step got {inputs.size(0)} samples; this rank's share is {self.local_batch_size} "
-                f"(mbs·m = {self.config.micro_batch_size}·{self.config.num_microbatches}); "
-                "pass pm.local_batch(global_batch)"
-            )
+    def _micro_batches(self, batch: Any, what: str) -> list[Any]:
+        return split_batch(batch, self.config.num_microbatches, self.local_batch_size, what=what,
+                           how=f"This rank's share is {self.local_batch_size} samples (mbs·m = "
+                               f"{self.config.micro_batch_size}·{self.config.num_microbatches}); "
+                               "pass pm.local_batch(global_batch).")
 
     def _parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once (stages on one rank may share some)."""
@@ -121,25 +121,28 @@ class ParallelModel:
             if isinstance(m, FSDPModule):
                 m.set_requires_gradient_sync(on)
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, *, backward: bool) -> torch.Tensor:
+    def _run(self, inputs: Any, targets: Any, *, backward: bool) -> torch.Tensor:
         """This rank's mean loss over its micro-batches (0 on ranks without the last stage)."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
         m = self.config.num_microbatches
+        self.feed.set(self._micro_batches(inputs, "train_step's inputs"),
+                      self._micro_batches(targets, "train_step's targets"), self.device)
         if self.schedule is None:
             part = self.modules[0]
             total = torch.zeros((), device=self.device)
-            for i, (x, t) in enumerate(zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True)):
+            for i in range(m):
+                args, kwargs = self.feed.call(i)
                 if backward:
                     self._set_gradient_sync(i == m - 1)
-                    loss = self.loss_fn(part(x), t)
+                    loss = self.loss_fn(part(*args, **kwargs), self.feed.target(i))
                     (loss / m).backward()
                 else:
-                    loss = self.loss_fn(part(x), t)
+                    loss = self.loss_fn(part(*args, **kwargs), self.feed.target(i))
                 total += loss.detach().float()
             return total / m
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first_stage else ()
-        target = targets if self.has_last_stage else None
+        index = torch.arange(m, device=self.device)  # stages and the loss read micro-batch i from the feed
+        args = (index,) if self.has_first_stage else ()
+        target = index if self.has_last_stage else None
         run = self.schedule.step if backward else self.schedule.eval
         run(*args, target=target, losses=losses)
         if not self.has_last_stage:
@@ -152,9 +155,12 @@ class ParallelModel:
         dist.all_reduce(loss)
         return float(loss.item() / (self.config.dp * self.config.tp))
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on this rank's local batch; returns the global mean loss."""
-        self._check_local(inputs)
+    def train_step(self, inputs: Any, targets: Any) -> float:
+        """One optimizer step on this rank's local batch; returns the global mean loss.
+
+        inputs: a tensor (`model(x)`), a tuple (`model(*inputs)`) or a dict (`model(**inputs)`), nested;
+        targets: whatever `loss_fn(logits, targets)` takes. Both are split along dim 0 into micro-batches.
+        """
         self.train()
         timer = self.timer
         with named_failures("train_step"), timer.step() if timer else nullcontext():
@@ -186,19 +192,19 @@ class ParallelModel:
                 self.timer = None
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """The global mean loss on this rank's local batch, without updating anything."""
-        self._check_local(inputs)
+    def eval_loss(self, inputs: Any, targets: Any) -> float:
+        """The global mean loss on this rank's local batch (as `train_step` takes it), updating nothing."""
         self.eval()
         return self._global_mean(self._run(inputs, targets, backward=False))
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Full logits for `inputs` (no pipelining of micro-batches here; the whole batch at once)."""
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """Full logits for `inputs` (as `train_step` takes them; the whole batch at once, no pipelining)."""
         self.eval()
         if self.schedule is not None:
             raise AutoparError("forward() of a pipelined model is not supported; use eval_loss(inputs, targets)")
-        logits = self.modules[0](inputs.to(self.device))
+        args, kwargs = as_call(tree_map_only(torch.Tensor, lambda t: t.to(self.device), inputs))
+        logits = self.modules[0](*args, **kwargs)
         return gather_vocab(logits, self.mesh["tp"]) if self.vocab_parallel else logits
 
     __call__ = forward

@@ -1,0 +1,92 @@
+"""Parity of the model kinds of tests/hf_kinds.py: each rank trains the parallel model on its share of every
+batch, given as the model takes it (a dict of keyword inputs), and checks it against the same initial model
+trained on one process over the whole batch (the checks of tests/test_parity.py).
+
+Batch norm: under data parallelism its statistics are synchronised over the data-parallel ranks of each
+micro-batch, so the reference runs the same micro-batches: with m micro-batches per rank, one process
+runs m forwards of dp·mbs samples each (micro-batch i of every rank, concatenated) and averages the m
+losses, which is what the parallel step computes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from hf_kinds import batch, build_kind, example
+from parity_models import excess, make_plan, optimizer
+from torch.utils._pytree import tree_map
+
+import autopar
+from autopar.codegen import lm_cross_entropy, parallelize
+from autopar.codegen.dataflow import model_logits
+from autopar.codegen.state import full_gradients
+
+BATCH, STEPS = 8, 3
+_GRAPHS: dict[str, Any] = {}
+
+
+def _data(kind: str, steps: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    return [batch(kind, BATCH, seed=1 + i) for i in range(steps)]
+
+
+def _same_micro_batches(inputs: Any, targets: Any, dp: int, m: int) -> list[tuple[Any, Any]]:
+    """The global batch regrouped as the parallel step sees it: micro-batch i of every dp rank together."""
+    n = BATCH // (dp * m)
+    order = [r * m * n + i * n + j for i in range(m) for r in range(dp) for j in range(n)]
+    idx = torch.tensor(order)
+    pick = lambda x: tree_map(lambda t: t[idx] if isinstance(t, torch.Tensor) else t, x)  # noqa: E731
+    inputs, targets = pick(inputs), pick(targets)
+    k = dp * n
+    return [(tree_map(lambda t, i=i: t[i * k:(i + 1) * k] if isinstance(t, torch.Tensor) else t, inputs),
+             targets[i * k:(i + 1) * k]) for i in range(m)]
+
+
+def train_reference(model: torch.nn.Module, data, dp: int, m: int):
+    opt = optimizer(model.parameters())
+    losses = []
+    for inputs, targets in data:
+        opt.zero_grad()
+        total = 0.0
+        for x, t in _same_micro_batches(inputs, targets, dp, m):
+            loss = lm_cross_entropy(model_logits(model(**x)), t) / m
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+
+
+def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
+    """Run in every rank: the parallel losses per step, the reference's, and the largest weight/gradient error."""
+    model = build_kind(kind)
+    if kind not in _GRAPHS:
+        _GRAPHS[kind] = autopar.capture(model, (), example(kind))
+    graph = _GRAPHS[kind]
+    plan = make_plan(graph, **config)
+    data = _data(kind, steps)
+    ref_losses, ref_state, ref_grads = train_reference(copy.deepcopy(model), data, plan.config.dp,
+                                                       plan.config.num_microbatches)
+    pm = parallelize(model, plan, graph=graph, example_kwargs=example(kind), optimizer=optimizer,
+                     loss_fn=lm_cross_entropy)
+    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
+    full = pm.full_state_dict()
+    grads = full_gradients(pm.modules, pm.mesh["pp"])
+    weight_excess, weight_key = excess(full, ref_state)
+    grad_excess, grad_key = excess(grads, ref_grads)
+    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses,
+            "weight_excess": weight_excess, "weight_key": weight_key,
+            "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
+            "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
+
+
+def kind_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS) -> list[dict[str, Any]]:
+    out = []
+    for kind, cfg in cases:
+        try:
+            out.append(kind_case(kind, cfg, steps))
+        except Exception as e:  # one case's failure is reported with the others
+            out.append({"case": f"{kind} {cfg}", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+    return out
