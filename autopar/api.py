@@ -10,19 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.capture.graph import ModelGraph
-from autopar.config import ParallelConfig, PlannerOptions
+from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
+from autopar.config import ParallelConfig, PlannerOptions, check_options
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.planner.assemble import build_estimate, build_plan
 from autopar.planner.costs import CostModel
+from autopar.planner.plan_fit import check_stages_for_graph
 from autopar.planner.search import price, search
-from autopar.validate import (
-    MAX_GLOBAL_BATCH,
-    check_device_runs,
-    check_options,
-    check_positive_int,
-    check_stages_for_graph,
-)
 
 __all__ = ["plan", "estimate", "parallelize"]
 
@@ -73,11 +68,11 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     """The fastest layout of `model` (an nn.Module with example_inputs and/or example_kwargs, as its forward
     takes them, or a ModelGraph) on `cluster` that fits memory: the exact optimum of the modelled step
     time, with runner-ups and solver status."""
-    check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH)
+    check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH, error=AutoparError)
     options = check_options(options)
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs)
-    check_device_runs(cluster, graph.dtype)
+    cluster.check_trains(graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
@@ -100,14 +95,14 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
         raise AutoparError(f"config is a {type(config).__name__}; pass a ParallelConfig, e.g. "
                            "ParallelConfig(tp=2, dp=4) or ParallelConfig.parse('tp=2,dp=4')")
     if global_batch_size is not None:
-        check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH)
+        check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH, error=AutoparError)
     if global_batch_size is not None and global_batch_size != config.global_batch_size:
         raise AutoparError(f"config {config} has dp·mbs·m = {config.global_batch_size}, not the global batch "
                            f"{global_batch_size}; adjust micro_batch_size or num_microbatches")
     options = check_options(options)
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs)
-    check_device_runs(cluster, graph.dtype)
+    cluster.check_trains(graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)

@@ -39,43 +39,19 @@ equal Cluster.local(nproc, profile)'s), measured on the same machine; anything e
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.errors import ProfileMismatchError
 from autopar.record import RunRecord
-from cost_models.profile import Profile
+from cost_models.profile import Profile, scale_profile
 
-__all__ = ["scale_profile", "Calibration", "fit_calibration", "calibrate", "COMPUTE_KEYS", "HOST_SHARE"]
+__all__ = ["Calibration", "fit_calibration", "calibrate", "COMPUTE_KEYS", "HOST_SHARE"]
 
 COMPUTE_KEYS = ("compute", "recompute", "optimizer")
 # a run whose predicted host overhead is below this share of its predicted compute calibrates the kernels
 HOST_SHARE = 0.1
-
-
-def scale_profile(profile: Profile, *, compute: float = 1.0, host: float = 1.0,
-                  comm: dict[int, float] | None = None, p2p: float = 1.0, note: str = "") -> Profile:
-    """`profile` with kernel table times (and the eager-op floor) × `compute`, the host floor × `host`,
-    K-rank collective times × comm[K] and point-to-point times × `p2p`."""
-    factors = [compute, host, p2p, *(comm or {}).values()]
-    if any(not f > 0 for f in factors):
-        raise ValueError(f"scale factors must be positive; got compute={compute}, host={host}, p2p={p2p}, "
-                         f"comm={comm}")
-    comm = comm or {}
-    notes = "; ".join(n for n in (profile.notes, note) if n)
-    return dataclasses.replace(
-        profile,
-        gemm=tuple(dataclasses.replace(g, time_s=g.time_s * compute) for g in profile.gemm),
-        elementwise=tuple(dataclasses.replace(e, time_s=e.time_s * compute) for e in profile.elementwise),
-        launch_overhead_s=profile.launch_overhead_s * compute,
-        host_floor_s=profile.host_overhead_floor_s * host,
-        layer_times={k: v * compute for k, v in profile.layer_times.items()},
-        collectives=tuple(dataclasses.replace(c, time_s=c.time_s * (p2p if c.op == "p2p" else
-                                                                    comm.get(c.group_size, 1.0)))
-                          for c in profile.collectives),
-        notes=notes)
 
 
 @dataclass(frozen=True, kw_only=True)

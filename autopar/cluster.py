@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.checks import MAX_DEVICES
 from autopar.errors import ClusterSpecError, ProfileMismatchError
-from autopar.validate import MAX_DEVICES
 
 try:  # Python ≥ 3.11
     import tomllib
@@ -33,7 +33,7 @@ from cost_models import catalog
 from cost_models.comm import CommModel, Topology, fit_link
 from cost_models.compute import ComputeModel
 from cost_models.hardware import DeviceSpec, LinkSpec
-from cost_models.profile import Profile, ProfileMismatch
+from cost_models.profile import Profile, ProfileMismatch, scale_profile
 
 __all__ = ["Cluster", "PRESETS", "BACKENDS"]
 
@@ -132,6 +132,18 @@ class Cluster:
 
     def comm_model(self) -> CommModel:
         return CommModel(self.topology(), self.profile)
+
+    def check_trains(self, dtype: Any) -> None:
+        """Refuse a training dtype (a torch.dtype or its name) the device lists no throughput for, which
+        could not be priced; the message names the dtypes it can train in."""
+        name = str(dtype).removeprefix("torch.")
+        try:
+            self.device.peak_flops_for(name)
+        except KeyError:
+            runs = [d for d in ("float32", "bfloat16", "float16") if d in self.device.peak_flops]
+            raise ClusterSpecError(f"the model trains in {name} but device {self.device.name} of cluster "
+                                   f"{self.name!r} has no {name} throughput in the catalog; train in "
+                                   f"{' or '.join(runs)} (CLI: --dtype)") from None
 
     def __repr__(self) -> str:
         prof = ", profiled" if self.profile else ""
@@ -261,8 +273,6 @@ def _cpu_share(prof: Profile, n: int) -> Profile:
     """The profile as one of n training processes on this CPU sees it (compute tables slowed down): by the
     slowdown the profiler measured with n processes at once (Profile.process_slowdown), else the core
     share `cpu_slowdown`, relative to the largest smaller process count measured when there is one."""
-    from autopar.calibrate import scale_profile
-
     def share(k: int) -> float:
         return cpu_slowdown(nproc=k, cpu_count=prof.machine.cpu_count or 1,
                             profiled_threads=prof.threads_per_process, run_threads=_run_threads(k))

@@ -12,10 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.errors import ConfigError
+from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
+from autopar.errors import AutoparError, ConfigError
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, RECOMPUTE_MODES
 
-__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES"]
+__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -105,9 +106,11 @@ class ParallelConfig:
             if "=" not in part:
                 raise ConfigError(f"config part {part!r} is not key=value; example: 'tp=4,pp=8,zero=1'")
             key, raw = (s.strip() for s in part.split("=", 1))
-            key = cls._ALIASES.get(key, key)
+            given, key = key, cls._ALIASES.get(key, key)
             if key not in fields:
                 raise ConfigError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
+            if key in values:
+                raise ConfigError(f"config key {given!r} is given twice in {text!r} (as {key}); give each key once")
             if key in ("schedule", "recompute"):
                 values[key] = raw
             elif key in ("sequence_parallel", "compile"):
@@ -146,6 +149,26 @@ class PlannerOptions:
     top_k: int = 5  # runner-up configurations kept in the plan
 
     def __post_init__(self) -> None:
+        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+            if getattr(self, f) is not None:
+                check_positive_int(f"PlannerOptions.{f}", getattr(self, f), error=ConfigError,
+                                   bound=MAX_DEVICES if f in ("tp", "pp", "dp") else None)
+        check_positive_int("PlannerOptions.max_virtual_stages", self.max_virtual_stages, error=ConfigError)
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ConfigError(f"PlannerOptions.top_k={self.top_k!r}; it must be an integer from 0 to {MAX_TOP_K} "
+                              "(runner-up layouts kept)")
+        check_number("PlannerOptions.time_limit_s", self.time_limit_s, positive=True, error=ConfigError)
+        if not is_real(self.memory_reserve_fraction) or not 0.0 <= self.memory_reserve_fraction < 1.0:
+            raise ConfigError(f"PlannerOptions.memory_reserve_fraction={self.memory_reserve_fraction!r}; it must "
+                              "be in [0, 1)")
+        for f in ("sequence_parallel", "compile"):
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"PlannerOptions.{f}={getattr(self, f)!r}; it must be True, False or None")
+        if not isinstance(self.recompute_per_layer, bool):
+            raise ConfigError(f"PlannerOptions.recompute_per_layer={self.recompute_per_layer!r}; it must be True "
+                              "or False")
+        if self.zero_stage is not None and (not is_int(self.zero_stage) or self.zero_stage not in ZERO_STAGES):
+            raise ConfigError(f"PlannerOptions.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"PlannerOptions.schedule={self.schedule!r}; expected one of {SCHEDULES}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
@@ -153,10 +176,16 @@ class PlannerOptions:
         if set(self.exclude_recompute) - set(RECOMPUTE_MODES) or set(RECOMPUTE_MODES) <= set(self.exclude_recompute):
             raise ConfigError(f"PlannerOptions.exclude_recompute={self.exclude_recompute!r}; exclude some of "
                              f"{RECOMPUTE_MODES}, not all")
-        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(f"PlannerOptions.zero_stage={self.zero_stage!r}; expected one of {ZERO_STAGES}")
         bad = [s for s in self.exclude_schedules if s not in SCHEDULES]
         if bad:
             raise ConfigError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")
-        if not 0.0 <= self.memory_reserve_fraction < 1.0:
-            raise ConfigError("PlannerOptions.memory_reserve_fraction must be in [0, 1)")
+
+
+def check_options(options: Any) -> PlannerOptions:
+    """`options` (PlannerOptions checks its own fields on construction), or the defaults for None."""
+    if options is None:
+        return PlannerOptions()
+    if not isinstance(options, PlannerOptions):
+        raise AutoparError(f"options={options!r} ({type(options).__name__}); pass autopar.PlannerOptions(...) "
+                           "or None")
+    return options

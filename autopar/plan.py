@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.config import ParallelConfig
-from cost_models.memory import RECOMPUTE_MODES
+from autopar.checks import MAX_DEVICES, REL_TOL, check_flags, check_number, close, is_int
+from autopar.config import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig
+from autopar.errors import PlanMismatchError
 
-__all__ = ["Estimate", "StagePlan", "SolverInfo", "Plan", "PLAN_SCHEMA_VERSION", "BREAKDOWN_KEYS"]
+__all__ = ["Estimate", "StagePlan", "SolverInfo", "Plan", "PLAN_SCHEMA_VERSION", "BREAKDOWN_KEYS", "PLAN_FIX",
+           "plan_error"]
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -156,9 +158,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        from autopar.errors import PlanMismatchError
-        from autopar.validate import check_plan  # validate imports this module
-
+        """The plan in a JSON file, refused unless whole and consistent (`check`): nothing in it is trusted."""
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, dict):
@@ -170,5 +170,154 @@ class Plan:
             raise PlanMismatchError(
                 f"cannot read plan {path}: {what}; write one with `autopar plan ... --out {path}`"
             ) from e
-        check_plan(plan, where=f"plan {path}")
+        plan.check(where=f"plan {path}")
         return plan
+
+    def check(self, *, where: str = "plan") -> None:
+        """Refuse a plan that is not whole: degrees and stages agree, every number is finite, non-negative and
+        consistent with the others (a plan file is JSON a person can edit). Its fit to a model graph is
+        checked where the two meet (`autopar.codegen.check.check_plan`), to a cluster by the CLI command."""
+        _check_plan(self, where)
+
+
+# ---------------------------------------------------------------- a plan on its own: Plan.check
+
+# how to get a sound plan, the end of every message that refuses one
+PLAN_FIX = "make a fresh plan with `autopar plan MODEL --cluster ... --out plan.json` and do not edit it by hand"
+
+
+def plan_error(where: str, what: str) -> PlanMismatchError:
+    """The error refusing a plan: where, what is wrong, and how to get a sound plan."""
+    return PlanMismatchError(f"{where}: {what}; {PLAN_FIX}")
+
+
+def _nonneg(where: str, name: str, v: Any) -> None:
+    check_number(name, v, error=PlanMismatchError, where=where, fix=PLAN_FIX)
+
+
+def _check_config(cfg: ParallelConfig, where: str) -> None:
+    for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+        v = getattr(cfg, f)
+        if not is_int(v) or v < 1:
+            raise plan_error(where, f"config.{f} = {v!r} must be a positive integer")
+    if not is_int(cfg.zero_stage) or cfg.zero_stage not in ZERO_STAGES:
+        raise plan_error(where, f"config.zero_stage = {cfg.zero_stage!r} must be one of {ZERO_STAGES}")
+    if cfg.schedule not in SCHEDULES:
+        raise plan_error(where, f"config.schedule = {cfg.schedule!r} must be one of {SCHEDULES}")
+    if not isinstance(cfg.recompute, str) or cfg.recompute not in RECOMPUTE_MODES:
+        raise plan_error(where, f"config.recompute = {cfg.recompute!r} must be one of {RECOMPUTE_MODES}")
+    check_flags(cfg, error=PlanMismatchError, where=f"{where}: config", fix=PLAN_FIX)  # flags added later too
+    if cfg.world_size > MAX_DEVICES:
+        raise plan_error(where, f"tp·pp·dp = {cfg.world_size:,} devices exceeds autopar's bound of {MAX_DEVICES:,}")
+
+
+def _check_estimate(est: Estimate, where: str, *, tokens_per_step: int | None) -> None:
+    step = est.step_time_s
+    check_number("step_time_s", step, positive=True, error=PlanMismatchError, where=where, fix=PLAN_FIX)
+    for name in ("tokens_per_s", "tflops_per_device", "mfu", "host_s"):
+        _nonneg(where, name, getattr(est, name))
+    if est.mfu > 1.0:
+        raise plan_error(where, f"mfu = {est.mfu:.9g}: no layout uses more than the devices' peak FLOP/s")
+    for f in dataclasses.fields(est):  # every other figure, including fields added after this check was written
+        v = getattr(est, f.name)
+        if f.name == "breakdown" or isinstance(v, (bool, str)):
+            continue
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _nonneg(where, f"{f.name}[{k!r}]", x)
+        elif isinstance(v, (tuple, list)):
+            if not all(isinstance(x, str) for x in v):
+                raise plan_error(where, f"{f.name} = {v!r} must be a list of strings")
+        else:
+            _nonneg(where, f.name, v)
+    if getattr(est, "fits", True) is not True:
+        raise plan_error(where, f"fits = {est.fits!r}: a plan holds a layout that fits device memory "
+                         f"({getattr(est, 'violated', '') or 'no constraint named'})")
+    check_number("peak_memory_bytes", est.peak_memory_bytes, integer=True, error=PlanMismatchError, where=where,
+                  fix=PLAN_FIX)
+    if set(est.breakdown) != set(BREAKDOWN_KEYS):
+        raise plan_error(where, f"breakdown has keys {sorted(est.breakdown)}; expected exactly {list(BREAKDOWN_KEYS)}")
+    for k, v in est.breakdown.items():
+        _nonneg(where, f"breakdown[{k!r}]", v)
+    total = sum(est.breakdown.values())
+    if not close(total, step):
+        raise plan_error(where, f"breakdown sums to {total:.9g} s but step_time_s is {step:.9g} s")
+    if est.host_s > step * (1 + REL_TOL):
+        raise plan_error(where, f"host_s = {est.host_s:.9g} s exceeds the step time {step:.9g} s it is part of")
+    if tokens_per_step is not None and not close(est.tokens_per_s, tokens_per_step / step):
+        raise plan_error(where, f"tokens_per_s = {est.tokens_per_s:.9g} but global batch × seq_len / step_time_s = "
+                         f"{tokens_per_step / step:.9g}")
+
+
+def _check_solver(info: Any, where: str) -> None:
+    if not isinstance(info.status, str) or not isinstance(info.solver, str):
+        raise plan_error(where, f"status {info.status!r} and solver {info.solver!r} must be strings")
+    for name in ("gap", "solve_time_s", "ilp_time_s"):
+        _nonneg(where, name, getattr(info, name))
+    for name in ("configs_considered", "ilps_solved"):
+        if not is_int(getattr(info, name)) or getattr(info, name) < 0:
+            raise plan_error(where, f"{name} = {getattr(info, name)!r} must be a non-negative integer")
+
+
+def _check_plan(plan: Plan, where: str) -> None:
+    cfg = plan.config
+    _check_config(cfg, where)
+    for name in ("global_batch_size",):
+        if not is_int(getattr(plan, name)) or getattr(plan, name) < 1:
+            raise plan_error(where, f"{name} = {getattr(plan, name)!r} must be a positive integer")
+    if plan.seq_len is not None and (not is_int(plan.seq_len) or plan.seq_len < 1):
+        raise plan_error(where, f"seq_len = {plan.seq_len!r} must be a positive integer or null")
+    for name in ("model_name", "graph_fingerprint", "cluster_name", "cluster_fingerprint"):
+        if not isinstance(getattr(plan, name), str) or not getattr(plan, name):
+            raise plan_error(where, f"{name} = {getattr(plan, name)!r} must be a non-empty string")
+    n = len(plan.stages)
+    if [st.index for st in plan.stages] != list(range(n)):
+        raise plan_error(where, f"stage indices {[st.index for st in plan.stages]} must be 0..{n - 1} in order")
+    seen: dict[str, int] = {}
+    for st in plan.stages:
+        w = f"{where}: stage {st.index}"
+        if not is_int(st.pp_rank) or st.pp_rank != st.index % cfg.pp:
+            raise plan_error(where, f"stage {st.index} is on pp_rank {st.pp_rank!r}; the schedules place stage i on "
+                             f"rank i mod pp = {st.index % cfg.pp}")
+        if not st.layers:
+            raise plan_error(where, f"stage {st.index} holds no layer; every pipeline stage needs at least one")
+        for name in st.layers:
+            if not isinstance(name, str) or not name:
+                raise plan_error(where, f"stage {st.index} lists layer {name!r}; layer names are non-empty strings")
+            if name in seen:
+                raise plan_error(where, f"layer {name!r} is in stage {seen[name]} and again in stage {st.index}")
+            seen[name] = st.index
+        if not isinstance(st.recompute, str) or st.recompute not in RECOMPUTE_MODES:
+            raise plan_error(where, f"stage {st.index} recompute = {st.recompute!r} must be one of {RECOMPUTE_MODES}")
+        _nonneg(w, "time_per_microbatch_s", st.time_per_microbatch_s)
+        check_number("peak_memory_bytes", st.peak_memory_bytes, integer=True, error=PlanMismatchError, where=w,
+                      fix=PLAN_FIX)
+        if not isinstance(st.memory_breakdown, dict):
+            raise plan_error(w, f"memory_breakdown = {st.memory_breakdown!r} must be an object of byte counts")
+        for k, v in st.memory_breakdown.items():
+            _nonneg(w, f"memory_breakdown[{k!r}]", v)
+        parts = sum(st.memory_breakdown.values())
+        if st.peak_memory_bytes and not st.memory_breakdown:
+            raise plan_error(w, f"peak_memory_bytes = {st.peak_memory_bytes:,} has no memory_breakdown")
+        if st.memory_breakdown and abs(parts - st.peak_memory_bytes) > 1 + REL_TOL * parts:
+            raise plan_error(w, f"memory_breakdown sums to {parts:,.0f} bytes but peak_memory_bytes is "
+                             f"{st.peak_memory_bytes:,}")
+    if plan.solver is not None:
+        _check_solver(plan.solver, f"{where}: solver")
+    tokens = plan.global_batch_size * (plan.seq_len or 1)
+    _check_estimate(plan.estimate, f"{where}: estimate", tokens_per_step=tokens)
+    slow = [st.index for st in plan.stages if st.time_per_microbatch_s > plan.estimate.step_time_s * (1 + REL_TOL)]
+    if slow:
+        raise plan_error(where, f"stage(s) {slow} take longer per micro-batch than the whole step "
+                         f"({plan.estimate.step_time_s:.9g} s)")
+    peak = max(st.peak_memory_bytes for st in plan.stages)
+    if plan.estimate.peak_memory_bytes != peak:
+        raise plan_error(where, f"estimate.peak_memory_bytes = {plan.estimate.peak_memory_bytes:,} but the largest "
+                         f"stage peak is {peak:,}")
+    for i, (alt, est) in enumerate(plan.alternatives):
+        _check_config(alt, f"{where}: alternatives[{i}]")
+        if alt.world_size != cfg.world_size or alt.global_batch_size != plan.global_batch_size:
+            raise plan_error(where, f"config {cfg} uses {cfg.world_size} devices and global batch "
+                             f"{plan.global_batch_size} but runner-up {i} ({alt}) uses {alt.world_size} and "
+                             f"{alt.global_batch_size}: the config or its runner-ups were edited")
+        _check_estimate(est, f"{where}: alternatives[{i}].estimate", tokens_per_step=tokens)

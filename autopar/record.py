@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar.checks import check_flags, check_number, is_int
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError, ProfileMismatchError
 from autopar.plan import BREAKDOWN_KEYS, Plan
@@ -211,13 +211,6 @@ class RunRecord:
         return record
 
 
-def _seconds(what: str, v: object, *, positive: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > 0 if positive else v >= 0)
-    if not ok:
-        raise ValueError(f"{what} = {v!r}; it must be a finite {'positive' if positive else 'non-negative'} number")
-
-
 def _check_numbers(r: RunRecord) -> None:
     """Every time in a record read from a file is a finite number of seconds, every count an integer, every
     name a string and every flag a bool."""
@@ -225,34 +218,29 @@ def _check_numbers(r: RunRecord) -> None:
         named = isinstance(f.default, str) or f.type in ("str", str)
         if named and not isinstance(getattr(r, f.name), str):
             raise ValueError(f"{f.name} = {getattr(r, f.name)!r}; it must be a string")
-    for f in dataclasses.fields(r.config):
-        if isinstance(f.default, bool) and not isinstance(getattr(r.config, f.name), bool):
-            raise ValueError(f"config.{f.name} = {getattr(r.config, f.name)!r}; it must be true or false")
-    _seconds("predicted_step_time_s", r.predicted_step_time_s, positive=True)
-    _seconds("predicted_host_s", r.predicted_host_s)
+    check_flags(r.config, where="config")
+    check_number("predicted_step_time_s", r.predicted_step_time_s, positive=True)
+    check_number("predicted_host_s", r.predicted_host_s)
     if set(r.predicted_breakdown) != set(BREAKDOWN_KEYS):
         raise ValueError(f"predicted_breakdown has keys {sorted(r.predicted_breakdown)}; expected {BREAKDOWN_KEYS}")
     for k, v in r.predicted_breakdown.items():
-        _seconds(f"predicted_breakdown[{k!r}]", v)
-    for name in ("warmup_steps", "threads_per_process"):
-        v = getattr(r, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "threads_per_process" else 0):
-            raise ValueError(f"{name} = {v!r}; it must be a {'positive' if name != 'warmup_steps' else 'non-negative'}"
-                             " integer")
+        check_number(f"predicted_breakdown[{k!r}]", v)
+    check_number("warmup_steps", r.warmup_steps, integer=True)
+    check_number("threads_per_process", r.threads_per_process, integer=True, positive=True)
     cfg = r.config
     for t in r.ranks:
         where = f"rank {t.rank}"
         for axis, size in (("pp_rank", cfg.pp), ("dp_rank", cfg.dp), ("tp_rank", cfg.tp)):
             v = getattr(t, axis)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < size:
+            if not is_int(v) or not 0 <= v < size:
                 raise ValueError(f"{where}: {axis} = {v!r}; it must be an integer in 0..{size - 1}")
         for i, v in enumerate(t.step_s):
-            _seconds(f"{where}: step_s[{i}]", v, positive=True)
+            check_number(f"{where}: step_s[{i}]", v, positive=True)
         for k, vs in t.components_s.items():
             for i, v in enumerate(vs):
-                _seconds(f"{where}: components_s[{k!r}][{i}]", v)
+                check_number(f"{where}: components_s[{k!r}][{i}]", v)
         for k, v in t.calls_per_step.items():
-            _seconds(f"{where}: calls_per_step[{k!r}]", v)
+            check_number(f"{where}: calls_per_step[{k!r}]", v)
 
 
 def build_record(plan: Plan, ranks: list[RankTiming], *, hostname: str, device_name: str, torch_version: str,

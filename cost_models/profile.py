@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
     "ProfileMismatch",
+    "scale_profile",
     "MachineInfo",
     "GemmSample",
     "ElementwiseSample",
@@ -287,6 +288,32 @@ class Profile:
             raise ProfileMismatch(f"profile {path} is malformed ({type(e).__name__}: {e}); re-measure with "
                                   "`autopar profile --out profile.json`") from e
         return prof
+
+
+def scale_profile(profile: Profile, *, compute: float = 1.0, host: float = 1.0,
+                  comm: dict[int, float] | None = None, p2p: float = 1.0, note: str = "") -> Profile:
+    """`profile` with kernel table times (and the eager-op floor) × `compute`, the host floor × `host`,
+    K-rank collective times × comm[K] and point-to-point times × `p2p`. Every prediction is linear in
+    these tables, so a factor moves exactly the components priced from them (autopar.calibrate fits the
+    factors to runs; Cluster.local applies the measured slowdown of n processes sharing a CPU)."""
+    factors = [compute, host, p2p, *(comm or {}).values()]
+    if any(not f > 0 for f in factors):
+        raise ValueError(f"scale factors must be positive; got compute={compute}, host={host}, p2p={p2p}, "
+                         f"comm={comm}")
+    comm = comm or {}
+    notes = "; ".join(n for n in (profile.notes, note) if n)
+    return dataclasses.replace(
+        profile,
+        gemm=tuple(dataclasses.replace(g, time_s=g.time_s * compute) for g in profile.gemm),
+        elementwise=tuple(dataclasses.replace(e, time_s=e.time_s * compute) for e in profile.elementwise),
+        launch_overhead_s=profile.launch_overhead_s * compute,
+        host_floor_s=profile.host_overhead_floor_s * host,
+        layer_times={k: v * compute for k, v in profile.layer_times.items()},
+        collectives=tuple(dataclasses.replace(c, time_s=c.time_s * (p2p if c.op == "p2p" else
+                                                                    comm.get(c.group_size, 1.0)))
+                          for c in profile.collectives),
+        notes=notes)
+
 
 
 # Bounds on what a measurement can be, far beyond any device (B200: 2.25 PFLOP/s dense BF16, 8 TB/s HBM;

@@ -9,13 +9,13 @@ import json
 import pytest
 
 import autopar
-from autopar.calibrate import calibrate, fit_calibration, scale_profile
+from autopar.calibrate import calibrate, fit_calibration
 from autopar.cluster import Cluster, cpu_slowdown
 from autopar.config import ParallelConfig
 from autopar.errors import ProfileMismatchError
 from autopar.plan import BREAKDOWN_KEYS
 from autopar.record import RankTiming, build_record
-from cost_models.profile import CollectiveSample, ElementwiseSample, GemmSample, Profile
+from cost_models.profile import CollectiveSample, ElementwiseSample, GemmSample, Profile, scale_profile
 from cost_models.profiler import machine_info
 
 

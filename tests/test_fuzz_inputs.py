@@ -21,8 +21,8 @@ from autopar.cluster import Cluster
 from autopar.config import PlannerOptions
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import BREAKDOWN_KEYS, Plan
+from autopar.planner.plan_fit import check_plan_for_graph
 from autopar.record import RankTiming, RunRecord, build_record
-from autopar.validate import check_plan_for_graph
 from cost_models.profile import (
     CollectiveSample,
     ElementwiseSample,

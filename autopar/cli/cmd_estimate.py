@@ -7,10 +7,10 @@ import argparse
 import dataclasses
 import json
 
+from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
 from autopar.cli.cmd_plan import add_model_and_cluster
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
-from autopar.validate import MAX_GLOBAL_BATCH, check_device_runs, check_positive_int
 
 __all__ = ["register"]
 
@@ -37,7 +37,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from autopar.report.text import render_estimate
 
     if args.seq_len is not None:
-        check_positive_int("--seq-len", args.seq_len, bound=MAX_GLOBAL_BATCH)
+        check_positive_int("--seq-len", args.seq_len, bound=MAX_GLOBAL_BATCH, error=AutoparError)
     try:
         config = ParallelConfig.parse(args.config)
     except (ValueError, TypeError) as e:
@@ -45,7 +45,7 @@ def _estimate(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
-        check_device_runs(cluster, dtype)
+        cluster.check_trains(dtype)
     est = autopar.estimate(_graph(args.model, args.seq_len, dtype), cluster, config)
     if args.json:
         print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))

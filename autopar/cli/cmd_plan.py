@@ -9,18 +9,11 @@ import json
 import math
 from pathlib import Path
 
+from autopar.checks import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_TOP_K, check_positive_int
+from autopar.cli.checks import check_output_path, check_plan_for_cluster, check_saved_plan
 from autopar.config import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
-from autopar.validate import (
-    MAX_DEVICES,
-    MAX_GLOBAL_BATCH,
-    MAX_TOP_K,
-    check_device_runs,
-    check_output_path,
-    check_positive_int,
-    check_saved_plan,
-)
 
 __all__ = ["register", "add_model_and_cluster"]
 
@@ -90,7 +83,7 @@ def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | Non
 
     for flag, value in (("--nodes", nodes), ("--nproc", nproc)):
         if value is not None:
-            check_positive_int(flag, value, bound=MAX_DEVICES)
+            check_positive_int(flag, value, bound=MAX_DEVICES, error=AutoparError)
     if nproc is not None and spec != "local":
         raise AutoparError(f"--nproc applies to --cluster local only; for {spec!r} give --nodes "
                            "(devices per node come from the preset or file)")
@@ -113,7 +106,7 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
     for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "mbs"):
         value = getattr(args, flag)
         if value is not None:
-            check_positive_int(f"--{flag.replace('_', '-')}", value,
+            check_positive_int(f"--{flag.replace('_', '-')}", value, error=AutoparError,
                                bound=MAX_GLOBAL_BATCH if flag in ("global_batch_size", "mbs") else None)
     if args.dtype is not None and ":" in args.model:
         raise AutoparError(f"--dtype applies to zoo models; MODEL {args.model} is a factory, which builds the model in "
@@ -160,7 +153,7 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model trains in `dtype`: refuse before capturing it (a factory: after)
-        check_device_runs(cluster, dtype)
+        cluster.check_trains(dtype)
     graph = _graph(args.model, args.seq_len, dtype, args.override)
     plan = autopar.plan(graph, cluster, global_batch_size=args.global_batch_size,
                         options=opts)
@@ -188,7 +181,7 @@ def _emit(plan: Plan, args: argparse.Namespace) -> int:
 
 
 def _load(path: str) -> Plan:
-    """A plan file, checked against what can be rebuilt of its model and cluster (autopar.validate)."""
+    """A plan file, checked against what can be rebuilt of its model and cluster (autopar.cli.checks)."""
     plan = Plan.load(path)
     check_saved_plan(plan, where=f"plan {path}")
     return plan
@@ -214,8 +207,8 @@ def _diff(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     import autopar
     from autopar.models import training_dtype
+    from autopar.planner.plan_fit import check_plan_for_graph
     from autopar.report.text import render_explain
-    from autopar.validate import check_plan_for_cluster, check_plan_for_graph
 
     plan = Plan.load(args.plan)
     alt = _alternative(plan, args.config)

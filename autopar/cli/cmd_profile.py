@@ -71,7 +71,7 @@ def summary(prof: Profile) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.validate import check_output_path
+    from autopar.cli.checks import check_output_path
 
     check_output_path(args.out, "--out")  # before minutes of measuring, not after
     t0 = time.perf_counter()

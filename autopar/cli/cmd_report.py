@@ -12,8 +12,8 @@ import argparse
 import json
 import math
 
+from autopar.cli.checks import check_output_path
 from autopar.errors import AutoparError, ProfileMismatchError
-from autopar.validate import check_output_path
 
 __all__ = ["register"]
 

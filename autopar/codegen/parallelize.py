@@ -28,6 +28,7 @@ from autopar.codegen.shared import SharedGradients, alias_groups, retie, stages_
 from autopar.codegen.tensor_parallel import apply_tensor_parallel, sequence_span
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
+from autopar.planner.plan_fit import check_plan_for_graph
 
 __all__ = ["parallelize"]
 
@@ -41,28 +42,6 @@ def _graph_of(model: nn.Module, example_inputs: Sequence[Any] | None,
     if example_inputs is None:
         raise PlanMismatchError("parallelize needs example_inputs (or graph=) to check the plan against the model")
     return capture(model, tuple(example_inputs), example_kwargs)
-
-
-def check_plan(plan: Plan, graph: ModelGraph) -> None:
-    """The plan must have been made for this model graph, and its tp must split every TP pattern."""
-    from autopar.validate import check_plan_for_graph  # stages cover the layers once, in order; numbers sane
-
-    check_plan_for_graph(plan, graph)
-    if plan.graph_fingerprint != graph.fingerprint:
-        raise PlanMismatchError(
-            f"the plan was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}) but this "
-            f"model is {graph.model_name!r} (fingerprint {graph.fingerprint}); make a plan for this model with "
-            "autopar.plan(model, cluster, ...)"
-        )
-    tp = plan.config.tp
-    for layer in graph.layers:
-        for pattern in layer.tp_patterns:
-            if not pattern.max_degree_ok(tp):
-                raise PlanMismatchError(
-                    f"layer {layer.name}: tp={tp} does not divide its {pattern.kind} pattern (heads="
-                    f"{pattern.num_heads}, kv heads={pattern.num_kv_heads}, vocab={pattern.vocab_size}); "
-                    "re-plan with a tp that divides them"
-                )
 
 
 @torch.no_grad()
@@ -127,7 +106,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     The model's parameters are modified in place (sharded); its weights are taken from rank 0.
     """
     graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs)
-    check_plan(plan, graph)
+    check_plan_for_graph(plan, graph)  # stages cover the layers once, in order; tp splits them; numbers sane
     cfg = plan.config
     dev = resolve_device(device)
     init_distributed(cfg, dev)
