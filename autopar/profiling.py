@@ -67,7 +67,7 @@ def _real_module(module: nn.Module, device: torch.device) -> nn.Module:
 # Micro-batches (in units of the example batch) at which each distinct layer is timed. A layer's time is
 # not proportional to its samples on a CPU (framework time per call, and kernels whose cost the
 # kernel tables do not see: SDPA with dropout runs the unfused math path), so a plan's micro-batch is
-# priced from the largest one measured at or below it (autopar.planner.costs: _measured_floor_s).
+# priced from the largest one measured at or below it (autopar.planner.compute_costs: _measured_floor_s).
 LAYER_MICRO_BATCHES = (1, 2, 4, 8)
 
 

@@ -48,7 +48,7 @@ def main() -> None:
     link = catalog.link("cpu-loopback")
     planner = CostModel(graph, device=catalog.device("cpu"), devices_per_node=1, nodes=1, intra_node=link,
                         inter_node=link, profile=prof, backend="gloo")
-    predicted = {c: planner.layer_compute_s("blocks.0", micro_batch=2, compiled=c) for c in (False, True)}
+    predicted = {c: planner.compute.layer_compute_s("blocks.0", micro_batch=2, compiled=c) for c in (False, True)}
     torch.manual_seed(0)
     block = GPTBlock(cfg).to(device=device, dtype=dtype)
     x = torch.randn(2, 512, 768, dtype=dtype, device=device, requires_grad=True)

@@ -87,7 +87,7 @@ def block_cases(prof: Profile, device: torch.device, clock: str) -> list[bool]:
         graph = autopar.capture(model, inputs)
         planner = CostModel(graph, device=catalog.device("cpu"), devices_per_node=1, nodes=1, intra_node=link,
                             inter_node=link, profile=prof, backend="gloo")
-        predicted = planner.layer_compute_s("blocks.0", tp=1, sp=False, micro_batch=2)
+        predicted = planner.compute.layer_compute_s("blocks.0", tp=1, sp=False, micro_batch=2)
         block = GPTBlock(cfg).to(device=device, dtype=DTYPES[dtype])
         x = torch.randn(2, 512, 768, dtype=DTYPES[dtype], device=device, requires_grad=True)
         grad = torch.randn_like(x)

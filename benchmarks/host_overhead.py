@@ -1,7 +1,7 @@
 """CPU time PyTorch's distributed wrappers add to a training step on this machine: FSDP2's per-layer
-hooks and DTensor optimizer (the source of autopar.planner.dp_costs.FSDP_HOOKS_S and
-DTENSOR_OPTIMIZER_S), and DTensor tensor parallelism's dispatch (autopar.planner.costs.TP_HOST_S_PER_GEMM
-and TP_OPTIMIZER_S_PER_GEMM).
+hooks and DTensor optimizer (the source of autopar.planner.dp_costs.FSDP_HOOKS_FLOORS and
+DTENSOR_OPTIMIZER_FLOORS), and DTensor tensor parallelism's dispatch
+(autopar.planner.compute_costs.TP_HOST_FLOORS_PER_GEMM and TP_OPTIMIZER_FLOORS_PER_GEMM).
 
     python benchmarks/host_overhead.py [--model gpt-tiny] [--seq-len 128] [--batch 4]
 

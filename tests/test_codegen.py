@@ -39,7 +39,7 @@ def _comm_counts(kind: str, config: dict) -> dict:
 
 def _planned_counts(graph: ModelGraph, config: dict) -> dict[str, int]:
     """What the cost model charges for one step of `config` (one micro-batch): every layer's TP
-    collectives (tp_collectives, the function costs.py prices) and the data-parallel tail's (the loss)."""
+    collectives (tp_collectives, the function planner/comm_costs.py prices) and the data-parallel tail's (the loss)."""
     tp, sp = config.get("tp", 1), config.get("sequence_parallel", False)
     counts: dict[str, int] = {}
     for layer in graph.layers:

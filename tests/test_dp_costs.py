@@ -96,16 +96,17 @@ def test_gloo_collectives_slow_down_when_processes_outnumber_cores():
     model, x = autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2)
     graph = autopar.capture(model, x)
     costs = CostModel.for_cluster(graph, Cluster.local(nproc=8, profile=prof))
-    assert costs.cpu_cores == 2
-    assert [costs.sharing_factor(g) for g in (2, 4, 8)] == [4.0, 2.0, 1.0]
+    assert costs.comm.cpu_cores == 2
+    assert [costs.comm.sharing_factor(g) for g in (2, 4, 8)] == [4.0, 2.0, 1.0]
     # a table the profile has (all_gather x2) is used as measured, then slowed down 4×
-    table_s = costs.comm.all_gather_time_s(2**20, 2)
-    assert costs.collective_s("all_gather", 2**20, 2) == pytest.approx(4 * table_s)
+    table_s = costs.comm.model.all_gather_time_s(2**20, 2)
+    assert costs.comm.collective_s("all_gather", 2**20, 2) == pytest.approx(4 * table_s)
     # two processes on two cores: as measured
     two = CostModel.for_cluster(graph, Cluster.local(nproc=2, profile=prof))
-    assert two.collective_s("all_reduce", 2**20, 2) == pytest.approx(two.comm.all_reduce_time_s(2**20, 2))
+    assert two.comm.collective_s("all_reduce", 2**20, 2) == pytest.approx(two.comm.model.all_reduce_time_s(2**20, 2))
     # broadcast x2 was not measured: half the measured all-reduce of the same size
-    assert two.collective_s("broadcast", 2**20, 2) == pytest.approx(0.5 * two.comm.all_reduce_time_s(2**20, 2))
+    half = 0.5 * two.comm.model.all_reduce_time_s(2**20, 2)
+    assert two.comm.collective_s("broadcast", 2**20, 2) == pytest.approx(half)
 
 
 def _run(tmp_path: Path, options: dict) -> tuple[RunRecord, autopar.Plan, object]:
@@ -130,7 +131,7 @@ def _run(tmp_path: Path, options: dict) -> tuple[RunRecord, autopar.Plan, object
 def test_predicted_collective_count_is_what_the_runtime_issues(tmp_path, options):
     rec, plan, graph = _run(tmp_path, options)
     costs = CostModel.for_cluster(graph, Cluster.local(nproc=2))
-    t = costs.dp_tail(Candidate.of(plan.config))
+    t = costs.comm.dp_tail(Candidate.of(plan.config))
     units = sum(1 for la in graph.layers if la.num_params > 0)
     for r in rec.ranks:  # the loss all-reduce runs on the world group ("other"), the rest on "dp"
         assert r.calls_per_step.get("dp", 0) + r.calls_per_step.get("other", 0) == t.collectives_per_step(units)

@@ -238,7 +238,7 @@ def test_estimate_says_when_the_model_runs_unfused_eager_kernels() -> None:
     est = autopar.estimate(graph, cluster, ParallelConfig(dp=8, micro_batch_size=1, num_microbatches=1))
     assert len(est.notes) == 1 and est.notes[0].startswith("unfused eager kernels")
     costs = autopar.planner.costs.CostModel.for_cluster(graph, cluster)
-    count, share = costs.eager_memory_share(tp=1, sp=False, mbs=1)
+    count, share = costs.compute.eager_memory_share(tp=1, sp=False, mbs=1)
     assert count >= 10 and f"{share:.0%} of its compute" in est.notes[0]
     compiled = autopar.estimate(graph, cluster, ParallelConfig(dp=8, micro_batch_size=1, num_microbatches=1,
                                                                compile=True))

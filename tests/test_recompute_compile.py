@@ -97,7 +97,7 @@ def test_compiled_blocks_are_priced_faster_and_offered_by_the_planner() -> None:
     cluster = Cluster.preset("dgx-h100", nodes=1)
     costs = CostModel.for_cluster(graph, cluster)
     cand = Candidate.of(ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1, num_microbatches=2))
-    block = next(i for i, g in enumerate(costs.runs) if g[0].kind == "block")
+    block = next(i for i, g in enumerate(costs.memory.runs) if g[0].kind == "block")
     eager = costs.problem(cand).runs[block]
     compiled = costs.problem(Candidate.of(ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1,
                                                          num_microbatches=2, compile=True))).runs[block]
@@ -157,8 +157,8 @@ def test_graphs_captured_before_op_sac_still_plan() -> None:
                 del k["op_sac_saved"]
     old = ModelGraph.from_dict(d)
     costs = CostModel.for_cluster(old, Cluster.preset("dgx-h100", nodes=1))
-    run = next(r for r, grp in zip(costs.problem(Candidate.of(ParallelConfig(dp=8))).runs, costs.runs, strict=True)
-               if grp[0].kind == "block")
+    runs = costs.problem(Candidate.of(ParallelConfig(dp=8))).runs
+    run = next(r for r, grp in zip(runs, costs.memory.runs, strict=True) if grp[0].kind == "block")
     op_sac, full, none = (MODES.index(k) for k in ("op_sac", "full", "none"))
     assert run.time_s[op_sac] == run.time_s[full] and run.act_bytes[op_sac] == run.act_bytes[none]
     eager = costs.problem(Candidate.of(ParallelConfig(dp=8))).runs

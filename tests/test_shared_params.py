@@ -10,7 +10,6 @@ from hf_families import HIDDEN, VOCAB, build_family
 import autopar
 from autopar import Cluster
 from autopar.planner.costs import CostModel
-from autopar.planner.shared_costs import shared_sync_s
 from autopar.planner.space import Candidate
 
 
@@ -35,15 +34,15 @@ def test_cross_stage_gradient_sum_is_priced_on_both_ends(tp, dp, zero):
     costs = CostModel.for_cluster(graph, cluster)
     cand = Candidate(tp=tp, pp=2, dp=dp, zero_stage=zero, micro_batch_size=1, num_microbatches=2, schedule="1f1b",
                      virtual_stages=1, sequence_parallel=False)
-    names = [run[0].name for run in costs.runs]
-    share = VOCAB * HIDDEN * costs.elem / tp / (dp if zero >= 2 else 1)  # vocab-parallel under TP, FSDP shard
-    expected = costs.collective_s("all_reduce", share, 2, 2)  # 2·2·dp·tp ≤ 8 GPUs: one node
+    names = [run[0].name for run in costs.memory.runs]
+    share = VOCAB * HIDDEN * costs.memory.elem / tp / (dp if zero >= 2 else 1)  # vocab-parallel under TP, FSDP shard
+    expected = costs.comm.collective_s("all_reduce", share, 2, 2)  # 2·2·dp·tp ≤ 8 GPUs: one node
     for ri, name in enumerate(names):
-        got = shared_sync_s(costs, ri, cand)
+        got = costs.comm.shared_sync_s(ri, cand)
         assert got == pytest.approx(expected if name in ("model.embed_tokens", "lm_head") else 0.0)
     one_stage = Candidate(tp=tp, pp=1, dp=dp, zero_stage=zero, micro_batch_size=1, num_microbatches=2,
                           schedule="1f1b", virtual_stages=1, sequence_parallel=False)
-    assert all(shared_sync_s(costs, ri, one_stage) == 0.0 for ri in range(len(names)))
+    assert all(costs.comm.shared_sync_s(ri, one_stage) == 0.0 for ri in range(len(names)))
 
 
 def test_one_stage_holds_a_tied_weight_once():

@@ -57,8 +57,8 @@ def test_cost_model_charges_the_listed_collectives(graph, sp):
     for run in problem.runs:
         layer = graph.layer(run.layer_names[0])
         listed = tp_collectives(graph, layer, tp=2, sp=sp, micro_batch=B)
-        per_mb = sum(cm.collective_s(c.op, c.n_bytes, 2, 2) for c in listed if c.phase != "step")
-        per_step = sum(cm.collective_s(c.op, c.n_bytes, 2, 2) for c in listed if c.phase == "step")
+        per_mb = sum(cm.comm.collective_s(c.op, c.n_bytes, 2, 2) for c in listed if c.phase != "step")
+        per_step = sum(cm.comm.collective_s(c.op, c.n_bytes, 2, 2) for c in listed if c.phase == "step")
         assert run.tp_comm_s[0] == pytest.approx(per_mb, rel=1e-12, abs=0)
         no_tp = cm.problem(Candidate(**{**cand.__dict__, "tp": 1, "sequence_parallel": False}))
         assert per_step == 0 or run.grad_sync_s > per_step * (1 - 1e-12)

@@ -213,7 +213,7 @@ class LayerSpec:
     norm_param_numels: tuple[int, ...] = ()
     # What op-level selective checkpointing keeps (the layer's inputs and the outputs of the ops its policy
     # saves: autopar.capture.kernels.op_sac_saves) and, of that, the part inside TP patterns. None in
-    # graphs captured before op_sac existed: the planner then never prefers op_sac (costs.py).
+    # graphs captured before op_sac existed: the planner then never prefers op_sac (planner/compute_costs.py).
     saved_activation_bytes_op_sac: int | None = None
     saved_activation_bytes_op_sac_tp_sharded: int | None = None
 

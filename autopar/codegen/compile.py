@@ -6,7 +6,7 @@ compiled code: parameters are graph inputs) and leaves module paths and paramete
 checkpoints see the same module tree. Activation recompute is applied first (autopar.codegen.recompute)
 and is compiled with the block, as torchtitan orders them. TorchInductor fuses each chain of pointwise
 ops into one kernel (Ansel et al. 2024, "PyTorch 2", §4: TorchInductor's loop-level fusion), which is
-how the planner prices a compiled block (autopar.planner.costs).
+how the planner prices a compiled block (autopar.planner.compute_costs).
 """
 
 from __future__ import annotations

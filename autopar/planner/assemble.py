@@ -30,7 +30,7 @@ def _rank_totals(solved: Solved, costs: CostModel) -> tuple[list[float], list[di
         used[st.rank].update(st.layer_modes)
     for q in range(c.pp):  # layers recompute one at a time: the largest workspace of the rank's modes
         ws[q] = max(pr_ws.workspace_bytes(k) for k in used[q])
-    breakdown = costs.memory_breakdown(c, by_rank, acts, ws)
+    breakdown = costs.memory.memory_breakdown(c, by_rank, acts, ws)
     return [float(sum(b.values())) for b in breakdown], breakdown
 
 
@@ -70,8 +70,8 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
                     tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
                     peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host,
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
-                    memory_capacity_bytes=int(costs.usable_bytes),
-                    reserved_bytes=int(memory.reserved_bytes(max(totals), costs.usable_bytes)),
+                    memory_capacity_bytes=int(costs.memory.usable_bytes),
+                    reserved_bytes=int(memory.reserved_bytes(max(totals), costs.memory.usable_bytes)),
                     notes=_eager_note(costs, c))
 
 
@@ -79,7 +79,7 @@ def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
     """A note when the model's blocks run unfused eager kernels that take a visible share of the time."""
     if getattr(c, "compile", False):
         return ()
-    count, share = costs.eager_memory_share(tp=c.tp, sp=c.sequence_parallel, mbs=c.micro_batch_size)
+    count, share = costs.compute.eager_memory_share(tp=c.tp, sp=c.sequence_parallel, mbs=c.micro_batch_size)
     if share < 0.05:
         return ()
     return (f"unfused eager kernels: each block runs {count} memory-bound kernels per forward (norms, "

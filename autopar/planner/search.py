@@ -197,7 +197,7 @@ def _lean_need_bytes(costs: CostModel, pr: InnerProblem) -> float:
     """Per-device bytes the layout needs at least: pooled lean model states and activations + fixed terms."""
     phi = min(pr.inflight)
     lean = sum(r.count * min(r.state_bytes + phi * r.act_bytes[MODES.index(k)] for k in pr.modes) for r in pr.runs)
-    fixed = sum(costs.usable_bytes - cap for cap in pr.capacity_bytes)
+    fixed = sum(costs.memory.usable_bytes - cap for cap in pr.capacity_bytes)
     return (lean + fixed) / pr.num_ranks
 
 
@@ -207,14 +207,14 @@ def _why_layout_infeasible(costs: CostModel, c: Candidate, pr: InnerProblem, bnd
     return (f"layout {c.config(pr.modes[0])} does not fit: constraint {row} (per-device memory of pipeline rank "
             f"{max(bnd.infeasible_rank, 0)}) is violated; "
             f"it needs at least {need / _GiB:.1f} GiB per device but {costs.device.name} offers "
-            f"{costs.usable_bytes / _GiB:.1f} GiB after the reserve; raise tp/pp, the ZeRO stage or recompute")
+            f"{costs.memory.usable_bytes / _GiB:.1f} GiB after the reserve; raise tp/pp, the ZeRO stage or recompute")
 
 
 def _why_infeasible(costs: CostModel, problems: list[tuple[Candidate, InnerProblem]]) -> str:
     c, pr = min(problems, key=lambda x: _lean_need_bytes(costs, x[1]))
     need = _lean_need_bytes(costs, pr)
-    factor = need / costs.usable_bytes
+    factor = need / costs.memory.usable_bytes
     return (f"no layout of {costs.graph.model_name} fits on {costs.world_size} × {costs.device.name}: the binding "
             f"constraint is memory_rank* (per-device memory); the leanest layout ({c.config(pr.modes[-1])}) needs "
-            f"at least {need / _GiB:.1f} GiB per device, {costs.usable_bytes / _GiB:.1f} GiB are usable. Use about "
-            f"{max(2, int(factor + 0.999))}× as many devices, a device with more memory, or unpin options")
+            f"at least {need / _GiB:.1f} GiB per device, {costs.memory.usable_bytes / _GiB:.1f} GiB are usable. Use "
+            f"about {max(2, int(factor + 0.999))}× as many devices, a device with more memory, or unpin options")

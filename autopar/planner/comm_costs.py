@@ -1,0 +1,153 @@
+"""Communication time: tensor-, pipeline- and data-parallel traffic of a layout, as the runtime issues it.
+
+Part of the planner's time pricing (compute_costs prices the kernels; costs.CostModel assembles both):
+
+  TP comm         exactly the collectives codegen issues for a layer (autopar.planner.tp_costs.tp_collectives:
+                  Megatron's all-reduces per pattern, forward-only for a vocab-parallel embedding, backward and
+                  the parallel cross-entropy's for the LM head, SP's all-gathers and reduce-scatters), over t
+                  ranks inside one node; per-step ones (SP norm-gradient reductions) join the layer's γ
+  p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across
+  DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
+  shared weights  with pp > 1 the replicas of a weight several layers share (a head tied to the embedding)
+                  sum their gradients over the holding stages after the data-parallel reduction: one
+                  all-reduce per step, charged to each holding layer (`shared_sync_s`)
+
+Collectives are priced by the profile's table for that op and group size when it has one; an all-gather,
+reduce-scatter or broadcast the profile did not measure at that size is half the measured all-reduce
+(ring all-gather and reduce-scatter are each half of a ring all-reduce, in latency and in bytes;
+Thakur, Rabenseifner & Gropp 2005); otherwise the α-β formulas. On gloo over N CPU processes sharing C
+cores a collective of g ranks runs slower than the profiler measured it (g processes busy) by
+max(1, N/C) / max(1, g/C): its copies, reductions and socket wake-ups need CPU time, and each process
+gets C/N of a core when all N are busy (the same time-slicing Cluster.local applies to compute).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from autopar.capture.graph import ModelGraph, sequence_span
+from autopar.planner.dp_costs import DPTail
+from autopar.planner.memory_costs import MemoryCosts
+from autopar.planner.space import Candidate
+from autopar.planner.tp_costs import tp_collectives
+from cost_models.comm import CommModel
+from cost_models.compute import ComputeModel
+
+__all__ = ["CommCosts"]
+
+
+class CommCosts:
+    """Seconds of communication per layer, stage boundary and step; cached per (run, tp, …) and per layout."""
+
+    def __init__(self, graph: ModelGraph, memory: MemoryCosts, *, comm: CommModel, compute: ComputeModel,
+                 devices_per_node: int, nodes: int, cpu_cores: int, host_floor_s: float) -> None:
+        self.graph = graph
+        self.memory = memory
+        self.model = comm
+        self.compute = compute  # for the memory-bound packing passes of the data-parallel tail
+        self.devices_per_node = devices_per_node
+        self.world_size = devices_per_node * nodes
+        self.cpu_cores = cpu_cores  # > 0 only for gloo on CPU: processes share these cores
+        self.host_floor_s = host_floor_s
+        self._span = sequence_span(graph)
+        self._tp = lru_cache(maxsize=None)(self._tp_times)
+        self._sync = lru_cache(maxsize=None)(self._dp_tail_key)
+        self._inter = lru_cache(maxsize=None)(self._inter_node_key)
+
+    # ---- one collective, one send ----
+    def sharing_factor(self, group_size: int) -> float:
+        """How much slower a g-rank collective runs in this job than the profiler measured it (module
+        docstring): 1 unless gloo processes outnumber the cores."""
+        c = self.cpu_cores
+        if not c:
+            return 1.0
+        return max(1.0, self.world_size / c) / max(1.0, group_size / c)
+
+    def collective_s(self, op: str, n_bytes: float, group_size: int, ranks_per_node: int | None = None) -> float:
+        """One collective of n_bytes over group_size ranks (module docstring: tables, fallbacks, sharing)."""
+        if group_size <= 1 or n_bytes <= 0:
+            return 0.0
+        prof = self.model.profile
+        fn = {"all_reduce": self.model.all_reduce_time_s, "all_gather": self.model.all_gather_time_s,
+              "reduce_scatter": self.model.reduce_scatter_time_s, "broadcast": self.model.broadcast_time_s}[op]
+        local = group_size <= self.devices_per_node and (ranks_per_node in (None, group_size))
+        if (prof is not None and local and op != "all_reduce" and not prof.collective_table(op, group_size)
+                and prof.collective_table("all_reduce", group_size)):
+            t = 0.5 * self.model.all_reduce_time_s(n_bytes, group_size, ranks_per_node)
+        else:
+            t = fn(n_bytes, group_size, ranks_per_node)
+        return t * self.sharing_factor(group_size)
+
+    def p2p_s(self, n_bytes: float, inter_node: bool) -> float:
+        return self.model.p2p_time_s(n_bytes, inter_node) * self.sharing_factor(2)
+
+    # ---- tensor parallelism ----
+    def tp_times(self, ri: int, tp: int, sp: bool, mbs: int) -> dict[str, float]:
+        """Seconds of one layer of run `ri`'s TP collectives by phase: "forward" and "backward" per
+        micro-batch, "step" per optimizer step."""
+        return self._tp(ri, tp, sp, mbs)
+
+    def _tp_times(self, ri: int, tp: int, sp: bool, mbs: int) -> dict[str, float]:
+        tp_s = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        layer = self.memory.runs[ri][0]
+        for c in tp_collectives(self.graph, layer, tp=tp, sp=sp, micro_batch=mbs, span=self._span):
+            tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
+        return tp_s
+
+    # ---- pipeline parallelism ----
+    def send_s(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, float]:
+        """One send of run `ri`'s boundary tensor per micro-batch: (inside a node, across nodes)."""
+        send_bytes = self.memory.runs[ri][0].boundary_bytes * mbs / (tp if sp else 1)
+        return self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True)
+
+    def inter_node(self, c: Candidate) -> tuple[bool, ...]:
+        """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""
+        return self._inter(c.pp, c.virtual_stages, c.dp * c.tp)
+
+    def _inter_node_key(self, pp: int, v: int, block: int) -> tuple[bool, ...]:
+        dpn = self.devices_per_node
+
+        def crosses(a: int, b: int) -> bool:
+            return any((a * block + j) // dpn != (b * block + j) // dpn for j in range(min(block, dpn)))
+
+        return tuple(crosses(s % pp, (s + 1) % pp) for s in range(pp * v - 1))
+
+    # ---- data parallelism ----
+    def dp_tail(self, c: Candidate) -> DPTail:
+        return self._sync(c.tp, c.pp, c.dp, c.zero_stage, c.num_microbatches)
+
+    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int) -> DPTail:
+        rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
+        mem = self.memory
+        grad_bytes = mem.grad_bytes(sum(len(g) * mem.run_local_params(ri, tp) for ri, g in enumerate(mem.runs))) / pp
+
+        def coll(op: str, n: float, k: int) -> float:
+            return self.collective_s(op, n, k, rpn if k == dp else None)
+
+        return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
+                      rank_grad_bytes=grad_bytes, collective_s=coll,
+                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.graph.dtype),
+                      host_floor_s=self.host_floor_s)
+
+    def shared_sync_s(self, ri: int, c: Candidate) -> float:
+        """The cross-stage all-reduce of shared weights held by run `ri`'s layer, per step.
+
+        With pp > 1 contiguous cuts put a tied embedding and head on different stages; a weight only
+        top-level code reads is on every stage (charged to the first layer). Gradients are this rank's:
+        divided by tp where the vocabulary is split, by dp under ZeRO-2/3."""
+        graph = self.graph
+        if c.pp == 1 or not graph.shared_params:
+            return 0.0
+        layer = self.memory.runs[ri][0]
+        first = graph.layers[0].name
+        total = 0.0
+        for sp in graph.shared_params:
+            holders = len(sp.layers) if sp.layers else c.pp
+            if holders < 2 or layer.name not in (sp.layers or (first,)):
+                continue
+            n = self.memory.grad_bytes(sp.num_params) / (c.tp if self.memory.tp_param_fraction(layer) > 0 else 1)
+            n /= c.dp if c.zero_stage >= 2 else 1
+            k = min(holders, c.pp)
+            total += self.collective_s("all_reduce", n, k, k if c.tp * c.dp * c.pp <= self.devices_per_node else 1)
+        return total
