@@ -61,6 +61,36 @@ def _families() -> dict[str, Callable[[], nn.Module]]:
     }
 
 
+def _moe_families() -> dict[str, Callable[[], nn.Module]]:
+    """Mixture-of-experts families at test size: 4 experts, top-2, expert FFN 32 (DeepSeek-V3: multi-head
+    latent attention, one shared expert, its first layer dense; Qwen2-MoE: a gated shared expert)."""
+    import transformers as hf
+
+    def make(config_cls, model_cls, attention="sdpa", **kw):
+        def build():
+            cfg = config_cls(**_common(**kw))
+            cfg._attn_implementation = attention
+            return model_cls(cfg)
+        return build
+
+    moe = dict(num_experts_per_tok=2, num_key_value_heads=KV_HEADS)
+    return {
+        "mixtral": make(hf.MixtralConfig, hf.MixtralForCausalLM, **moe, num_local_experts=4, intermediate_size=32),
+        "qwen3_moe": make(hf.Qwen3MoeConfig, hf.Qwen3MoeForCausalLM, **moe, num_experts=4, moe_intermediate_size=32,
+                          head_dim=HIDDEN // HEADS),
+        "qwen2_moe": make(hf.Qwen2MoeConfig, hf.Qwen2MoeForCausalLM, **moe, num_experts=4, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48),
+        "deepseek_v3": make(hf.DeepseekV3Config, hf.DeepseekV3ForCausalLM, **{**moe, "num_key_value_heads": HEADS},
+                            n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                            n_group=2, topk_group=1),
+        "gpt_oss": make(hf.GptOssConfig, hf.GptOssForCausalLM, "eager", **moe, num_local_experts=4,
+                        intermediate_size=32, head_dim=HIDDEN // HEADS, sliding_window=8),
+    }
+
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe")
+
 FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo", "phi3",
             "stablelm", "granite", "gemma2", "phi", "falcon")
 
@@ -68,7 +98,8 @@ FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen
 def build_family(name: str, seed: int = 0) -> nn.Module:
     """The tiny model of family `name`, in fp32, with weights drawn from `seed`."""
     torch.manual_seed(seed)
-    return _families()[name]().float()
+    builders = _moe_families() if name in MOE_FAMILIES else _families()
+    return builders[name]().float()
 
 
 class SkipLM(nn.Module):

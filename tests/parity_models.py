@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 import torch
-from hf_families import FAMILIES, build_custom, build_family
+from hf_families import FAMILIES, MOE_FAMILIES, build_custom, build_family
 from torch import nn
 
 import autopar
@@ -33,7 +33,7 @@ def optimizer(params):
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
-    if kind in FAMILIES:
+    if kind in FAMILIES or kind in MOE_FAMILIES:
         return build_family(kind, seed)
     if kind == "skip_tied":
         return build_custom(kind, seed)

@@ -67,3 +67,16 @@ def test_own_model_with_skip_connection_tied_head_and_root_parameter():
     _run([("skip_tied", dict(dp=2)), ("skip_tied", PP),
           ("skip_tied", dict(pp=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
           ("skip_tied", dict(pp=2, num_microbatches=2, schedule="gpipe", recompute="full"))], 2)
+
+
+def test_moe_families_dp_tp_pp():
+    """Mixture-of-experts families (tests/hf_families.py MOE_FAMILIES: Mixtral, Qwen3-MoE, DeepSeek-V3 with
+    multi-head latent attention, a shared expert and a dense first layer, GPT-OSS with biased, transposed
+    experts) under dp2, tp2 (experts replicated over the TP group; GPT-OSS's attention sinks mix all heads and
+    are refused under tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the router and the
+    permutation run as the model's own code on every layout."""
+    from hf_families import MOE_FAMILIES
+
+    families = MOE_FAMILIES[:4]
+    _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families if f != "gpt_oss"]
+         + [(f, PP) for f in families], 2)

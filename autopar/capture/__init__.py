@@ -31,6 +31,7 @@ from autopar.capture.assemble import assemble
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.capture.layers import group_layers, liveness
 from autopar.capture.meta import on_meta, swap_tensors, to_meta
+from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.capture.probe import ModelState, measure_call
 from autopar.capture.record import record
 from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
@@ -106,7 +107,7 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with on_meta(model):
+        with on_meta(model), grouped_mm_any_dtype():
             inputs, kwargs = to_meta(inputs), to_meta(forward_kwargs)
             structures = {u.name: structure_signature(model.get_submodule(u.name)) for u in units}
             traced = trace_model(model, inputs, kwargs, units, structures)
@@ -115,7 +116,8 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
             # Models that needed export (Hugging Face) consult tensor values in Python unless they see
             # fake tensors; FakeTensorMode gives them those, still without any storage.
             fake = FakeTensorMode(allow_non_fake_inputs=True) if traced.exported is not None else None
-            with fake or nullcontext(), swap_tensors(model, fake.from_tensor) if fake else nullcontext():
+            with fake or nullcontext(), swap_tensors(model, fake.from_tensor) if fake else nullcontext(), \
+                    grouped_mm_any_dtype():
                 if fake is not None:
                     inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor, (inputs, kwargs))
                 state = ModelState(model)

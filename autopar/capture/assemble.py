@@ -10,11 +10,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture.graph import Kernel, KernelMix, LayerSpec, ModelGraph, SharedParam, TPPattern, merge_kernels
+from autopar.capture.graph import (
+    Kernel,
+    KernelMix,
+    LayerSpec,
+    ModelGraph,
+    MoESpec,
+    SharedParam,
+    TPPattern,
+    merge_kernels,
+)
 from autopar.capture.layers import LayerGroup
+from autopar.capture.moe import DEFAULT_LOAD_IMBALANCE, find_moe
 from autopar.capture.probe import CallStats
 from autopar.capture.record import Recording
 from autopar.capture.units import CONTAINERS
+from autopar.errors import CaptureError
 
 __all__ = ["assemble"]
 
@@ -37,6 +48,7 @@ class _Sums:
     kernels_backward: KernelMix = field(default_factory=KernelMix)
     signatures: list[str] = field(default_factory=list)
     patterns: dict[tuple, TPPattern] = field(default_factory=dict)
+    moe: MoESpec | None = None
 
 
 def _pair_patterns(unit: str, stats: CallStats) -> list[TPPattern]:
@@ -140,6 +152,17 @@ def _norm_param_numels(model: nn.Module, units: tuple[str, ...]) -> tuple[int, .
     return tuple(out)
 
 
+def _moe(model: nn.Module, unit: str, stats: CallStats, seq_len: int | None) -> MoESpec | None:
+    """The unit's mixture-of-experts block (autopar.capture.moe.find_moe), at the default load imbalance."""
+    module = model.get_submodule(unit)
+    floating = next((p for p in module.parameters() if p.is_floating_point()), None)
+    try:
+        return find_moe(module, unit, stats.topks, floating.element_size() if floating is not None else 4,
+                        tokens_per_sample=seq_len or 1, load_imbalance=DEFAULT_LOAD_IMBALANCE)
+    except ValueError as e:
+        raise CaptureError(str(e)) from None
+
+
 def _kind(model: nn.Module, group: LayerGroup, patterns: list[TPPattern], has_params: bool,
           embedding_names: list[str]) -> str:
     if any(p.kind == "lm_head" for p in patterns):
@@ -214,6 +237,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.kernels_backward += bwd
         for p in _pair_patterns(call.unit, st) + vocab_patterns:
             s.patterns.setdefault((p.kind, p.column, p.row), p)
+        if st.topks and s.moe is None:
+            s.moe = _moe(model, call.unit, st, seq_len)
     for last_unit, cost in rec.top_level.items():
         s = sums[layer_of.get(last_unit, 0) if last_unit is not None else 0]
         s.forward_flops += cost.forward_flops
@@ -274,6 +299,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             kernels_forward=s.kernels_forward.scaled(1 / batch),
             kernels_backward=s.kernels_backward.scaled(1 / batch),
             norm_param_numels=_norm_param_numels(model, g.units),
+            moe=s.moe,
         ))
     attention = next((p for la in layers for p in la.tp_patterns if p.kind == "attention"), None)
     vocab_embedding = next((m for m in embeddings if m.num_embeddings == vocab), None)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-__all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "SharedParam", "ModelGraph", "SequenceSpan",
+__all__ = ["TPPattern", "Kernel", "KernelMix", "MoESpec", "LayerSpec", "SharedParam", "ModelGraph", "SequenceSpan",
            "sequence_span"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
@@ -89,6 +89,10 @@ class Kernel:
     op_sac_saved: recompute under "op_sac" does not run it again: the policy keeps its output
       (autopar.capture.kernels.op_sac_saves), or it follows the last op whose output backward needs, where
       checkpointing stops recomputing. Forward kernels only.
+    groups: a grouped GEMM (torch._grouped_mm): one launch multiplying `groups` weight matrices, each on
+      its own rows, so each group runs at the efficiency of work / groups (an expert's few tokens).
+    expert: computed by a mixture-of-experts bank on routed tokens (`MoESpec`): under expert parallelism a
+      rank runs groups / ep experts on the tokens routed to them, at the load-imbalance factor.
     """
 
     kind: str
@@ -100,8 +104,12 @@ class Kernel:
     tp_sharded: bool = False
     attention_core: bool = False
     op_sac_saved: bool = False
+    groups: int = 1
+    expert: bool = False
 
     def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"Kernel {self.kind}: groups={self.groups} must be ≥ 1")
         if self.kind not in KERNEL_KINDS:
             raise ValueError(f"Kernel.kind={self.kind!r}; expected one of {KERNEL_KINDS}")
         if self.count < 1 or self.work < 0 or self.tensor_bytes < 0:
@@ -114,7 +122,7 @@ class Kernel:
     def key(self) -> tuple:
         """Kernels with equal keys are identical and are merged into one entry (counts added)."""
         return (self.kind, self.work, self.tensor_bytes, self.layout, self.mnk, self.tp_sharded,
-                self.attention_core, self.op_sac_saved)
+                self.attention_core, self.op_sac_saved, self.groups, self.expert)
 
 
 def merge_kernels(kernels: list[Kernel] | tuple[Kernel, ...]) -> tuple[Kernel, ...]:
@@ -181,6 +189,50 @@ class KernelMix:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """A mixture-of-experts block in a layer (found by autopar.capture.moe.find_moe). Module names are
+    fully qualified. Per-sample figures are at the example's sequence length.
+
+    experts: the expert bank (E weight matrices stacked per projection, or a list of E modules).
+    router: the module scoring each token against the E experts (None when top-level code scores them).
+    block: the module holding both, whose other parameters (shared experts) every token passes through.
+    expert_params / expert_param_bytes: all E experts' parameters (kept apart from the dense ones: under
+      expert parallelism a rank holds E / ep of them).
+    shared_params: the block's dense parameters besides the router and the bank (shared experts, gates).
+    ffn_hidden_size: one expert's FFN width.
+    dispatch_bytes_per_sample: the routed token copies (tokens · top_k · hidden, model dtype) that the
+      all-to-all dispatch sends and the combine returns, per sample.
+    load_imbalance: tokens of the busiest expert ÷ the mean (autopar.capture.moe.DEFAULT_LOAD_IMBALANCE).
+    """
+
+    experts: str
+    router: str | None
+    block: str
+    num_experts: int
+    top_k: int
+    expert_params: int
+    expert_param_bytes: int
+    shared_params: int = 0
+    ffn_hidden_size: int = 0
+    dispatch_bytes_per_sample: int = 0
+    load_imbalance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoESpec {self.experts}: top_k={self.top_k} of num_experts={self.num_experts}; "
+                             "expected 1 ≤ top_k ≤ num_experts")
+        if min(self.expert_params, self.expert_param_bytes, self.shared_params, self.dispatch_bytes_per_sample) < 0:
+            raise ValueError(f"MoESpec {self.experts}: negative size")
+        if not 1.0 <= self.load_imbalance <= self.num_experts / self.top_k + 1e-9:
+            raise ValueError(f"MoESpec {self.experts}: load_imbalance={self.load_imbalance} must lie in "
+                             f"[1, num_experts / top_k = {self.num_experts / self.top_k:g}] (1 = perfectly even)")
+
+    def max_degree_ok(self, ep: int) -> bool:
+        """Whether expert-parallel degree `ep` splits the experts evenly."""
+        return self.num_experts % ep == 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerSpec:
     """One layer, measured on meta/fake tensors; all FLOPs and activation bytes are per sample."""
 
@@ -216,8 +268,12 @@ class LayerSpec:
     # graphs captured before op_sac existed: the planner then never prefers op_sac (planner/compute_costs.py).
     saved_activation_bytes_op_sac: int | None = None
     saved_activation_bytes_op_sac_tp_sharded: int | None = None
+    # The layer's mixture-of-experts block, if any (its experts' parameters are part of num_params).
+    moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from JSON
+            object.__setattr__(self, "moe", MoESpec(**self.moe))
         object.__setattr__(self, "norm_param_numels", tuple(int(n) for n in self.norm_param_numels))
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"LayerSpec.kind={self.kind!r}; expected one of {LAYER_KINDS}")
@@ -291,6 +347,20 @@ class ModelGraph:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def expert_params(self) -> int:
+        """Parameters of all mixture-of-experts banks (of num_params; the rest is dense)."""
+        return sum(la.moe.expert_params for la in self.layers if la.moe is not None)
+
+    def with_moe_load_imbalance(self, factor: float) -> ModelGraph:
+        """This graph with every MoE layer's load-imbalance factor set to `factor` (busiest expert's tokens
+        ÷ the mean; 1 = perfectly balanced routing). Plans made from it carry its fingerprint."""
+        if not any(la.moe is not None for la in self.layers):
+            raise ValueError(f"{self.model_name} has no mixture-of-experts layer to set a load imbalance on")
+        layers = tuple(dataclasses.replace(la, moe=dataclasses.replace(la.moe, load_imbalance=float(factor)))
+                       if la.moe is not None else la for la in self.layers)
+        return dataclasses.replace(self, layers=layers)
+
     def layer(self, name: str) -> LayerSpec:
         for layer in self.layers:
             if layer.name == name:
@@ -306,6 +376,7 @@ class ModelGraph:
         payload.pop("metadata", None)
         if not payload.get("shared_params"):
             payload.pop("shared_params", None)  # graphs without shared weights keep their fingerprints
+        _drop_moe_defaults(payload)  # and dense graphs keep theirs from before MoE fields existed
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -342,6 +413,17 @@ class ModelGraph:
             f"ModelGraph({self.model_name}, {len(self.layers)} layers, {self.num_params / 1e6:.1f}M params, "
             f"{self.forward_flops / 1e9:.2f} GFLOP fwd/sample, dtype={self.dtype})"
         )
+
+
+def _drop_moe_defaults(payload: dict[str, Any]) -> None:
+    """Remove the MoE fields at their defaults (no MoE block, plain kernels) from a graph's dict."""
+    for layer in payload["layers"]:
+        if layer.get("moe", 0) is None:
+            del layer["moe"]
+        for mix in ("kernels_forward", "kernels_backward"):
+            for k in (*layer[mix]["kernels"], *layer[mix]["fused"]):
+                if k.get("groups") == 1 and k.get("expert") is False:
+                    del k["groups"], k["expert"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,13 +32,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capture.fusion import Step, StepLog, fused_kernels
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
+from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups
 from autopar.capture.units import common_parent
 from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
 
 aten = torch.ops.aten
-_MATMUL_OPS = frozenset({aten.mm, aten.bmm, aten.baddbmm, aten.addmm, aten.addbmm, aten.matmul})
+_MATMUL_OPS = frozenset({aten.mm, aten.bmm, aten.baddbmm, aten.addmm, aten.addbmm, aten.matmul}) | GROUPED_MM_OPS
 _SDPA_BACKWARD_OPS = frozenset(
     getattr(aten, name) for name in (
         "_scaled_dot_product_flash_attention_backward",
@@ -110,6 +111,9 @@ class CallStats:
     # and the outputs of the ops its policy saves; and of that, the part inside TP patterns
     saved_bytes_op_sac: int = 0
     saved_bytes_op_sac_tp_sharded: int = 0
+    # (k, width) of each top-k selection over a tensor's last dimension: a router choosing k of `width`
+    # experts (autopar.capture.moe.find_moe)
+    topks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -123,6 +127,7 @@ class _Op:
     record: OpRecord | None = None  # shape, layout, memory class and largest tensor (cost_models.optrace)
     core: bool = False  # in the attention core (Kernel.attention_core)
     sac_saved_bytes: int = 0  # output bytes op_sac keeps (0: op_sac runs the op again in backward)
+    groups: int = 0  # > 0: a grouped GEMM over this many experts (Kernel.groups, Kernel.expert)
 
 
 def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
@@ -139,12 +144,16 @@ def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
 
 
 def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool, core: bool = False,
-            sac_saved: bool = False) -> Kernel:
+            sac_saved: bool = False, groups: int = 0) -> Kernel:
     """One kernel as the planner prices it: a memory-bound op in its measured class at its largest
-    tensor's size, a GEMM with its layout, a batched attention matmul with its per-matrix shape."""
+    tensor's size, a GEMM with its layout, a batched attention matmul with its per-matrix shape, a grouped
+    GEMM (an expert bank's) with its number of groups."""
     if kind == "memory":
         return Kernel(kind=rec.kind, count=1, work=work, tensor_bytes=rec.tensor_bytes, tp_sharded=tp_sharded,
                       attention_core=core, op_sac_saved=sac_saved)
+    if groups:
+        return Kernel(kind="gemm", count=1, work=work, tp_sharded=tp_sharded, op_sac_saved=sac_saved,
+                      groups=groups, expert=True)
     batched = rec.gemm_mnk is not None and rec.gemm_batch > 1
     return Kernel(kind=kind, count=1, work=work, layout=rec.gemm_layout, tp_sharded=tp_sharded,
                   mnk=rec.gemm_mnk if kind == "attention" and batched else None, attention_core=core,
@@ -196,7 +205,10 @@ class _OpLog(TorchDispatchMode):
                 self.grad_sharded[storage_key(t)] = out_sharded
         k = "view" if kind == "view" else "attention" if kind == "attention" or (
             kind == "matmul" and rec.gemm_batch > 1) else "gemm" if kind == "matmul" else "memory"
-        kernel = None if k == "view" else _kernel(k, flops if k != "memory" else float(moved), rec, sharded)
+        groups = grouped_mm_groups(args, kwargs) if packet in GROUPED_MM_OPS else 0
+        k = "gemm" if groups else k
+        kernel = None if k == "view" else _kernel(k, flops if k != "memory" else float(moved), rec, sharded,
+                                                  groups=groups)
         if kernel is not None:
             self.kernels.append(kernel)
         self.steps.record(k, _storages(ins), _storages(tree_leaves(out)), kernel)
@@ -226,7 +238,8 @@ def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str], steps: list[
         if in_tp:
             sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
         if op.record is not None:
-            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0 or i > last_needed))
+            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0 or i > last_needed,
+                                   groups=op.groups))
             steps[i] = dataclasses.replace(steps[i], kernel=kernels[-1])
     return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
                      kernels=merge_kernels(kernels), fused=fused_kernels(steps, frozenset(saved_ids)))
@@ -280,6 +293,7 @@ class _Tracker(TorchDispatchMode):
         self.matmuls = 0  # OP_SAC_MATMUL_OPS so far (op_sac's counter)
         self.steps = StepLog()  # one per op in self.ops, for the fused kernels of a compiled block
         self.saved_ids: set[int] = set()  # StepLog names of the tensors saved for backward
+        self.topks: list[tuple[int, int]] = []  # (k, width) of each top-k over a last dimension
 
     def tag(self, t: torch.Tensor) -> Tag:
         return self.tags.get(storage_key(t), _CONSTANT)
@@ -320,7 +334,7 @@ class _Tracker(TorchDispatchMode):
             head_dim = ins[0].shape[-1]
             out_tags = [(src, False)] + [(src, True)] * (len(outs) - 1)
         else:
-            attention = packet in _MATMUL_OPS and len(active) >= 2
+            attention = packet in _MATMUL_OPS and packet not in GROUPED_MM_OPS and len(active) >= 2
             if attention and not any_core:  # q·kᵀ: its output starts the attention core
                 head_dim = active[0].shape[-1]
             core = (not any_core) if attention else any_core
@@ -329,12 +343,18 @@ class _Tracker(TorchDispatchMode):
             self.set_tag(t, tag)
         linear = self.linear_stack[-1] if self.linear_stack else None
         kind = _op_kind(packet, rec, len(active))
+        groups = grouped_mm_groups(args, kwargs) if packet in GROUPED_MM_OPS else 0
+        kind = "gemm" if groups else kind
+        if packet is aten.topk:
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if dim in (-1, ins[0].dim() - 1):
+                self.topks.append((int(args[1]), int(ins[0].shape[-1])))
         in_core = kind == "attention" or any(core for _, core in out_tags)
         self.matmuls += packet in OP_SAC_MATMUL_OPS
         sac = tensor_bytes(outs) if op_sac_saves(packet, self.matmuls) else 0
         self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
                             bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
-                            sac_saved_bytes=sac))
+                            sac_saved_bytes=sac, groups=groups))
         self.steps.record(kind, _storages(ins), _storages(outs))
         return out
 
@@ -484,4 +504,5 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
                                              fused=fused_kernels(op_log.steps.steps)),
         saved_bytes_op_sac=inputs + sum(op.sac_saved_bytes for op in tracker.ops),
         saved_bytes_op_sac_tp_sharded=sac_sharded,
+        topks=tuple(tracker.topks),
     )

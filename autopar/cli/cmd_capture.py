@@ -28,6 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _moe(la: LayerSpec) -> str:
+    m = la.moe
+    if m is None:
+        return ""
+    shared = f",shared={_si(m.shared_params)}" if m.shared_params else ""
+    return f" moe(E={m.num_experts},k={m.top_k},ffn={m.ffn_hidden_size}{shared})"
+
+
 def _pattern(p: TPPattern) -> str:
     if p.kind == "attention":
         kv = f",kv={p.num_kv_heads}" if p.num_kv_heads and p.num_kv_heads != p.num_heads else ""
@@ -69,7 +77,7 @@ def format_table(graph: ModelGraph, fold: bool = True) -> str:
              f"captured by {graph.capture_method} in {graph.capture_time_s:.2f} s "
              "(FLOPs and bytes per sample, per layer)", head, "-" * len(head)]
     for name, la, count in _runs(graph.layers, fold):
-        pats = " ".join(_pattern(p) for p in la.tp_patterns) or "-"
+        pats = (" ".join(_pattern(p) for p in la.tp_patterns) + _moe(la)).strip() or "-"
         lines.append(f"{name[:27]:<28}{la.kind:<10}{count:>4}{_si(la.num_params):>10}{_si(la.forward_flops):>11}"
                      f"{_si(la.backward_flops):>11}{_mib(la.saved_activation_bytes):>11}"
                      f"{_mib(la.boundary_bytes):>13}  {pats}")
@@ -77,6 +85,11 @@ def format_table(graph: ModelGraph, fold: bool = True) -> str:
     lines.append(f"total: {graph.num_params:,} parameters ({graph.param_bytes / 2**30:.2f} GiB), "
                  f"{_si(graph.forward_flops)}FLOP forward + {_si(graph.backward_flops)}FLOP backward per sample, "
                  f"{graph.saved_activation_bytes / 2**30:.2f} GiB saved activations per sample")
+    moe = [la.moe for la in graph.layers if la.moe is not None]
+    if moe:
+        lines.append(f"mixture of experts: {len(moe)} MoE layers, {_si(graph.expert_params)} expert parameters "
+                     f"(dense {_si(graph.num_params - graph.expert_params)}), load imbalance {moe[0].load_imbalance:g} "
+                     "(busiest expert's tokens ÷ mean)")
     dims = [f"{k}={v}" for k, v in (("hidden", graph.hidden_size), ("heads", graph.num_attention_heads),
                                     ("kv_heads", graph.num_kv_heads), ("vocab", graph.vocab_size)) if v]
     lines.append(f"{', '.join(dims)}; fingerprint {graph.fingerprint}")

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_only
 
 from autopar.capture.meta import swap_tensors
+from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.errors import PlanMismatchError
 
 __all__ = ["CallKey", "LeafMeta", "DataFlow", "StageIO", "trace_dataflow", "forward_kwargs", "model_logits"]
@@ -246,7 +247,7 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name, _has_params(module)), with_kwargs=True))
     try:
-        with fake, swap_tensors(model, fake.from_tensor):
+        with fake, swap_tensors(model, fake.from_tensor), grouped_mm_any_dtype():
             inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor,
                                            (tuple(example_inputs), dict(example_kwargs or {})))
             with mode:

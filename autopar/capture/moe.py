@@ -1,0 +1,198 @@
+"""Mixture-of-experts layers on meta tensors: the grouped GEMM in any dtype, and the MoE found in a layer.
+
+transformers' MoE layers (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS, OLMoE, ...) run their experts as
+`torch._grouped_mm`: the tokens sorted by expert, one GEMM launch over all experts' weight matrices
+[E, n, k] with the row offsets of each expert's tokens. Its meta kernel checks the CUDA kernel's bf16
+requirement, so a model captured in fp32 (or fp16) fails on meta; `grouped_mm_any_dtype()` computes the
+same output shapes for any dtype, and `register_grouped_mm_flops` teaches FlopCounterMode its FLOPs
+(2·M·K·N summed over the groups: the rows of all groups together are the routed token copies).
+
+An MoE is found from the call's data flow and the module structure, never a family's class names
+(`find_moe`): a `topk` over the last dimension of a tensor of width E selects the experts (the router);
+the expert bank is the module of the layer whose own parameters stack E matrices (leading dimension E)
+or a list of E identical modules; the router is the module whose weight has E rows. What else the MoE
+block holds (shared experts that every token passes through, a shared expert's gate) is dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+from autopar.capture.graph import MoESpec
+
+__all__ = ["GROUPED_MM_OPS", "grouped_mm_any_dtype", "grouped_mm_groups", "find_moe", "DEFAULT_LOAD_IMBALANCE"]
+
+aten = torch.ops.aten
+GROUPED_MM_OPS = frozenset({aten._grouped_mm}) if hasattr(aten, "_grouped_mm") else frozenset()
+
+# Tokens routed to the busiest expert ÷ the mean: the expert GEMMs and the all-to-all wait for the rank
+# with the most tokens. The default is the expert capacity factor that Switch Transformer trains with
+# (Fedus et al. 2022, JMLR 23, §2.2 and Table 1: capacity factor 1.25, i.e. each expert provisioned for
+# 25% more than its even share of the tokens, few tokens dropped with a load-balancing loss); a dropless
+# run's busiest expert carries about that much. It is a provisioning figure, not a measurement of one
+# router: set the factor a run measures with `ModelGraph.with_moe_load_imbalance`.
+DEFAULT_LOAD_IMBALANCE = 1.25
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
+    """Output shape of torch._grouped_mm (2-D × 3-D: rows grouped by offsets; 3-D × 2-D: columns grouped;
+    2-D × 2-D: the shared dimension grouped, one [m, n] result per group; 3-D × 3-D: a batched matmul)."""
+    if a.dim() == 2 and b.dim() == 2:
+        if offs is None:
+            raise ValueError("torch._grouped_mm of two 2-D tensors needs offs")
+        return [offs.shape[0], a.shape[0], b.shape[1]]
+    if a.dim() == 2:
+        return [a.shape[0], b.shape[-1]]
+    if b.dim() == 2:
+        return [a.shape[1], b.shape[1]]
+    return [a.shape[0], a.shape[1], b.shape[-1]]
+
+
+def grouped_mm_groups(args: tuple, kwargs: dict) -> int:
+    """How many weight matrices one grouped GEMM multiplies (the experts it runs in one launch)."""
+    a = args[0]
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    if offs is not None:
+        return int(offs.shape[0])
+    return int(a.shape[0]) if a.dim() == 3 else 1
+
+
+def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """2·M·K·N summed over the groups (every row of a, or every column of b, is in one group)."""
+    if len(a_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    if len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
+    return 2 * a_shape[1] * a_shape[2] * b_shape[-1]
+
+
+def register_grouped_mm_flops() -> None:
+    """Count torch._grouped_mm in FlopCounterMode (torch has no formula for it); idempotent."""
+    for op in GROUPED_MM_OPS:
+        if op not in flop_registry:
+            register_flop_formula(op, get_raw=False)(
+                lambda a_shape, b_shape, *rest, out_shape=None, **kw: _grouped_mm_flops(a_shape, b_shape))
+
+
+register_grouped_mm_flops()  # at import: a FlopCounterMode copies the registry when it is constructed
+
+
+class _GroupedMMAnyDtype(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket in GROUPED_MM_OPS and (args[0].device.type == "meta"
+                                                      or isinstance(args[0], FakeTensor)):
+            a, b = args[0], args[1]
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            dtype = kwargs.get("out_dtype") or a.dtype
+            return a.new_empty(_grouped_mm_shape(a, b, offs), dtype=dtype)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def grouped_mm_any_dtype() -> Iterator[None]:
+    """Within the block, torch._grouped_mm on meta and fake tensors of any dtype returns its output
+    shape, as the bf16 CUDA kernel would; FLOPs are counted by FlopCounterMode."""
+    with _GroupedMMAnyDtype():
+        yield
+
+
+def _bank(module: nn.Module) -> tuple[int, list[nn.Parameter]] | None:
+    """(E, the experts' parameters) when `module` holds an expert bank: its own parameters stacking E
+    matrices (leading dim E, at least one ≥ 3-D; per-expert biases [E, n] included), or it is a list of
+    E ≥ 2 modules of one class with parameters of equal shapes."""
+    if isinstance(module, nn.ModuleList) and len(module) >= 2:
+        shapes = {tuple((n, tuple(p.shape)) for n, p in child.named_parameters()) for child in module}
+        if len(shapes) == 1 and len({type(c) for c in module}) == 1 and next(iter(shapes)):
+            return len(module), list(module.parameters())
+        return None
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() >= 3]
+    if not stacked or len({p.shape[0] for p in stacked}) != 1:
+        return None
+    experts = int(stacked[0].shape[0])
+    return experts, [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == experts]
+
+
+def _router(module: nn.Module, experts: int, bank: set[int]) -> str | None:
+    """The module whose 2-D weight (not the bank's) maps the hidden state to one score per expert."""
+    for name, m in module.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and id(w) not in bank and w.dim() == 2 and w.shape[0] == experts:
+            return name
+    return None
+
+
+def find_moe(module: nn.Module, prefix: str, topks: tuple[tuple[int, int], ...], dtype_bytes: int, *,
+             tokens_per_sample: int, load_imbalance: float) -> MoESpec | None:
+    """The MoE of a layer's module: `topks` are the (k, width) of each topk the call ran. None without one.
+
+    Raises ValueError for a layer with several expert banks the same topk could route (ambiguous).
+    """
+    banks = {name: b for name, m in module.named_modules() if (b := _bank(m))}
+    for k, width in topks:
+        matches = [n for n, (e, _) in banks.items() if e == width]
+        if not matches:
+            continue
+        if len(matches) > 1:
+            raise ValueError(f"{prefix}: expert banks {matches} all hold {width} experts; which one the "
+                             f"router's top-{k} selects cannot be told from the structure")
+        bank = matches[0]
+        params = banks[bank][1]
+        ids = {id(p) for p in params}
+        router = _router(module, width, ids)
+        owner = _enclosing(bank, router) if router is not None else bank.rpartition(".")[0]
+        block = module.get_submodule(owner) if owner else module
+        router_module = module.get_submodule(router) if router is not None else None
+        exclude = ids | ({id(p) for p in router_module.parameters()} if router_module is not None else set())
+        hidden = int(router_module.weight.shape[1]) if router_module is not None else _hidden(params, width)
+        return MoESpec(
+            experts=_join(prefix, bank), router=_join(prefix, router) if router is not None else None,
+            block=_join(prefix, owner), num_experts=width, top_k=k,
+            expert_params=sum(p.numel() for p in params),
+            expert_param_bytes=sum(p.numel() * p.element_size() for p in params),
+            shared_params=sum(p.numel() for p in block.parameters() if id(p) not in exclude),
+            ffn_hidden_size=_ffn_hidden(params, width, hidden),
+            dispatch_bytes_per_sample=tokens_per_sample * k * hidden * dtype_bytes,
+            load_imbalance=load_imbalance)
+    return None
+
+
+def _expert_matrices(params: list[nn.Parameter], experts: int) -> list[tuple[int, ...]]:
+    """One expert's weight matrices: the trailing dims of stacked weights, or each list member's 2-D weights."""
+    stacked = [tuple(p.shape[-2:]) for p in params if p.dim() == 3]
+    return stacked or [tuple(p.shape) for p in params[: len(params) // experts] if p.dim() == 2]
+
+
+def _hidden(params: list[nn.Parameter], experts: int) -> int:
+    """The model width when no router weight shows it: the dimension every expert matrix shares."""
+    mats = _expert_matrices(params, experts)
+    common = set(mats[0]).intersection(*map(set, mats[1:])) if mats else set()
+    return min(common) if common else 0
+
+
+def _ffn_hidden(params: list[nn.Parameter], experts: int, hidden: int) -> int:
+    """One expert's FFN width: the smallest other side of its weight matrices (gate|up fused is 2·ffn wide)."""
+    others = [a if b == hidden else b for a, b in _expert_matrices(params, experts) if hidden in (a, b)]
+    return min(others, default=0)
+
+
+def _enclosing(a: str, b: str) -> str:
+    """The innermost module path containing both module paths (one of them when it holds the other)."""
+    common = []
+    for x, y in zip(a.split(".") if a else [], b.split(".") if b else [], strict=False):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
