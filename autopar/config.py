@@ -16,10 +16,16 @@ from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_
 from autopar.errors import AutoparError, ConfigError
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, RECOMPUTE_MODES
 
-__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "check_options"]
+__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "FP8_RECIPES",
+           "OFFLOAD_MODES", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 ZERO_STAGES = (0, 1, 2, 3)
+# torchao float8 training recipes (autopar.codegen.float8): scales per tensor, or per row of each GEMM operand
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
+# "optimizer": fp32 masters and moments in host memory, the step on the CPU (ZeRO-Offload, Ren et al. 2021);
+# "params": FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer states on the host)
+OFFLOAD_MODES = ("none", "optimizer", "params")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +44,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # each block compiled with torch.compile (autopar.codegen.compile), its pointwise chains fused
     compile: bool = False
+    # FP8 GEMMs (torchao float8 training) on top of the 16-bit compute: one of FP8_RECIPES
+    fp8: str = "none"
+    # where the optimizer states (and with "params" the parameters) live: one of OFFLOAD_MODES
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
@@ -50,6 +60,13 @@ class ParallelConfig:
             raise ConfigError(f"ParallelConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"ParallelConfig.recompute={self.recompute!r}; expected one of {RECOMPUTE_MODES}")
+        if self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"ParallelConfig.fp8={self.fp8!r}; expected one of {FP8_RECIPES}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ConfigError(f"ParallelConfig.offload={self.offload!r}; expected one of {OFFLOAD_MODES}")
+        if self.offload == "params" and self.zero_stage != 3:
+            raise ConfigError(f"offload='params' is FSDP2's CPU offload of sharded parameters and needs zero_stage=3 "
+                              f"(got {self.zero_stage}); set zero_stage=3 or offload='optimizer'")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("ParallelConfig.sequence_parallel=True needs tp > 1; set sequence_parallel=False")
         if self.schedule == "interleaved_1f1b":
@@ -87,6 +104,10 @@ class ParallelConfig:
             s += ",sp=1"
         if self.compile:
             s += ",compile=1"
+        if self.fp8 != "none":
+            s += f",fp8={self.fp8}"
+        if self.offload != "none":
+            s += f",offload={self.offload}"
         return s
 
     _ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches",
@@ -111,7 +132,7 @@ class ParallelConfig:
                 raise ConfigError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
             if key in values:
                 raise ConfigError(f"config key {given!r} is given twice in {text!r} (as {key}); give each key once")
-            if key in ("schedule", "recompute"):
+            if key in ("schedule", "recompute", "fp8", "offload"):
                 values[key] = raw
             elif key in ("sequence_parallel", "compile"):
                 values[key] = raw.lower() in ("1", "true", "yes", "on")

@@ -17,6 +17,7 @@ from torch import nn
 import autopar
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.codegen import lm_cross_entropy, parallelize
+from autopar.codegen.float8 import convert_float8, float8_linear_names, is_float8_linear
 from autopar.codegen.state import full_gradients
 from autopar.config import ParallelConfig
 from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
@@ -124,13 +125,24 @@ def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch
             for _ in range(steps)]
 
 
-def train_reference(model: nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _accumulate(model: nn.Module, x: torch.Tensor, t: torch.Tensor, chunks: int) -> torch.Tensor:
+    total = torch.zeros(())
+    for xc, tc in zip(x.tensor_split(chunks), t.tensor_split(chunks), strict=True):
+        loss = lm_cross_entropy(logits_of(model, xc), tc) / chunks
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def train_reference(model: nn.Module, data, chunks: int = 1
+                    ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`chunks` > 1: each step accumulates gradients over that many equal slices of the batch, in order (what
+    a layout with dp·m micro-batches runs); FP8's dynamic scales are per micro-batch, so its reference must."""
     opt = optimizer(model.parameters())
     losses = []
     for x, t in data:
         opt.zero_grad()
-        loss = lm_cross_entropy(logits_of(model, x), t)
-        loss.backward()
+        loss = _accumulate(model, x, t, chunks)
         opt.step()
         losses.append(loss.item())
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
@@ -145,7 +157,7 @@ def excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 
 
 _GRAPHS: dict[str, ModelGraph] = {}
-_REFERENCES: dict[tuple[str, int], tuple] = {}
+_REFERENCES: dict[tuple, tuple] = {}
 
 
 def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
@@ -160,16 +172,24 @@ def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[s
     graph = _GRAPHS[kind]
     plan = make_plan(graph, **config)
     data = batches(steps)
-    if (kind, steps) not in _REFERENCES:
-        _REFERENCES[kind, steps] = train_reference(copy.deepcopy(model), data)
-    ref_losses, ref_state, ref_grads = _REFERENCES[kind, steps]
+    # under FP8 the reference is the same model converted alike (the linears the plan converts), on one process
+    fp8 = plan.config.fp8
+    names = float8_linear_names(model, graph, plan.config.tp) if fp8 != "none" else ()
+    chunks = plan.config.dp * plan.config.num_microbatches if fp8 != "none" else 1
+    if (kind, steps, fp8, names, chunks) not in _REFERENCES:
+        reference = copy.deepcopy(model)
+        if fp8 != "none":
+            convert_float8(reference, names, fp8, device=torch.device("cpu"))
+        _REFERENCES[kind, steps, fp8, names, chunks] = train_reference(reference, data, chunks)
+    ref_losses, ref_state, ref_grads = _REFERENCES[kind, steps, fp8, names, chunks]
     pm = parallelize(model, plan, graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
     losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
     full = pm.full_state_dict()
     grads = full_gradients(pm.modules, pm.mesh["pp"])
     weight_excess, weight_key = excess(full, ref_state)
     grad_excess, grad_key = excess(grads, ref_grads)
-    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses,
+    float8 = sorted({n for m in pm.modules for n, sub in m.named_modules() if is_float8_linear(sub)})
+    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses, "float8_linears": float8,
             "weight_excess": weight_excess, "weight_key": weight_key,
             "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}

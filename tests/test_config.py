@@ -31,6 +31,9 @@ def test_parse_partial_uses_defaults():
         ({"schedule": "interleaved_1f1b", "pp": 1}, "pp > 1"),
         ({"schedule": "interleaved_1f1b", "pp": 2, "num_microbatches": 3}, "divisible"),
         ({"virtual_stages": 2}, "interleaved"),
+        ({"fp8": "e4m3"}, "fp8"),
+        ({"offload": "disk"}, "offload"),
+        ({"offload": "params", "dp": 2, "zero_stage": 1}, "zero_stage=3"),
     ],
 )
 def test_invalid_config_says_what_to_fix(kwargs, fragment):
@@ -51,3 +54,13 @@ def test_planner_options_validate():
     with pytest.raises(ValueError, match="exclude_schedules"):
         PlannerOptions(exclude_schedules=("zigzag",))
     assert PlannerOptions(tp=2).tp == 2
+
+
+def test_fp8_and_offload_round_trip_and_print():
+    cfg = ParallelConfig(dp=4, zero_stage=3, fp8="rowwise", offload="params")
+    assert "fp8=rowwise" in str(cfg) and "offload=params" in str(cfg)
+    assert ParallelConfig.parse(str(cfg)) == cfg
+    assert ParallelConfig.from_dict(cfg.to_dict()) == cfg
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("fp8", "offload")}  # a plan saved before them
+    assert ParallelConfig.from_dict(old).fp8 == "none" and ParallelConfig.from_dict(old).offload == "none"
+    assert "fp8" not in str(ParallelConfig())

@@ -7,7 +7,9 @@
   Written here rather than with `ZeroRedundancyOptimizer` because that one flattens parameters
   into buckets and cannot hold DTensor (tensor-parallel) parameters.
 - ZeRO-2 / ZeRO-3: `fully_shard` (FSDP2) per layer, reshard_after_forward False / True; gradients
-  are reduce-scattered (averaged) by FSDP itself.
+  are reduce-scattered (averaged) by FSDP itself. With offload="params" the shards live in host
+  memory (FSDP2's `CPUOffloadPolicy`): copied to the device for each all-gather, gradients copied back,
+  and the optimizer steps them on the CPU.
 All work on the local shards of DTensor parameters, so they compose with tensor parallelism.
 """
 
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 __all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "ShardedOptimizer", "param_groups_by_kind", "local"]
@@ -32,14 +34,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def apply_fsdp(part: nn.Module, layer_paths: Sequence[str], dp_mesh: DeviceMesh, *, zero_stage: int) -> None:
-    """`fully_shard` each layer of `part`, then `part` itself (for the parameters outside layers)."""
+def apply_fsdp(part: nn.Module, layer_paths: Sequence[str], dp_mesh: DeviceMesh, *, zero_stage: int,
+               offload_params: bool = False) -> None:
+    """`fully_shard` each layer of `part`, then `part` itself (for the parameters outside layers).
+
+    offload_params: the shards in host memory (pinned when the device is a GPU, so copies run async)."""
     reshard = zero_stage == 3
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     for path in layer_paths:
         sub = part.get_submodule(path)
         if any(True for _ in sub.parameters()):
-            fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
 
 
 @torch.no_grad()

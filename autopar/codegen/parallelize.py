@@ -1,8 +1,9 @@
 """`parallelize`: a `Plan` applied to a model, on every rank of a torchrun job.
 
-The order is fixed (docs/design.md, as torchtitan composes it): mesh → what crosses each pipeline cut
-(a dry run of the model's forward) → pipeline stages → tensor parallelism (tied weights tied again) →
-activation recompute → ZeRO/data parallelism → optimizer → schedule.
+The order is fixed (docs/design.md, as torchtitan composes it): mesh → FP8 linears (torchao, before any
+sharding) → what crosses each pipeline cut (a dry run of the model's forward) → pipeline stages → tensor
+parallelism (tied weights tied again) → activation recompute → ZeRO/data parallelism (parameters on the
+host under offload="params") → optimizer (on the host under offload="optimizer") → schedule.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.compile import apply_compile
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import DataFlow, trace_dataflow
+from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
+from autopar.codegen.offload import HostOptimizer, host_optimizer_factory
 from autopar.codegen.pipeline import build_schedule, build_stage, check_stage_placement, layer_modules, stage_of_units
 from autopar.codegen.recompute import apply_recompute
 from autopar.codegen.runtime import ParallelModel
@@ -114,6 +117,15 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     mesh = build_mesh(cfg, dev)
     model.to(dev)
     _broadcast_from_rank0(model)
+    fsdp = cfg.zero_stage >= 2 and (cfg.dp > 1 or cfg.offload == "params")
+    float8_gather = fsdp and cfg.fp8 == "tensorwise"
+    if cfg.fp8 == "tensorwise" and cfg.sequence_parallel and dist.get_backend() == "gloo":
+        raise PlanMismatchError("fp8='tensorwise' with sequence parallelism all-gathers float8 activations, which gloo "
+                                "cannot (no float8 type); run it on NCCL, or re-plan with --fp8 rowwise or without "
+                                "sequence parallelism")
+    if cfg.fp8 != "none":
+        convert_float8(model, float8_linear_names(model, graph, cfg.tp), cfg.fp8, device=dev,
+                       fsdp_float8_all_gather=float8_gather)
 
     units = stage_of_units(graph, plan)
     flow = (trace_dataflow(model, list(units), *_microbatch_inputs(graph, example_inputs, example_kwargs,
@@ -141,22 +153,24 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                         apply_recompute(part.get_submodule(path), stage.recompute_of(layer.name))
                         if cfg.compile:
                             apply_compile(part.get_submodule(path))
-            if cfg.zero_stage >= 2 and cfg.dp > 1:
+            if fsdp:
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
-                apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage)
+                apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage,
+                           offload_params=cfg.offload == "params")
             parts.append((stage.index, part))
     except Exception as e:  # held until every rank has reported, so no rank waits for a failed peer
         failure = e
     _agree(failure)
 
     params = list({id(p): p for _, part in parts for p in part.parameters()}.values())
+    make = host_optimizer_factory(optimizer) if cfg.offload == "optimizer" else optimizer
     if cfg.zero_stage == 1 and cfg.dp > 1:
-        opt: torch.optim.Optimizer | ShardedOptimizer = ShardedOptimizer(params, optimizer, mesh["dp"])
+        opt: torch.optim.Optimizer | ShardedOptimizer | HostOptimizer = ShardedOptimizer(params, make, mesh["dp"])
     else:
-        opt = optimizer(param_groups_by_kind(params))
+        opt = make(param_groups_by_kind(params))
     vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
     schedule = build_schedule(plan, parts, mesh["pp"], dev, loss, feed) if cfg.pp > 1 else None
     return ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
                          loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
-                         shared_gradients=shared)
+                         shared_gradients=shared, float8_fsdp_scales=float8_gather)

@@ -23,6 +23,7 @@ from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
 from autopar.codegen.failures import named_failures
+from autopar.codegen.float8 import precompute_fsdp_scales
 from autopar.codegen.loss import gather_vocab
 from autopar.codegen.shared import SharedGradients
 from autopar.codegen.timing import CommClock, StepTimer
@@ -42,7 +43,8 @@ class ParallelModel:
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, parts: Sequence[tuple[int, nn.Module]],
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
-                 device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None) -> None:
+                 device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None,
+                 float8_fsdp_scales: bool = False) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -54,6 +56,8 @@ class ParallelModel:
         self.device = device
         self.feed = feed
         self.shared_gradients = shared_gradients
+        # FSDP gathers float8 weights: their scales are computed once per step, after the optimizer (torchtitan)
+        self.float8_fsdp_scales = float8_fsdp_scales
         self.timer: StepTimer | None = None
 
     # ---- where this rank sits ----
@@ -174,6 +178,8 @@ class ParallelModel:
                     self.shared_gradients.sync(self.modules)
             with timer.phase("optimizer") if timer else nullcontext():
                 self.optimizer.step()
+                if self.float8_fsdp_scales:
+                    precompute_fsdp_scales(self.modules)
             with timer.phase("loss") if timer else nullcontext():
                 return self._global_mean(local_loss)
 

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen.data_parallel import ShardedOptimizer
+from autopar.codegen.offload import HostOptimizer
 
 __all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state",
            "save", "load", "restore_scalars"]
@@ -76,15 +77,33 @@ def _param_names(parts: Sequence[nn.Module]) -> dict[int, list[str]]:
     return names
 
 
-def _inner(optimizer: torch.optim.Optimizer | ShardedOptimizer | None) -> torch.optim.Optimizer | None:
-    """The torch optimizer holding state: ZeRO-1's holds it for this rank's owned parameters only."""
-    return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+Optimizer = torch.optim.Optimizer | ShardedOptimizer | HostOptimizer
+
+
+def _inner(optimizer: Optimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer holding state: ZeRO-1's holds it for this rank's owned parameters only; under
+    offload="optimizer" it holds it for the host masters of the parameters."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer.optimizer if isinstance(optimizer, HostOptimizer) else optimizer
+
+
+def _host(optimizer: Optimizer | None) -> HostOptimizer | None:
+    inner = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+    return inner if isinstance(inner, HostOptimizer) else None
+
+
+def _state_names(optimizer: Optimizer | None, parts: Sequence[nn.Module]) -> dict[int, list[str]]:
+    """Names of each tensor the optimizer steps: the parameter's, or for a host master its parameter's."""
+    names = _param_names(parts)
+    host = _host(optimizer)
+    return host.master_names(names) if host is not None else names
 
 
 _HYPER = "hyper."  # optimizer hyper-parameters (lr, betas' scalars, ...), the same in every group autopar builds
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+def optimizer_state(optimizer: Optimizer | None,
                     parts: Sequence[nn.Module]) -> dict[str, Any]:
     """Live optimizer state tensors keyed "<param name>.<state key>" under every name the parameter has
     here, plus the scalar hyper-parameters ("hyper.<key>").
@@ -94,10 +113,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
     saved under one layout is then loadable under any other. Tied weights are saved under each alias, so
     a stage that holds only one end of the tie finds its state.
     """
+    names = _state_names(optimizer, parts)
     optimizer = _inner(optimizer)
     if optimizer is None:
         return {}
-    names = _param_names(parts)
     state: dict[str, Any] = {}
     for group in optimizer.param_groups:
         for key, value in group.items():
@@ -111,7 +130,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | None) -> None:
+def init_optimizer_state(optimizer: Optimizer | None) -> None:
     """Create state tensors (so a checkpoint can be loaded into them) with a step at lr=0 on zero grads."""
     optimizer = _inner(optimizer)
     if optimizer is None or optimizer.state:
@@ -129,12 +148,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer | ShardedOptimizer | N
             p.grad = None
 
 
-def save(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer | ShardedOptimizer | None) -> None:
+def save(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None) -> None:
     """Sharded checkpoint of model and optimizer state by parameter name (collective)."""
     dcp.save({"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}, checkpoint_id=path)
 
 
-def load(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
          **dcp_kwargs: Any) -> None:
     """Load in place, resharding as needed: DCP reads, for every name this rank holds, the slice of the
     saved global tensor its shard covers, whatever layout (tp, pp, dp, ZeRO stage, world size) saved it.
@@ -145,13 +164,16 @@ def load(path: str, parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer
     restore_scalars(state["optim"], optimizer, parts)
 
 
-def restore_scalars(loaded: dict[str, Any], optimizer: torch.optim.Optimizer | ShardedOptimizer | None,
+def restore_scalars(loaded: dict[str, Any], optimizer: Optimizer | None,
                     parts: Sequence[nn.Module]) -> None:
     """Put the loaded non-tensor optimizer values (hyper-parameters, float steps) back in the optimizer."""
+    host = _host(optimizer)
+    if host is not None:  # the parameters were just loaded: the host masters copy them
+        host.reload_masters()
+    names = _state_names(optimizer, parts)
     optimizer = _inner(optimizer)
     if optimizer is None:
         return
-    names = _param_names(parts)
     for group in optimizer.param_groups:
         for key in [k for k in group if k != "params"]:
             group[key] = loaded.get(f"{_HYPER}{key}", group[key])

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.capture.graph import LayerSpec, SequenceSpan, TPPattern, sequence_span
 from autopar.capture.units import common_parent
+from autopar.codegen.float8 import tp_style
 from autopar.errors import PlanMismatchError
 
 __all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
@@ -235,9 +236,13 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 # linear converts its own input (one more all-reduce of the input gradient per column).
                 shared_input = owner not in layer.modules and owner != layer.name
                 col_in = Shard(1) if sp else Replicate()
-                plan: dict[str, object] = {name: ColwiseParallel() if shared_input else
-                                           ColwiseParallel(input_layouts=col_in) for name in pattern.column}
-                plan.update({name: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+                # a float8 linear gets torchao's float8 style (tp_style), which casts its input before gathering
+                plan: dict[str, object] = {
+                    name: tp_style(module.get_submodule(name), "colwise", **({} if shared_input else
+                                                                               {"input_layouts": col_in}))
+                    for name in pattern.column}
+                plan.update({name: tp_style(module.get_submodule(name), "rowwise",
+                                            output_layouts=Shard(1) if sp else Replicate())
                              for name in pattern.row})
                 parallelize_module(module, tp_mesh, plan)
                 for name in pattern.row:

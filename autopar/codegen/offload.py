@@ -1,0 +1,95 @@
+"""offload="optimizer": fp32 master weights and optimizer moments in host memory, the step on the CPU.
+
+ZeRO-Offload's split (Ren et al., USENIX ATC 2021, §4): forward and backward stay on the device; each
+step copies this rank's gradient shards to the host (fp32), runs the user's optimizer there on fp32
+master copies of the parameters, and copies the updated masters back into the device parameters (in
+their own dtype). The device keeps only the parameters and their gradients; the 12 bytes per parameter
+of fp32 masters and Adam moments live on the host. It composes with every ZeRO stage: it sees the local
+shards this rank would step (ZeRO-1's owned parameters, FSDP's shards, DTensor local shards).
+
+What a CPU-only run proves: the placement (states on the host device, parameters where they were) and the
+step's mechanics (gradient copy, host step, copy back, checkpoints by parameter name) give the same numbers
+as one process. What it cannot prove: host↔device transfer speed, their overlap with compute, or pinned
+memory behaviour, which the planner prices from the catalog's host bandwidth (autopar.planner.offload_costs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.codegen.data_parallel import local
+
+__all__ = ["HostOptimizer", "host_optimizer_factory"]
+
+HOST = torch.device("cpu")
+
+
+def _as_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient laid out as its parameter (a vocab-parallel head's can come back replicated)."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def _params_of(params_or_groups: Iterable) -> list[nn.Parameter]:
+    out: list[nn.Parameter] = []
+    for item in params_or_groups:
+        out.extend(item["params"] if isinstance(item, dict) else [item])
+    return [p for p in out if p.requires_grad]
+
+
+class HostOptimizer:
+    """The user's optimizer stepping fp32 host copies of this rank's (local shards of) parameters."""
+
+    def __init__(self, params: Sequence, make_optimizer: Callable[[list], torch.optim.Optimizer]) -> None:
+        self.params = _params_of(params)
+        pin = torch.cuda.is_available()
+        self.masters: list[torch.Tensor] = []
+        for p in self.params:
+            master = local(p).detach().to(HOST, torch.float32, copy=True)
+            self.masters.append(master.pin_memory() if pin else master)
+        self.optimizer = make_optimizer([{"params": self.masters}])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def master_names(self, names: dict[int, list[str]]) -> dict[int, list[str]]:
+        """`names` (id of a model parameter → its names) re-keyed by the id of its host master."""
+        return {id(m): names[id(p)] for p, m in zip(self.params, self.masters, strict=True) if id(p) in names}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Gradients to the host (fp32), the step there, the updated masters back to the device parameters."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = None if p.grad is None else local(_as_param(p.grad, p)).to(HOST, torch.float32, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies have landed before the CPU reads them
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters, strict=True):
+            local(p).copy_(m, non_blocking=True)
+
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """After the parameters were loaded from a checkpoint: the masters copy them again."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.copy_(local(p))
+
+
+def host_optimizer_factory(make_optimizer: Callable[[list], torch.optim.Optimizer]) -> Callable[[list], HostOptimizer]:
+    """`make_optimizer` wrapped so that what it builds steps on the host (for ZeRO-1's owner-only optimizer too)."""
+    return lambda params: HostOptimizer(params, make_optimizer)
