@@ -202,3 +202,25 @@ def test_cbc_fallback_with_bound_rows_and_warm_start_matches_brute_force(seed: i
     assert (sol is None) == (best is None)
     if best is not None:
         assert sol.status == "optimal" and sol.objective_s == pytest.approx(best, rel=1e-7)
+
+
+def test_planning_prints_nothing_to_stdout() -> None:
+    """autopar.plan from Python stays quiet: HiGHS's banner, printed by its C++ constructor to the process's
+    stdout once per process, is silenced (a fresh process, so its first solver is constructed here)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, autopar\nfrom autopar import Cluster, PlannerOptions\n"
+            "net, x = autopar.zoo.build('gpt-tiny', seq_len=16)\n"
+            "plan = autopar.plan(autopar.capture(net, x), Cluster.preset('pcie-a100-8x', nodes=1), "
+            "global_batch_size=8, options=PlannerOptions(pp=2, top_k=0))\n"
+            "print(plan.solver.solver, plan.solver.ilps_solved, file=sys.stderr)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    solver, ilps = out.stderr.split()[-2:]
+    assert solver == "HiGHS" and int(ilps) >= 1, out.stderr[-500:]  # the solver whose banner it was did run
+    assert out.stdout == ""

@@ -74,7 +74,12 @@ re-priced by `autopar.planner.problem.evaluate`, which must agree with the ILP o
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import lru_cache
 
@@ -91,12 +96,46 @@ def _has_highs() -> bool:
     return "HiGHS" in pulp.listSolvers(onlyAvailable=True)
 
 
+_banner_silenced = False
+
+
+@contextlib.contextmanager
+def _first_highs_silenced() -> Iterator[None]:
+    """The process's stdout (file descriptor 1) sent to /dev/null around the first `highspy.Highs()`.
+
+    HiGHS's C++ constructor prints its banner ("Running HiGHS …") once per process to the C stdout, before
+    any option (`output_flag`) can be set, so neither `msg=False` nor redirecting `sys.stdout` stops it; a
+    library called from Python stays quiet unless asked. Later constructions print nothing, so they run as
+    they are."""
+    global _banner_silenced
+    if _banner_silenced:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            try:
+                yield
+            finally:
+                ctypes.CDLL(None).fflush(None)  # what the C library buffered goes to /dev/null, not later to fd 1
+                os.dup2(saved, 1)
+                _banner_silenced = True
+    finally:
+        os.close(saved)
+
+
 class _HiGHSWarm(pulp.HiGHS):
     """pulp's in-process HiGHS, handed a feasible start (`highspy.Highs.setSolution`) before it runs."""
 
     def __init__(self, start: dict[str, float] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.start = start
+
+    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 (pulp's name)
+        with _first_highs_silenced():
+            super().createAndConfigureSolver(lp)
 
     def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 (pulp's name)
         if self.start:
