@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +60,31 @@ def test_timeline_writes_a_png(plans, tmp_path, capsys) -> None:
     assert main(["show", str(a), "--timeline", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert f"timeline        {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("golden", ["gpt3-175b", "llama3-405b"])  # pp = 1 and pp = 32
+def test_timeline_ticks_ranks_as_integers_with_legends_outside(golden: str) -> None:
+    """Each panel has a title and integer pipeline-rank ticks inside 0..pp-1 (every rank up to 16 ranks),
+    and each legend lies wholly below its panel's data area."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from autopar.report.timeline import timeline_figure
+
+    plan = Plan.from_dict(json.loads((Path(__file__).parent / "golden" / f"{golden}.json").read_text()))
+    pp = plan.config.pp
+    fig = timeline_figure(plan)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for axis in fig.axes:
+            ticks = list(axis.get_yticks())
+            assert ticks == list(range(0, pp, -(-pp // 16))) and all(float(t).is_integer() for t in ticks)
+            assert axis.get_title()
+            legend = axis.get_legend().get_window_extent(renderer)
+            assert legend.y1 < axis.get_window_extent(renderer).y0  # below the data, not over it
+    finally:
+        plt.close(fig)
 
 
 SMALL_CLUSTER = """

@@ -6,7 +6,7 @@ from __future__ import annotations
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-__all__ = ["rank_segments", "draw_timeline"]
+__all__ = ["rank_segments", "timeline_figure", "draw_timeline"]
 
 _COLORS = {"forward": "#4c78a8", "backward": "#f58518", "recompute": "#e45756", "comm": "#72b7b2",
            "bubble": "#dddddd", "tail": "#54a24b"}
@@ -42,36 +42,61 @@ def rank_segments(plan: Plan) -> list[list[tuple[str, float, float]]]:
 
 
 def draw_timeline(plan: Plan, path: str) -> None:
+    """Write `timeline_figure(plan)` to a .png or .svg file."""
+    if not path.lower().endswith((".png", ".svg")):
+        raise AutoparError(f"--timeline {path}: use a .png or .svg file name")
+    fig = timeline_figure(plan)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def timeline_figure(plan: Plan):  # -> matplotlib.figure.Figure (matplotlib is optional)
+    """Two panels: the step of each pipeline rank over time, and each rank's memory by category; pipeline
+    ranks ticked as integers (every rank up to 16 ranks, fewer beyond), legends below the data."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator
+        from matplotlib.transforms import offset_copy
     except ImportError as err:
         raise AutoparError("--timeline needs matplotlib: pip install 'autopar[plot]'") from err
-    if not path.lower().endswith((".png", ".svg")):
-        raise AutoparError(f"--timeline {path}: use a .png or .svg file name")
-    fig, (ax, mx) = plt.subplots(1, 2, figsize=(14, 1 + 0.5 * plan.config.pp), gridspec_kw={"width_ratios": [3, 1]})
-    for q, segs in enumerate(rank_segments(plan)):
-        for kind, start, dur in segs:
-            ax.broken_barh([(start, dur)], (q - 0.4, 0.8), color=_COLORS[kind], linewidth=0)
+    pp = plan.config.pp
+    fig, (ax, mx) = plt.subplots(1, 2, figsize=(14, 2.6 + 0.22 * pp), gridspec_kw={"width_ratios": [3, 1]})
+    segments = rank_segments(plan)
+    for q, segs in enumerate(segments):
+        for kind in _COLORS:  # one collection per rank and kind: a 32-rank plan draws in a second, not half a minute
+            spans = [(start, dur) for k, start, dur in segs if k == kind]
+            if spans:
+                ax.broken_barh(spans, (q - 0.4, 0.8), color=_COLORS[kind], linewidth=0)
+    names = {"forward": "forward", "backward": "backward", "recompute": "recompute", "comm": "comm",
+             "bubble": "bubble (idle)", "tail": "dp comm + optimizer"}
+    drawn = [k for k in _COLORS if any(kind == k for segs in segments for kind, _, _ in segs)]
+    step = -(-pp // 16)  # every rank up to 16 ranks, every second up to 32, ...
+    for axis in (ax, mx):
+        axis.set_ylim(pp - 0.5, -0.5)  # rank 0 on top, each rank one row
+        axis.yaxis.set_major_locator(FixedLocator(list(range(0, pp, step))))
+        axis.set_ylabel("pipeline rank")
+    # legends below each panel's tick labels and axis label, whatever the panel's height
+    below = {"loc": "upper center", "bbox_to_anchor": (0.5, 0.0), "fontsize": 7, "frameon": False}
     ax.set_xlabel("seconds in one step")
-    ax.set_ylabel("pipeline rank")
-    ax.invert_yaxis()
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=v) for v in _COLORS.values()],
-              labels=["forward", "backward", "recompute", "comm", "bubble", "dp comm + optimizer"],
-              loc="upper right", fontsize=7, ncol=3)
+    ax.set_title("one training step per pipeline rank (schematic of the modelled step)", fontsize=9)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in drawn],
+              labels=[names[k] for k in drawn], ncol=len(drawn),
+              bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-30, units="points"), **below)
     cats = ("weights", "grads", "optimizer", "activations", "workspace", "logits", "zero3_buffer")
-    firsts = [s for s in plan.stages if s.index < plan.config.pp]
+    firsts = [s for s in plan.stages if s.index < pp]
     left = [0.0] * len(firsts)
     for cat in cats:
         vals = [s.memory_breakdown.get(cat, 0) / 2**30 for s in firsts]
-        mx.barh(range(len(firsts)), vals, left=left, label=cat)
+        mx.barh(range(len(firsts)), vals, left=left, label=cat, height=0.8)
         left = [a + b for a, b in zip(left, vals, strict=True)]
-    mx.invert_yaxis()
     mx.set_xlabel("GiB per device")
-    mx.legend(fontsize=6)
-    ax.set_title(f"{plan.model_name}: {plan.config}", fontsize=8)
+    mx.set_title("peak memory per device, by category", fontsize=9)
+    mx.legend(ncol=3, bbox_transform=offset_copy(mx.transAxes, fig=fig, y=-30, units="points"), **below)
+    fig.suptitle(f"{plan.model_name}: {plan.config}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
