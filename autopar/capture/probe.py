@@ -33,7 +33,7 @@ from autopar.capture.fusion import Step, StepLog, fused_kernels
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups
-from autopar.capture.units import common_parent
+from autopar.capture.tp_pairs import tensor_parallel_pairs
 from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
@@ -371,41 +371,6 @@ def _fresh(x: Any) -> Any:
     return x
 
 
-def _fused(linears: dict[str, nn.Module], row: str, cols: frozenset[str]) -> bool:
-    """A column linear wider than the row linear's input is several projections in one (q|k|v, gate|up):
-    splitting its output features into tp contiguous blocks would give a rank parts of different
-    projections, so such a pair is not sharded (it stays replicated, and is priced so)."""
-    return any(linears[c].out_features > linears[row].in_features for c in cols)
-
-
-def _full_width_norm(module: nn.Module, linears: dict[str, nn.Module], row: str, cols: frozenset[str]) -> bool:
-    """A norm beside the pair, as wide as a column's output (OLMo2 normalises q over all heads at once):
-    it would need every rank's heads, so the pair is not sharded. Per-head norms (Qwen3) are narrower
-    and run on a rank's heads (codegen sums their gradients over the TP group)."""
-    owner = common_parent([*cols, row])
-    widths = {linears[c].out_features for c in cols}
-    for sub in (module.get_submodule(owner) if owner else module).modules():
-        if type(sub).__name__.endswith("Norm") or isinstance(sub, (nn.LayerNorm, nn.RMSNorm)):
-            weights = [p for p in sub.parameters(recurse=False) if p.dim() == 1]
-            if weights and weights[0].numel() in widths:
-                return True
-    return False
-
-
-def _resolve_pairs(candidates: list[tuple[str, frozenset[str]]]) -> list[tuple[str, frozenset[str]]]:
-    """Keep candidates in execution order while no linear is both a column and a row."""
-    used_rows: set[str] = set()
-    used_cols: set[str] = set()
-    pairs = []
-    for row, cols in candidates:
-        if row in used_cols or row in used_rows or cols & used_rows or cols & used_cols:
-            continue
-        pairs.append((row, cols))
-        used_rows.add(row)
-        used_cols |= cols
-    return pairs
-
-
 def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: ModelState) -> CallStats:
     """Run `module(*args, **kwargs)` forward and backward on meta tensors and measure it.
 
@@ -448,8 +413,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
         forward_flops = counter.get_total_flops()
-        pairs = [(row, cols) for row, cols in _resolve_pairs(candidates)
-                 if not _fused(linears, row, cols) and not _full_width_norm(module, linears, row, cols)]
+        pairs = tensor_parallel_pairs(module, linears, candidates)
         column_sets = [cols for _, cols in pairs]
         tp_linears = {row for row, _ in pairs}.union(*column_sets) if pairs else set()
 
