@@ -131,7 +131,8 @@ class ParallelConfig:
             if key not in fields:
                 raise ConfigError(f"unknown config key {key!r}; keys: {', '.join(list(fields) + list(cls._ALIASES))}")
             if key in values:
-                raise ConfigError(f"config key {given!r} is given twice in {text!r} (as {key}); give each key once")
+                alias = f" (as {key})" if given != key else ""
+                raise ConfigError(f"config key {given!r} is given twice in {text!r}{alias}; give each key once")
             if key in ("schedule", "recompute", "fp8", "offload"):
                 values[key] = raw
             elif key in ("sequence_parallel", "compile"):

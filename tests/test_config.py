@@ -3,6 +3,7 @@
 import pytest
 
 from autopar import ParallelConfig, PlannerOptions
+from autopar.errors import ConfigError
 
 
 def test_parse_round_trips_str():
@@ -64,3 +65,13 @@ def test_fp8_and_offload_round_trip_and_print():
     old = {k: v for k, v in cfg.to_dict().items() if k not in ("fp8", "offload")}  # a plan saved before them
     assert ParallelConfig.from_dict(old).fp8 == "none" and ParallelConfig.from_dict(old).offload == "none"
     assert "fp8" not in str(ParallelConfig())
+
+
+@pytest.mark.parametrize(("spec", "key"), [("tp=2,tp=1", "'tp' is"), ("num_microbatches=4,m=2", "as num_microbatches"),
+                                            ("pp=2, schedule=gpipe ,schedule=1f1b", "'schedule' is")])
+def test_parse_refuses_a_key_given_twice(spec: str, key: str) -> None:
+    """A key given twice (also once by its alias) is refused naming it, not silently the last value."""
+    with pytest.raises(ConfigError, match=f"{key}.*given twice|given twice.*{key}"):
+        ParallelConfig.parse(spec)
+    with pytest.raises(ConfigError, match="given twice"):
+        ParallelConfig.parse_fields(spec)
