@@ -47,6 +47,9 @@ PRESETS: dict[str, tuple[str, str, str, int, str]] = {
                       "NVIDIA DGX A100 datasheet: 8x A100 80GB, 6 NVSwitches, 8x ConnectX-6 HDR 200 Gb/s"),
     "dgx-h100": ("h100-sxm-80gb", "nvlink4-nvswitch", "ib-ndr", 8,
                  "NVIDIA DGX H100 datasheet: 8x H100 SXM, 4 NVSwitches, 8x ConnectX-7 NDR 400 Gb/s"),
+    "hgx-h800": ("h800-sxm-80gb", "nvlink4-h800", "ib-ndr", 8,
+                 "DeepSeek-V3 technical report (arXiv 2412.19437) §3.1: nodes of 8 H800 on NVLink/NVSwitch, one "
+                 "400 Gb/s InfiniBand NIC per GPU across nodes"),
     "dgx-h200": ("h200-sxm-141gb", "nvlink4-nvswitch", "ib-ndr", 8,
                  "NVIDIA DGX H200 datasheet: 8x H200 SXM, 4 NVSwitches, 8x ConnectX-7 NDR 400 Gb/s"),
     "hgx-b200": ("b200-sxm-180gb", "nvlink5-nvswitch", "ib-ndr", 8,

@@ -1,7 +1,10 @@
 """`ParallelConfig` (one layout) and `PlannerOptions` (which layouts the planner may consider).
 
 Vocabulary: tp / pp / dp are the *degrees* of tensor, pipeline and data parallelism (mesh axis
-sizes, mesh order ("pp", "dp", "tp"), tp innermost); `virtual_stages` is the number of model
+sizes, mesh order ("pp", "dp", "tp"), tp innermost); ep is the expert-parallel degree of mixture-of-experts
+layers, folded over a stage's data-parallel ranks (docs/design.md §8: experts see the mesh
+("pp", "edp", "ep", "etp") with etp = 1 here, their bank replicated over tp as dense linears are not,
+and ep · edp = dp); `virtual_stages` is the number of model
 chunks per pipeline rank (v in Narayanan et al. 2021, §2.2); a *micro-batch* is what one pipeline
 slot processes on one data-parallel rank.
 """
@@ -48,9 +51,12 @@ class ParallelConfig:
     fp8: str = "none"
     # where the optimizer states (and with "params" the parameters) live: one of OFFLOAD_MODES
     offload: str = "none"
+    # expert parallelism: each MoE layer's experts split over ep of the dp ranks (E / ep each), tokens moved by
+    # all-to-all; ZeRO shards expert states over the edp = dp / ep ranks holding the same experts
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{f}={v!r}; it must be a positive integer")
@@ -78,6 +84,14 @@ class ParallelConfig:
                 )
         elif self.virtual_stages != 1:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
+        if self.dp % self.ep:
+            raise ConfigError(f"ParallelConfig.ep={self.ep} must divide dp={self.dp}: experts are split over ep of "
+                              "each stage's data-parallel ranks (ep · edp = dp); use an ep that divides dp")
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the dp ranks holding the same experts (ZeRO shards expert states over them)."""
+        return self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -108,6 +122,8 @@ class ParallelConfig:
             s += f",fp8={self.fp8}"
         if self.offload != "none":
             s += f",offload={self.offload}"
+        if self.ep > 1:
+            s += f",ep={self.ep}"
         return s
 
     _ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches",
@@ -161,6 +177,7 @@ class PlannerOptions:
     sequence_parallel: bool | None = None
     # False: eager blocks (what codegen runs unless asked); True: compiled; None: the planner prices both
     compile: bool | None = False
+    ep: int | None = None  # expert parallelism (MoE models; dense models have ep = 1 only)
     exclude_schedules: tuple[str, ...] = ()
     exclude_zero_stages: tuple[int, ...] = ()
     exclude_recompute: tuple[str, ...] = ()  # recompute modes no layer may use (e.g. to compare spaces)
@@ -171,10 +188,10 @@ class PlannerOptions:
     top_k: int = 5  # runner-up configurations kept in the plan
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages"):
+        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
             if getattr(self, f) is not None:
                 check_positive_int(f"PlannerOptions.{f}", getattr(self, f), error=ConfigError,
-                                   bound=MAX_DEVICES if f in ("tp", "pp", "dp") else None)
+                                   bound=MAX_DEVICES if f in ("tp", "pp", "dp", "ep") else None)
         check_positive_int("PlannerOptions.max_virtual_stages", self.max_virtual_stages, error=ConfigError)
         if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
             raise ConfigError(f"PlannerOptions.top_k={self.top_k!r}; it must be an integer from 0 to {MAX_TOP_K} "

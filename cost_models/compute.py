@@ -242,7 +242,7 @@ class ComputeModel:
         return max(roof, self.launch_s) if self._measured_tables(dtype) else roof + self.launch_s
 
     def kernel_time_s(self, kind: str, work: float, *, dtype: str = "bfloat16", tensor_bytes: float = 0.0,
-                      layout: str | None = None, mnk: tuple[int, int, int] | None = None) -> float:
+                      layout: str | None = None, mnk: tuple[int, int, int] | None = None, groups: int = 1) -> float:
         """Seconds for one kernel of a layer pass, priced as `optrace.predict_op_time_s` prices the op:
 
           gemm            `work` FLOPs at the GEMM table's rate for that work and operand layout (the
@@ -252,12 +252,16 @@ class ComputeModel:
                           at attention_eff(device) on a GPU
           memory kinds    `work` bytes in the measured table of that class (MEMORY_KINDS) at the rate of a
                           tensor of `tensor_bytes`; bandwidth × efficiency without a profile
-        plus the launch floor (measured times already include it, so there it is a minimum).
+        plus the launch floor (measured times already include it, so there it is a minimum). A grouped GEMM
+        (`groups` > 1: one launch over that many weight matrices, as torch._grouped_mm runs a mixture of
+        experts) is `groups` GEMMs of work / groups each, at the efficiency of that smaller size, and one
+        launch floor.
         """
-        if work < 0 or tensor_bytes < 0:
-            raise ValueError(f"kernel_time_s: work={work} and tensor_bytes={tensor_bytes} must be non-negative")
+        if work < 0 or tensor_bytes < 0 or groups < 1:
+            raise ValueError(f"kernel_time_s: work={work}, tensor_bytes={tensor_bytes} must be non-negative and "
+                             f"groups={groups} ≥ 1")
         if kind == "gemm":
-            t = self._compute_s(work, dtype, layout)
+            t = groups * self._compute_s(work / groups, dtype, layout)
         elif kind == "attention":
             rows = self.profile.gemm_samples(dtype, layout, batched=True) if self.profile is not None else []
             if mnk is not None and rows and work > 0:

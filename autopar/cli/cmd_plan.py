@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, help="pin pipeline parallelism")
     p.add_argument("--dp", type=int, help="pin data parallelism")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="pin the ZeRO stage")
+    p.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; a divisor of dp)")
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin recompute on every layer")
@@ -103,7 +104,7 @@ def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | Non
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
     """Numbers and output paths of `autopar plan`, checked before any capture or search."""
-    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "mbs"):
+    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "mbs", "ep"):
         value = getattr(args, flag)
         if value is not None:
             check_positive_int(f"--{flag.replace('_', '-')}", value, error=AutoparError,
@@ -146,7 +147,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
-                          schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
+                          ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
                           top_k=args.top, time_limit_s=args.time_limit)
     from autopar.models import training_dtype
 
@@ -272,4 +273,6 @@ def _alternative(plan: Plan, text: str) -> ParallelConfig:
         fill.update(schedule="1f1b", virtual_stages=1)
     if tp == 1:
         fill["sequence_parallel"] = False
+    if dp % fill["ep"]:  # experts fold over dp: an inherited ep that no longer divides it goes back to 1
+        fill["ep"] = 1
     return ParallelConfig.parse(text, **fill)

@@ -96,6 +96,19 @@ def _agree(failure: BaseException | None) -> None:
         raise PlanMismatchError(f"rank {rank} could not build its part of the plan ({msg}); every rank stops")
 
 
+def _refuse_expert_parallelism(plan: Plan, graph: ModelGraph) -> None:
+    """ep > 1 is captured, priced and planned, but the runtime does not yet split experts over ranks with an
+    all-to-all dispatch: refuse it by name before any process group is touched (never run it half)."""
+    if plan.config.ep == 1:
+        return
+    banks = [la.moe.experts for la in graph.layers if la.moe is not None]
+    shown = ", ".join(banks[:3]) + (f" and {len(banks) - 3} more" if len(banks) > 3 else "")
+    raise PlanMismatchError(
+        f"the plan splits the experts of {shown} over ep={plan.config.ep} ranks, and autopar's runtime does not run "
+        "expert parallelism yet (the planner prices it; codegen has no all-to-all token dispatch): re-plan with "
+        "ep=1 (PlannerOptions(ep=1), --ep 1), which trains these layers with their experts on every rank")
+
+
 def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
                 example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
@@ -111,6 +124,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs)
     check_plan_for_graph(plan, graph)  # stages cover the layers once, in order; tp splits them; numbers sane
     cfg = plan.config
+    _refuse_expert_parallelism(plan, graph)
     dev = resolve_device(device)
     init_distributed(cfg, dev)
     check_stage_placement(plan)

@@ -6,6 +6,12 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   Megatron's all-reduces per pattern, forward-only for a vocab-parallel embedding, backward and
                   the parallel cross-entropy's for the LM head, SP's all-gathers and reduce-scatters), over t
                   ranks inside one node; per-step ones (SP norm-gradient reductions) join the layer's γ
+  EP comm         a mixture-of-experts layer under expert parallelism: all-to-all dispatch and combine of the
+                  routed token copies (MoESpec.dispatch_bytes_per_sample × b, one rank's send buffer) over the
+                  ep ranks, twice forward and twice backward (the gradients return the same way; Lepikhin et
+                  al. 2021, GShard §3.2; Megatron-Core's MoE token dispatcher), at the links the group crosses
+                  (CommModel.all_to_all_time_s: ep consecutive data-parallel ranks, tp apart in the mesh), the
+                  busiest rank receiving MoESpec.load_imbalance × the mean
   p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across
   DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
   shared weights  with pp > 1 the replicas of a weight several layers share (a head tied to the embedding)
@@ -52,6 +58,7 @@ class CommCosts:
         self.host_floor_s = host_floor_s
         self._span = sequence_span(graph)
         self._tp = lru_cache(maxsize=None)(self._tp_times)
+        self._ep = lru_cache(maxsize=None)(self._ep_times)
         self._sync = lru_cache(maxsize=None)(self._dp_tail_key)
         self._inter = lru_cache(maxsize=None)(self._inter_node_key)
 
@@ -95,6 +102,25 @@ class CommCosts:
             tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
         return tp_s
 
+    # ---- expert parallelism ----
+    def ep_times(self, ri: int, tp: int, mbs: int, ep: int) -> dict[str, float]:
+        """Seconds of one layer of run `ri`'s all-to-alls per micro-batch: "forward" (dispatch + combine)
+        and "backward" (their gradients); zero for a dense layer or ep = 1."""
+        return self._ep(ri, tp, mbs, ep)
+
+    def ep_ranks_per_node(self, tp: int, ep: int) -> int:
+        """Ranks of one EP group on one node: ep consecutive data-parallel ranks are tp apart in the mesh."""
+        return math.gcd(ep, max(1, self.devices_per_node // tp))
+
+    def _ep_times(self, ri: int, tp: int, mbs: int, ep: int) -> dict[str, float]:
+        moe = self.memory.runs[ri][0].moe
+        if moe is None or ep == 1:
+            return {"forward": 0.0, "backward": 0.0}
+        n = moe.dispatch_bytes_per_sample * mbs
+        one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep)) * moe.load_imbalance
+        one *= self.sharing_factor(ep)
+        return {"forward": 2 * one, "backward": 2 * one}
+
     # ---- pipeline parallelism ----
     def send_s(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, float]:
         """One send of run `ri`'s boundary tensor per micro-batch: (inside a node, across nodes)."""
@@ -115,12 +141,16 @@ class CommCosts:
 
     # ---- data parallelism ----
     def dp_tail(self, c: Candidate) -> DPTail:
-        return self._sync(c.tp, c.pp, c.dp, c.zero_stage, c.num_microbatches)
+        return self._sync(c.tp, c.pp, c.dp, c.zero_stage, c.num_microbatches, c.ep)
 
-    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int) -> DPTail:
+    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int, ep: int = 1) -> DPTail:
+        """The data-parallel tail over this rank's gradients: dense ones reduce over dp, expert ones over
+        edp = dp / ep; both are priced as the dp group's collectives on their bytes (a ring's bandwidth term
+        differs by (K−1)/K between the two group sizes)."""
         rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
         mem = self.memory
-        grad_bytes = mem.grad_bytes(sum(len(g) * mem.run_local_params(ri, tp) for ri, g in enumerate(mem.runs))) / pp
+        grad_bytes = mem.grad_bytes(sum(len(g) * mem.run_local_params(ri, tp, ep)
+                                        for ri, g in enumerate(mem.runs))) / pp
 
         def coll(op: str, n: float, k: int) -> float:
             return self.collective_s(op, n, k, rpn if k == dp else None)

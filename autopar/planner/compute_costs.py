@@ -20,6 +20,10 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
                   checkpointed by codegen, so other layers price op_sac as none; graphs captured before
                   op_sac price it as none's memory with full's time (never preferred). The TP collectives a
                   mode runs again are priced by comm_costs; `RunCompute.recompute_tp` says which modes do
+  experts         a mixture-of-experts bank's grouped GEMMs (Kernel.expert) run E / ep experts, each a GEMM of
+                  its own tokens (ComputeModel.kernel_time_s groups); under expert parallelism (ep > 1) a rank
+                  receives the tokens its ep peers route to its experts, on average its own tokens · k, and the
+                  busiest rank MoESpec.load_imbalance times that: the step waits for it
   optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
   host            DTensor's dispatch of TP-sharded layers on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
 """
@@ -97,15 +101,17 @@ class ComputeCosts:
         self._time = lru_cache(maxsize=None)(self._run_compute)
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
 
-    def run(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> RunCompute:
-        """Compute seconds of one layer of run `ri` (memory.runs) at tp, sp and micro-batch mbs."""
-        return self._time(ri, tp, sp, mbs, compiled)
+    def run(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1) -> RunCompute:
+        """Compute seconds of one layer of run `ri` (memory.runs) at tp, sp, micro-batch mbs and ep."""
+        return self._time(ri, tp, sp, mbs, compiled, ep)
 
-    def optimizer_s(self, ri: int, tp: int, shards: int) -> float:
-        """One layer of run `ri`'s optimizer step, its parameters split over `shards` owners (ZeRO)."""
-        return self._opt_run(ri, tp, shards)
+    def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
+        """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
+        and its experts' over shards / ep (the ranks holding the same experts)."""
+        return self._opt_run(ri, tp, shards, ep)
 
-    def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> RunCompute:
+    def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False,
+                     ep: int = 1) -> RunCompute:
         layer = self.memory.runs[ri][0]
         compiled = compiled and layer.kind == "block" and bool(layer.kernels_forward.fused)  # codegen compiles blocks
         f = layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
@@ -113,8 +119,8 @@ class ComputeCosts:
         fp = self.memory.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
-            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled)
-            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled)
+            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep))
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep))
             if tp == 1 and not compiled:
                 fwd = max(fwd, self._measured_floor_s(layer, "fwd", mbs))
                 bwd = max(bwd, self._measured_floor_s(layer, "bwd", mbs))
@@ -150,7 +156,7 @@ class ComputeCosts:
             kf = layer.kernels_forward
             rerun = [k for k in kf.kernels if not k.op_sac_saved and (not compiled or k.kind in ("gemm", "attention"))]
             sac = self._pass_s(dataclasses.replace(kf, kernels=tuple(rerun) + (kf.fused if compiled else ())),
-                               tp, sp, mbs)
+                               tp, sp, mbs, experts=self._experts(layer, ep))
         else:  # not checkpointed by codegen (none), or captured before op_sac (full's time)
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
@@ -197,11 +203,21 @@ class ComputeCosts:
                 best_b, best_t = int(b[1:]), t
         return best_t
 
-    def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False) -> float:
+    @staticmethod
+    def _experts(layer: LayerSpec, ep: int) -> tuple[int, float]:
+        """(experts per rank's divisor ep, work factor of the busiest rank) for the layer's expert kernels."""
+        if layer.moe is None or ep == 1:
+            return 1, 1.0
+        return ep, layer.moe.load_imbalance
+
+    def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False,
+                experts: tuple[int, float] = (1, 1.0)) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
         list by their per-kind totals (ComputeModel.kernels_time_s). `compiled`: the memory-bound kernels
-        as TorchInductor fuses them (KernelMix.fused), GEMMs and attention unchanged."""
+        as TorchInductor fuses them (KernelMix.fused), GEMMs and attention unchanged. `experts` = (ep,
+        imbalance): expert GEMMs run groups / ep experts on imbalance × their work (module docstring)."""
+        ep, imbalance = experts
         if mix.kernels:
             total = 0.0
             kernels = mix.kernels
@@ -210,9 +226,10 @@ class ComputeCosts:
             for k in kernels:
                 memory = k.kind not in ("gemm", "attention")
                 share = 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
+                load = imbalance if k.expert else 1.0
                 total += k.count * self.model.kernel_time_s(
-                    k.kind, mbs * share * k.work, dtype=self.dtype, tensor_bytes=mbs * share * k.tensor_bytes,
-                    layout=k.layout, mnk=k.mnk)
+                    k.kind, mbs * share * load * k.work, dtype=self.dtype, tensor_bytes=mbs * share * k.tensor_bytes,
+                    layout=k.layout, mnk=k.mnk, groups=max(1, k.groups // ep) if k.expert else k.groups)
             return total
 
         def work(total: float, sharded: float, all_sharded: bool = False) -> float:
@@ -225,14 +242,16 @@ class ComputeCosts:
             memory_bytes=work(mix.memory_bytes, mix.memory_bytes_tp_sharded, all_sharded=sp and tp > 1),
             memory_count=mix.memory_count, dtype=self.dtype)
 
-    def optimizer_host_s(self, ri: int, tp: int, shards: int) -> float:
+    def optimizer_host_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         """Of the optimizer step: AdamW's DTensor dispatch over tensor-parallel parameters (on CPU)."""
         layer = self.memory.runs[ri][0]
         if tp <= 1 or not layer.tp_patterns:
             return 0.0
         return self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
 
-    def _run_optimizer_s(self, ri: int, tp: int, shards: int) -> float:
-        local = self.memory.run_local_params(ri, tp) / shards
+    def _run_optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
+        layer = self.memory.runs[ri][0]
+        local = (self.memory.local_dense_params(layer, tp) / shards
+                 + self.memory.local_expert_params(layer, ep) / max(1, shards // ep))
         return (self.model.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
                 + self.optimizer_host_s(ri, tp, shards))

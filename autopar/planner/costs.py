@@ -95,13 +95,14 @@ class CostModel:
         sp, mbs = c.sequence_parallel, c.micro_batch_size
         runs = []
         for ri, group in enumerate(mem.runs):
-            t = self.compute.run(ri, c.tp, sp, mbs, c.compile)
+            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep)
             tp = comm.tp_times(ri, c.tp, sp, mbs)
-            tp_fwd, tp_bwd = tp["forward"], tp["backward"]
+            ep = comm.ep_times(ri, c.tp, mbs, c.ep)  # expert all-to-alls: in the layer, counted as its tp_comm
+            tp_fwd, tp_bwd = tp["forward"] + ep["forward"], tp["backward"] + ep["backward"]
             # a mode that runs the forward again runs its TP collectives again
             rec = tuple(r + tp_fwd if again else r for r, again in zip(t.recompute_s, t.recompute_tp, strict=True))
             compute_s = t.compute_s
-            grad_bytes = mem.grad_bytes(mem.run_local_params(ri, c.tp))
+            grad_bytes = mem.grad_bytes(mem.run_local_params(ri, c.tp, c.ep))
             # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
             hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
             runs.append(Run(
@@ -110,11 +111,11 @@ class CostModel:
                 compute_s=(compute_s + hooks,) * len(MODES),
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
                 act_bytes=mem.activation_bytes(ri, c.tp, sp, mbs),
-                state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, c.dp),
+                state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, c.dp, c.ep),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
                 backward_s=tail.hidden_s(grad_bytes, compute_s - t.backward_s, t.backward_s) if overlaps else 0.0,
                 grad_sync_s=tail.layer_s(grad_bytes) + tp["step"] + comm.shared_sync_s(ri, c),
-                optimizer_s=self.compute.optimizer_s(ri, c.tp, shards) + opt_host,
+                optimizer_s=self.compute.optimizer_s(ri, c.tp, shards, c.ep) + opt_host,
                 send_s=comm.send_s(ri, c.tp, sp, mbs), host_s=t.host_s + hooks,
                 optimizer_host_s=self.compute.optimizer_host_s(ri, c.tp, shards) + opt_host))
         return tuple(runs)

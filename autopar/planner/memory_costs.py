@@ -4,11 +4,13 @@ The planner's part that answers "how much memory" (its time is priced by compute
 and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-parallel degree t:
 
   parameters      a layer's parameters on one device: the TP-sharded share ÷ t (vocab × hidden for
-                  embeddings and heads, else the TP-sharded share of its FLOPs: linears do 2 FLOPs per
-                  parameter per token, norms stay replicated), the rest whole
+                  embeddings and heads, else the TP-sharded share of its dense FLOPs: linears do 2 FLOPs per
+                  parameter per token, norms stay replicated), the rest whole; a mixture-of-experts bank's
+                  parameters (MoESpec.expert_params: not tensor-parallel) ÷ ep
   model states    cost_models.memory.model_state_bytes on those parameters, in the model's dtype: weights
                   and gradients of one element each, fp32 Adam states (master weights and two moments,
-                  12 bytes, in mixed precision; two moments, 8 bytes, in fp32 training); ZeRO shards them
+                  12 bytes, in mixed precision; two moments, 8 bytes, in fp32 training); ZeRO shards dense
+                  states over dp and expert states over edp = dp / ep (the ranks holding the same experts)
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode
   per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
                   or unsharded buffers (ZeRO-2/3), the in-flight micro-batches of the schedule
@@ -29,7 +31,7 @@ from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate
 from cost_models import memory
 
-__all__ = ["MemoryCosts", "RankMemory", "group_runs", "DTYPE_BYTES"]
+__all__ = ["MemoryCosts", "RankMemory", "group_runs", "expert_forward_flops", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -43,6 +45,13 @@ def group_runs(layers: tuple[LayerSpec, ...]) -> list[list[LayerSpec]]:
         else:
             runs.append([layer])
     return runs
+
+
+def expert_forward_flops(layer: LayerSpec) -> float:
+    """Forward FLOPs per sample of the layer's expert GEMMs (Kernel.expert), 0 for a dense layer."""
+    if layer.moe is None:
+        return 0.0
+    return sum(k.work * k.count for k in layer.kernels_forward.kernels if k.expert)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +72,7 @@ class MemoryCosts:
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.elem = DTYPE_BYTES.get(graph.dtype, 2)  # bytes of one weight, gradient or activation element
         self.runs = group_runs(graph.layers)
-        self._local_run = lru_cache(maxsize=None)(lambda ri, tp: self.local_params(self.runs[ri][0], tp))
+        self._local_run = lru_cache(maxsize=None)(lambda ri, tp, ep=1: self.local_params(self.runs[ri][0], tp, ep))
         self._state_run = lru_cache(maxsize=None)(self._run_states)
         self._acts = lru_cache(maxsize=None)(self._activation_bytes)
         self._inflight = lru_cache(maxsize=None)(
@@ -80,16 +89,27 @@ class MemoryCosts:
         if kinds & {"embedding", "lm_head"} and self.graph.hidden_size:
             vocab = max(p.vocab_size or 0 for p in layer.tp_patterns)
             return min(1.0, vocab * self.graph.hidden_size / layer.num_params)
-        return layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
+        dense = layer.forward_flops - expert_forward_flops(layer)
+        return layer.forward_flops_tp_sharded / dense if dense > 0 else 0.0
 
-    def local_params(self, layer: LayerSpec, tp: int) -> float:
-        """Parameters of `layer` one device holds at tensor-parallel degree tp."""
+    def local_params(self, layer: LayerSpec, tp: int, ep: int = 1) -> float:
+        """Parameters of `layer` one device holds at tensor-parallel degree tp and expert-parallel ep."""
+        return self.local_dense_params(layer, tp) + self.local_expert_params(layer, ep)
+
+    def local_dense_params(self, layer: LayerSpec, tp: int) -> float:
+        """Of `local_params`, the dense ones (everything but the expert bank; of these ÷ tp the TP share)."""
         f = self.tp_param_fraction(layer)
-        return layer.num_params * (1.0 - f + f / tp)
+        dense = layer.num_params - (layer.moe.expert_params if layer.moe is not None else 0)
+        return dense * (1.0 - f + f / tp)
 
-    def run_local_params(self, ri: int, tp: int) -> float:
+    @staticmethod
+    def local_expert_params(layer: LayerSpec, ep: int) -> float:
+        """Of `local_params`, the expert bank's: E / ep experts (expert parallelism)."""
+        return layer.moe.expert_params / ep if layer.moe is not None else 0.0
+
+    def run_local_params(self, ri: int, tp: int, ep: int = 1) -> float:
         """`local_params` of one layer of run `ri`."""
-        return self._local_run(ri, tp)
+        return self._local_run(ri, tp, ep)
 
     def grad_bytes(self, num_params: float) -> float:
         """Bytes of the gradients of num_params parameters (what data-parallel collectives carry)."""
@@ -102,12 +122,22 @@ class MemoryCosts:
         return memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=w, grad_bytes=w,
                                         optimizer_bytes=opt)
 
-    def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int) -> float:
+    def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1) -> float:
         """Model-state bytes of one layer of run `ri` on one device."""
-        return self._state_run(ri, tp, zero_stage, dp)
+        return self._state_run(ri, tp, zero_stage, dp, ep)
 
-    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int) -> float:
-        return self.model_states(self._local_run(ri, tp), zero_stage, dp).total_bytes
+    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1) -> float:
+        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep).total_bytes
+
+    def layer_states(self, layer: LayerSpec, tp: int, zero_stage: int, dp: int, ep: int = 1) -> memory.ModelStateBytes:
+        """Model states of `layer` on one device: dense ones sharded over dp, expert ones over dp / ep."""
+        dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp)
+        if layer.moe is None:
+            return dense
+        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, dp // ep)
+        return memory.ModelStateBytes(weights_bytes=dense.weights_bytes + expert.weights_bytes,
+                                      grads_bytes=dense.grads_bytes + expert.grads_bytes,
+                                      optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes)
 
     def shared_duplicate_states(self, tp: int, zero_stage: int, dp: int) -> memory.ModelStateBytes:
         """Model states of the extra copies the layers' sums count of weights several layers share."""
@@ -149,14 +179,14 @@ class MemoryCosts:
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.dp, c.zero_stage, c.schedule, c.num_microbatches, c.virtual_stages,
-                           c.micro_batch_size)
+                           c.micro_batch_size, c.ep)
 
     def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
-                         mbs: int) -> tuple[RankMemory, ...]:
+                         mbs: int, ep: int = 1) -> tuple[RankMemory, ...]:
         g = self.graph
         zero3_bytes = 0.0
         if zero_stage >= 2 and dp > 1:
-            largest = max(self._local_run(ri, tp) for ri in range(len(self.runs))) * self.elem
+            largest = max(self._local_run(ri, tp, ep) for ri in range(len(self.runs))) * self.elem
             # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer; ZeRO-3 also holds the
             # running and the prefetched layer's gathered weights (ZeRO-2 keeps its weights, already counted)
             zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest) if zero_stage == 3
@@ -181,7 +211,7 @@ class MemoryCosts:
         ranks = self.rank_memory(c)
         out = []
         for q, names in enumerate(layer_names_by_rank):
-            st = [self.model_states(self.local_params(self.graph.layer(n), c.tp), c.zero_stage, c.dp) for n in names]
+            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.dp, c.ep) for n in names]
             if c.pp == 1:  # held once (see _rank_memory_key)
                 dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.dp)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,

@@ -1,7 +1,8 @@
 """The outer search space (docs/design.md §5): every discrete layout choice except stage cuts and recompute.
 
-A `Candidate` fixes tp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages and
-sequence parallelism and compiled blocks; the ILP (`autopar.planner.ilp`) then places the cuts and picks
+A `Candidate` fixes tp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages,
+sequence parallelism, compiled blocks and the expert-parallel degree ep (a divisor of dp and of every MoE
+layer's expert count; 1 for dense models); the ILP (`autopar.planner.ilp`) then places the cuts and picks
 recompute per layer.
 Equivalent layouts are enumerated once: with dp = 1 every ZeRO stage is ZeRO-0, and with pp = 1 GPipe
 and 1F1B are the same schedule (named 1f1b).
@@ -15,7 +16,7 @@ from autopar.capture.graph import ModelGraph
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
 
-__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees"]
+__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees"]
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -30,19 +31,20 @@ class Candidate:
     virtual_stages: int
     sequence_parallel: bool
     compile: bool = False
+    ep: int = 1
 
     def config(self, recompute: str) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage,
                               micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
-                              sequence_parallel=self.sequence_parallel, compile=self.compile)
+                              sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep)
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
         return cls(tp=config.tp, pp=config.pp, dp=config.dp, zero_stage=config.zero_stage,
                    micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
-                   sequence_parallel=config.sequence_parallel, compile=config.compile)
+                   sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep)
 
 
 def divisors(n: int) -> list[int]:
@@ -55,6 +57,14 @@ def tp_degrees(graph: ModelGraph, devices_per_node: int) -> list[int]:
     if not patterns:
         return [1]
     return [t for t in divisors(devices_per_node) if all(pat.max_degree_ok(t) for pat in patterns)]
+
+
+def ep_degrees(graph: ModelGraph, dp: int) -> list[int]:
+    """Expert-parallel degrees: divisors of dp that split every MoE layer's experts evenly ([1] when dense)."""
+    moes = [la.moe for la in graph.layers if la.moe is not None]
+    if not moes:
+        return [1]
+    return [e for e in divisors(dp) if all(m.max_degree_ok(e) for m in moes)]
 
 
 def _pinned(values: list, pin) -> list:
@@ -83,9 +93,10 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                     for sched, v in _schedules(pp, m, graph.num_layers, schedules, o):
                         for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
                             for comp in _pinned([False, True], o.compile):
-                                out.append(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
+                                out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
-                                                     sequence_parallel=sp, compile=comp))
+                                                     sequence_parallel=sp, compile=comp, ep=ep)
+                                           for ep in _pinned(ep_degrees(graph, dp), o.ep))
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out
@@ -119,6 +130,12 @@ def _schedules(pp: int, m: int, num_layers: int, schedules: list[str], o: Planne
 
 def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch: int, o: PlannerOptions) -> str:
     tps = tp_degrees(graph, devices_per_node)
+    moes = [la.moe for la in graph.layers if la.moe is not None]
+    if o.ep is not None and o.ep > 1 and not moes:
+        return f"ep={o.ep} needs mixture-of-experts layers; {graph.model_name} has none: leave ep unset or 1"
+    if o.ep is not None and any(not m.max_degree_ok(o.ep) for m in moes):
+        counts = sorted({m.num_experts for m in moes})
+        return f"ep={o.ep} does not divide the expert count of {graph.model_name} ({counts}); pick a divisor of it"
     if o.tp is not None and o.tp not in tps:
         return (f"tp={o.tp} is not possible: tensor parallelism must divide devices_per_node={devices_per_node} "
                 f"and every head count and vocabulary of {graph.model_name}; possible tp: {tps}")
@@ -136,5 +153,5 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 def _pins(o: PlannerOptions) -> str:
     names = ("tp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages",
-             "recompute", "sequence_parallel", "compile")
+             "recompute", "sequence_parallel", "compile", "ep")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"
