@@ -49,8 +49,10 @@ def test_families_pipeline_1f1b(half):
 
 def test_tp2_dp2_on_four_ranks():
     """The layouts the bug reports named: GPT-2 (position embedding added beside the token embedding, head
-    tied to it) and Gemma (scaled, tied embedding) under tp2 × dp2."""
-    _run([("gpt2", dict(tp=2, dp=2)), ("gemma", dict(tp=2, dp=2, zero_stage=1))], 4)
+    tied to it) and Gemma (scaled, tied embedding) under tp2 × dp2; Phi-3 (grouped-query attention in one
+    fused q|k|v projection of unequal blocks, 4 query and 2 key/value heads) under tp2 × pp2."""
+    _run([("gpt2", dict(tp=2, dp=2)), ("gemma", dict(tp=2, dp=2, zero_stage=1)),
+          ("phi3", dict(tp=2, pp=2, num_microbatches=2, schedule="1f1b"))], 4)
 
 
 def test_families_3d_zero3_on_eight_ranks():
