@@ -23,6 +23,7 @@ from typing import Any
 
 from autopar.checks import MAX_DEVICES
 from autopar.errors import ClusterSpecError, ProfileMismatchError
+from autopar.host import host_from_file, local_host, preset_host
 
 try:  # Python ≥ 3.11
     import tomllib
@@ -32,7 +33,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 from cost_models import catalog
 from cost_models.comm import CommModel, Topology, fit_link
 from cost_models.compute import ComputeModel
-from cost_models.hardware import DeviceSpec, LinkSpec
+from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
 from cost_models.profile import Profile, ProfileMismatch, scale_profile
 
 __all__ = ["Cluster", "PRESETS", "BACKENDS"]
@@ -60,7 +61,7 @@ PRESETS: dict[str, tuple[str, str, str, int, str]] = {
                      "a typical server: 8x H100 PCIe Gen5, no NVLink bridges, 200 GbE RoCE per GPU"),
 }
 
-_FILE_KEYS = ("name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "backend")
+_FILE_KEYS = ("name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "backend", "host")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us", "efficiency", "efficiency_source", "source", "notes")
 _DEVICE_KEYS = ("name", "kind", "memory_GiB", "memory_bandwidth_GBps", "peak_TFLOPs", "source", "notes")
 
@@ -103,6 +104,7 @@ class Cluster:
     inter_node: LinkSpec
     backend: str = "nccl"
     profile: Profile | None = None
+    host: HostSpec | None = None  # each node's host (autopar.host): what offload plans use; None: offload refused
 
     def __post_init__(self) -> None:
         for f in ("nodes", "devices_per_node"):
@@ -160,6 +162,10 @@ class Cluster:
         d["intra_node"] = self.intra_node.to_dict()
         d["inter_node"] = self.inter_node.to_dict()
         d["profile"] = self.profile.to_dict() if self.profile else None
+        if self.host is None:
+            d.pop("host")
+        else:
+            d["host"] = self.host.to_dict()
         return d
 
     @classmethod
@@ -169,6 +175,7 @@ class Cluster:
         d["intra_node"] = LinkSpec.from_dict(d["intra_node"])
         d["inter_node"] = LinkSpec.from_dict(d["inter_node"])
         d["profile"] = Profile.from_dict(d["profile"]) if d.get("profile") else None
+        d["host"] = HostSpec.from_dict(d["host"]) if d.get("host") else None
         return cls(**d)
 
     # ---- constructors ----
@@ -190,7 +197,8 @@ class Cluster:
         if prof is not None:
             _check_profile(prof, device=device, here=False)
         return cls(name=name, nodes=nodes, devices_per_node=per_node, device=device,
-                   intra_node=catalog.link(intra), inter_node=catalog.link(inter), backend="nccl", profile=prof)
+                   intra_node=catalog.link(intra), inter_node=catalog.link(inter), backend="nccl", profile=prof,
+                   host=preset_host(name))
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:
@@ -238,7 +246,8 @@ class Cluster:
                 intra = fit_link(list(prof.collectives), name=f"{intra.name}-measured",
                                  source=f"α-β fitted to the profiled {prof.backend} all-reduces of {prof.created}")
         return cls(name="local", nodes=1, devices_per_node=n, device=device, intra_node=intra, inter_node=intra,
-                   backend="nccl" if cuda else "gloo", profile=prof)
+                   backend="nccl" if cuda else "gloo", profile=prof,
+                   host=None if cuda else local_host(device, prof.machine.ram_bytes if prof else None))
 
 
 def _load_profile(profile: Profile | str | Path | None) -> Profile | None:
@@ -438,5 +447,6 @@ def _cluster_from_mapping(data: Any, where: str) -> Cluster:
         raise ClusterSpecError(f"{where}: backend = {backend!r}; accepted values: {', '.join(BACKENDS)}")
     intra = _link_field(data, "intra_node", where)
     inter = _link_field(data, "inter_node", where) if nodes > 1 or "inter_node" in data else intra
+    host = host_from_file(data["host"], where) if "host" in data else None
     return Cluster(name=str(data.get("name", Path(where).stem)), nodes=nodes, devices_per_node=per_node,
-                   device=device, intra_node=intra, inter_node=inter, backend=backend)
+                   device=device, intra_node=intra, inter_node=inter, backend=backend, host=host)

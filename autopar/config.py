@@ -178,6 +178,10 @@ class PlannerOptions:
     # False: eager blocks (what codegen runs unless asked); True: compiled; None: the planner prices both
     compile: bool | None = False
     ep: int | None = None  # expert parallelism (MoE models; dense models have ep = 1 only)
+    # "none" (the default: FP8 changes numerics, so it is opt-in), a recipe to pin, or None: the planner picks
+    fp8: str | None = "none"
+    # None: the planner prices every offload mode and takes one where nothing else fits or it is faster
+    offload: str | None = None
     exclude_schedules: tuple[str, ...] = ()
     exclude_zero_stages: tuple[int, ...] = ()
     exclude_recompute: tuple[str, ...] = ()  # recompute modes no layer may use (e.g. to compare spaces)
@@ -215,6 +219,11 @@ class PlannerOptions:
         if set(self.exclude_recompute) - set(RECOMPUTE_MODES) or set(RECOMPUTE_MODES) <= set(self.exclude_recompute):
             raise ConfigError(f"PlannerOptions.exclude_recompute={self.exclude_recompute!r}; exclude some of "
                              f"{RECOMPUTE_MODES}, not all")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"PlannerOptions.fp8={self.fp8!r}; expected one of {FP8_RECIPES} or None (auto)")
+        if self.offload is not None and self.offload not in OFFLOAD_MODES:
+            raise ConfigError(f"PlannerOptions.offload={self.offload!r}; expected one of {OFFLOAD_MODES} "
+                              "or None (auto)")
         bad = [s for s in self.exclude_schedules if s not in SCHEDULES]
         if bad:
             raise ConfigError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")

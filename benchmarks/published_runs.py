@@ -100,6 +100,11 @@ def published_step_s(run: dict, graph) -> float:
     return flops / (gpus * run["tflops_per_gpu"] * 1e12)
 
 
+def _run_options(run: dict) -> dict:
+    """The run's precision and memory options as ParallelConfig fields: FP8 recipe, offload, compiled blocks."""
+    return dict(fp8=run.get("fp8", "none"), offload=run.get("offload", "none"), compile=run.get("compile", False))
+
+
 def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, str, bool]:
     """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
     dp, gb = run["dp"], run["global_batch"]
@@ -107,18 +112,19 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, str, bo
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
-                             sequence_parallel=run["sp"])
+                             sequence_parallel=run["sp"], **_run_options(run))
         est = autopar.estimate(graph, cluster, cfg)
         return est, str(cfg), not est.fits
     opts = PlannerOptions(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], recompute=run["recompute"],
-                          sequence_parallel=run["sp"], top_k=0, max_virtual_stages=8)
+                          sequence_parallel=run["sp"], top_k=0, max_virtual_stages=8,
+                          **_run_options(run))
     try:
         plan = autopar.plan(graph, cluster, global_batch_size=gb, options=opts)
         return plan.estimate, str(plan.config), False
     except InfeasiblePlanError:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run["recompute"],
-                             sequence_parallel=run["sp"])
+                             sequence_parallel=run["sp"], **_run_options(run))
         return autopar.estimate(graph, cluster, cfg), str(cfg), True
 
 
@@ -140,6 +146,20 @@ def fitted_constant_mfu(rows: list[Priced]) -> tuple[float, float]:
     candidates = [i / r.published_s for i, r in zip(ideal, rows, strict=True)]
     best = min(candidates, key=mape)
     return best, mape(best)
+
+
+def print_speedups(runs: list[dict], rows: list[Priced]) -> None:
+    """FP8 over 16-bit (or offload over none): each run that names its `baseline` run, published ratio beside
+    the predicted one (the same two layouts priced by autopar)."""
+    by_name = {r.name: r for r in rows}
+    pairs = [(by_name[run["name"]], by_name.get(run["baseline"])) for run in runs if "baseline" in run]
+    pairs = [(row, base) for row, base in pairs if base is not None]
+    if not pairs:
+        return
+    print(f"\n{'speedup over its baseline':<62} {'published':>9} {'predicted':>9} {'error':>7}")
+    for row, base in pairs:
+        pub, pred = base.published_s / row.published_s, base.predicted_s / row.predicted_s
+        print(f"{row.name + ' / ' + base.name:<62} {pub:>8.3f}x {pred:>8.3f}x {pred / pub - 1:>+7.1%}")
 
 
 def _planner_against_meta(runs: list[dict], cache: dict) -> None:
@@ -193,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(e <= 0.10 for e in mem)} within 10%")
     print(f"refused     {sum(not r.fits for r in rows)} of {len(rows)} published layouts priced as not fitting")
     print(f"baseline    6·N·tokens at one MFU fitted to these runs ({c:.1%}): MAPE {base:.1%}")
+    print_speedups(runs, rows)
     _planner_against_meta(runs, cache)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DeviceSpec", "LinkSpec"]
+__all__ = ["DeviceSpec", "LinkSpec", "HostSpec"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,3 +80,31 @@ class LinkSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LinkSpec:
         return cls(**{**d, "extra": dict(d.get("extra", {}))})
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostSpec:
+    """The CPU side of one node, what offload uses: its memory, its DRAM bandwidth, and the link each device
+    reaches host memory over (one per device). Numbers are per node unless named otherwise."""
+
+    name: str
+    memory_bytes: int  # per node
+    memory_bandwidth_Bps: float  # per node, all sockets (DRAM channels × transfer rate × 8 B)
+    cpu_cores: int  # per node
+    device_link: LinkSpec  # host ↔ one device, unidirectional (PCIe x16)
+    source: str
+
+    def __post_init__(self) -> None:
+        if not (0 < self.memory_bytes < math.inf and 0 < self.memory_bandwidth_Bps < math.inf):
+            raise ValueError(f"HostSpec {self.name}: memory_bytes and memory_bandwidth_Bps must be positive, finite")
+        if not isinstance(self.cpu_cores, int) or isinstance(self.cpu_cores, bool) or self.cpu_cores < 1:
+            raise ValueError(f"HostSpec {self.name}: cpu_cores={self.cpu_cores!r} must be a positive integer")
+        if not self.source:
+            raise ValueError(f"HostSpec {self.name}: every spec needs a source")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "device_link": self.device_link.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HostSpec:
+        return cls(**{**d, "device_link": LinkSpec.from_dict(d["device_link"])})

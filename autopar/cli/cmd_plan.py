@@ -11,7 +11,15 @@ from pathlib import Path
 
 from autopar.checks import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_TOP_K, check_positive_int
 from autopar.cli.checks import check_output_path, check_plan_for_cluster, check_saved_plan
-from autopar.config import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
+from autopar.config import (
+    FP8_RECIPES,
+    OFFLOAD_MODES,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    ZERO_STAGES,
+    ParallelConfig,
+    PlannerOptions,
+)
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 
@@ -53,6 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
                    help="compile each block with torch.compile: --compile (on), off (eager, the default) or "
                         "auto (the planner prices both and picks)")
+    p.add_argument("--fp8", default="none", choices=(*FP8_RECIPES, "auto"),
+                   help="FP8 GEMMs through torchao float8 training: none (the default: it changes numerics), "
+                        "tensorwise or rowwise scaling, or auto (the planner prices each and picks)")
+    p.add_argument("--offload", default="auto", choices=(*OFFLOAD_MODES, "auto"),
+                   help="model states in host memory: none, optimizer (fp32 masters and moments, the step on the "
+                        "CPU), params (FSDP2 CPU offload of everything), or auto (the default: the planner takes "
+                        "one where it fits and nothing else does, or where it is faster)")
     p.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -148,6 +163,8 @@ def _plan(args: argparse.Namespace) -> int:
     _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
                           ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
+                          fp8=None if args.fp8 == "auto" else args.fp8,
+                          offload=None if args.offload == "auto" else args.offload,
                           top_k=args.top, time_limit_s=args.time_limit)
     from autopar.models import training_dtype
 
@@ -160,7 +177,12 @@ def _plan(args: argparse.Namespace) -> int:
                         options=opts)
     if args.out:
         plan.save(args.out)
-    return _emit(plan, args)
+    code = _emit(plan, args)
+    if plan.config.offload != "none" and not args.json:
+        from autopar.planner.costs import CostModel
+
+        print("\n".join(CostModel.for_cluster(graph, cluster).offload_summary(plan.config).lines()))
+    return code
 
 
 def _emit(plan: Plan, args: argparse.Namespace) -> int:

@@ -75,13 +75,17 @@ class HostOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Gradients to the host (fp32), the step there, the updated masters back to the device parameters."""
-        for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = None if p.grad is None else local(_as_param(p.grad, p)).to(HOST, torch.float32, non_blocking=True)
+        # gradients cross the link in their own dtype and become fp32 on the host; the masters are cast to the
+        # weights' dtype on the host and cross back (autopar.planner.offload_costs prices these copies and casts)
+        grads = [None if p.grad is None else local(_as_param(p.grad, p)).to(HOST, non_blocking=True)
+                 for p in self.params]
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies have landed before the CPU reads them
+        for m, g in zip(self.masters, grads, strict=True):
+            m.grad = None if g is None else g.float()
         self.optimizer.step()
         for p, m in zip(self.params, self.masters, strict=True):
-            local(p).copy_(m, non_blocking=True)
+            local(p).copy_(m.to(local(p).dtype), non_blocking=True)
 
     @torch.no_grad()
     def reload_masters(self) -> None:

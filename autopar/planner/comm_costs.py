@@ -34,13 +34,16 @@ from functools import lru_cache
 
 from autopar.capture.graph import ModelGraph, sequence_span
 from autopar.planner.dp_costs import DPTail
+from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import tp_collectives
 from cost_models.comm import CommModel
 from cost_models.compute import ComputeModel
 
-__all__ = ["CommCosts"]
+__all__ = ["CommCosts", "AMAX_BYTES"]
+
+AMAX_BYTES = 4  # one fp32 amax (torchao reduces amaxes in fp32)
 
 
 class CommCosts:
@@ -120,6 +123,26 @@ class CommCosts:
         one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep)) * moe.load_imbalance
         one *= self.sharing_factor(ep)
         return {"forward": 2 * one, "backward": 2 * one}
+
+    # ---- FP8 scales ----
+    def fp8_amax_s(self, ri: int, c: Candidate) -> float:
+        """Per micro-batch: the scalar all-reduces of tensorwise amaxes over TP-sharded tensors (fp8_costs)."""
+        if c.fp8 != "tensorwise" or c.tp == 1:
+            return 0.0
+        work = cast_work(self.memory.runs[ri][0], self.graph, recipe=c.fp8, elem_bytes=self.memory.elem,
+                         micro_batch=c.micro_batch_size, tp=c.tp, compiled=c.compile, weights_gathered_fp8=False,
+                         dp=c.dp)
+        return work.amax_allreduces * self.collective_s("all_reduce", AMAX_BYTES, c.tp, c.tp)
+
+    def fp8_scales_s(self, c: Candidate) -> float:
+        """Per step under FSDP's float8 all-gather: one all-reduce of every converted weight's amax over dp
+        (torchao's precompute_float8_dynamic_scale_for_fsdp, after the optimizer step)."""
+        if not self.memory.fp8_gathered(c) or c.dp == 1:
+            return 0.0
+        weights = sum(len(g) * sum(k.count for k in g[0].kernels_forward.kernels if fp8_gemm(k))
+                      for g in self.memory.runs if is_fp8_layer(g[0]))
+        rpn = math.gcd(c.dp, max(1, self.devices_per_node // c.tp))
+        return self.collective_s("all_reduce", AMAX_BYTES * weights / c.pp, c.dp, rpn)
 
     # ---- pipeline parallelism ----
     def send_s(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, float]:

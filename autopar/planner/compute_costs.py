@@ -24,6 +24,8 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
                   its own tokens (ComputeModel.kernel_time_s groups); under expert parallelism (ep > 1) a rank
                   receives the tokens its ep peers route to its experts, on average its own tokens · k, and the
                   busiest rank MoESpec.load_imbalance times that: the step waits for it
+  FP8             (Candidate.fp8) the weight GEMMs of every layer but the LM head at the device's FP8 peak, plus
+                  torchao's casts, amaxes and transposes as memory-bound kernels (fp8_costs); emulated on CPU
   optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
   host            DTensor's dispatch of TP-sharded layers on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
 """
@@ -36,6 +38,7 @@ from functools import lru_cache
 
 from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
 from autopar.planner.dp_costs import FLOOR_S
+from autopar.planner.fp8_costs import FP8_DTYPE, cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.problem import MODES
 from cost_models.compute import ComputeModel
@@ -101,26 +104,35 @@ class ComputeCosts:
         self._time = lru_cache(maxsize=None)(self._run_compute)
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
 
-    def run(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1) -> RunCompute:
-        """Compute seconds of one layer of run `ri` (memory.runs) at tp, sp, micro-batch mbs and ep."""
-        return self._time(ri, tp, sp, mbs, compiled, ep)
+    def run(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1, fp8: str = "none",
+            fp8_gathered: bool = False, dp: int = 1) -> RunCompute:
+        """Compute seconds of one layer of run `ri` (memory.runs) at tp, sp, micro-batch mbs and ep; with FP8
+        GEMMs under recipe `fp8` (`fp8_gathered`: FSDP gathers its weights in float8 over dp ranks)."""
+        return self._time(ri, tp, sp, mbs, compiled, ep, fp8, fp8_gathered, dp if fp8_gathered else 1)
 
     def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
         and its experts' over shards / ep (the ranks holding the same experts)."""
         return self._opt_run(ri, tp, shards, ep)
 
-    def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False,
-                     ep: int = 1) -> RunCompute:
+    def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
+                     fp8: str = "none", fp8_gathered: bool = False, dp: int = 1) -> RunCompute:
         layer = self.memory.runs[ri][0]
         compiled = compiled and layer.kind == "block" and bool(layer.kernels_forward.fused)  # codegen compiles blocks
+        # FP8 GEMMs at the FP8 peak where the device has one (emulated on a CPU: the compute dtype)
+        gemm_dtype = (FP8_DTYPE if fp8 != "none" and is_fp8_layer(layer) and FP8_DTYPE in self.model.device.peak_flops
+                      else self.dtype)
         f = layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
         share = 1.0 - f + f / tp
         fp = self.memory.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
-            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep))
-            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep))
+            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype)
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype)
+            casts = cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
+                              compiled=compiled, weights_gathered_fp8=fp8_gathered, dp=dp)
+            fwd += self._memory_pass_s(casts.forward_bytes, casts.forward_kernels)
+            bwd += self._memory_pass_s(casts.backward_bytes, casts.backward_kernels)
             if tp == 1 and not compiled:
                 fwd = max(fwd, self._measured_floor_s(layer, "fwd", mbs))
                 bwd = max(bwd, self._measured_floor_s(layer, "bwd", mbs))
@@ -156,7 +168,7 @@ class ComputeCosts:
             kf = layer.kernels_forward
             rerun = [k for k in kf.kernels if not k.op_sac_saved and (not compiled or k.kind in ("gemm", "attention"))]
             sac = self._pass_s(dataclasses.replace(kf, kernels=tuple(rerun) + (kf.fused if compiled else ())),
-                               tp, sp, mbs, experts=self._experts(layer, ep))
+                               tp, sp, mbs, experts=self._experts(layer, ep), gemm_dtype=gemm_dtype)
         else:  # not checkpointed by codegen (none), or captured before op_sac (full's time)
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
@@ -210,8 +222,15 @@ class ComputeCosts:
             return 1, 1.0
         return ep, layer.moe.load_imbalance
 
+    def _memory_pass_s(self, n_bytes: float, kernels: int) -> float:
+        """`kernels` memory-bound kernels moving n_bytes in all (FP8 casts), at the memory tables' rate."""
+        if kernels == 0:
+            return 0.0
+        return self.model.kernels_time_s(gemm_flops=0.0, gemm_count=0, attention_flops=0.0, attention_count=0,
+                                         memory_bytes=n_bytes, memory_count=kernels, dtype=self.dtype)
+
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False,
-                experts: tuple[int, float] = (1, 1.0)) -> float:
+                experts: tuple[int, float] = (1, 1.0), gemm_dtype: str | None = None) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
         list by their per-kind totals (ComputeModel.kernels_time_s). `compiled`: the memory-bound kernels
@@ -227,8 +246,9 @@ class ComputeCosts:
                 memory = k.kind not in ("gemm", "attention")
                 share = 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
                 load = imbalance if k.expert else 1.0
+                dtype = gemm_dtype if gemm_dtype and fp8_gemm(k) else self.dtype
                 total += k.count * self.model.kernel_time_s(
-                    k.kind, mbs * share * load * k.work, dtype=self.dtype, tensor_bytes=mbs * share * k.tensor_bytes,
+                    k.kind, mbs * share * load * k.work, dtype=dtype, tensor_bytes=mbs * share * k.tensor_bytes,
                     layout=k.layout, mnk=k.mnk, groups=max(1, k.groups // ep) if k.expert else k.groups)
             return total
 

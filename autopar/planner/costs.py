@@ -8,6 +8,8 @@ entry, which this module builds and joins:
   compute_costs.ComputeCosts  how long the kernels take: each layer's passes, recompute, optimizer, host
   comm_costs.CommCosts        how long communication takes: TP collectives per layer, p2p sends per
                               boundary, the data-parallel tail per step, shared weights' cross-stage sum
+  fp8_costs, offload_costs    FP8 GEMMs and their casts (inside compute_costs' passes), float8 gathers and
+                              amax reductions; the host's part of an offloaded step and its copies
 
 `CostModel.problem(c)` turns them into one `Run` per run of identical layers (time by recompute mode,
 activation and model-state bytes, gradient-sync, optimizer and p2p time) and each pipeline rank into
@@ -24,15 +26,17 @@ import dataclasses
 from functools import lru_cache
 
 from autopar.capture.graph import ModelGraph
+from autopar.config import ParallelConfig
 from autopar.planner.comm_costs import CommCosts
 from autopar.planner.compute_costs import ComputeCosts
 from autopar.planner.memory_costs import MemoryCosts
+from autopar.planner.offload_costs import OffloadSummary
 from autopar.planner.problem import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
 from cost_models import memory
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
-from cost_models.hardware import DeviceSpec, LinkSpec
+from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
 from cost_models.profile import Profile
 
 __all__ = ["CostModel"]
@@ -43,7 +47,8 @@ class CostModel:
 
     def __init__(self, graph: ModelGraph, *, device: DeviceSpec, devices_per_node: int, nodes: int,
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
-                 memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl") -> None:
+                 memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
+                 host: HostSpec | None = None) -> None:
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -57,7 +62,8 @@ class CostModel:
         # gloo (not divided among processes, scaled by its own calibration), else not at all
         host_floor_s = profile.host_overhead_floor_s if cpu_cores and profile is not None else 0.0
         self.memory = MemoryCosts(graph, memory_bytes=device.memory_bytes,
-                                  memory_reserve_fraction=memory_reserve_fraction)
+                                  memory_reserve_fraction=memory_reserve_fraction, host=host,
+                                  devices_per_node=devices_per_node)
         self.compute = ComputeCosts(graph, self.memory, compute=ComputeModel(device, profile),
                                     host_floor_s=host_floor_s)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
@@ -71,11 +77,20 @@ class CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
-                   memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"))
+                   memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
+                   host=getattr(cluster, "host", None))
 
     @property
     def world_size(self) -> int:
         return self.devices_per_node * self.nodes
+
+    def offload_summary(self, config: ParallelConfig) -> OffloadSummary | None:
+        """Where a device's states live under config.offload and the copies and CPU step it costs (None without
+        offload): what `autopar plan` prints beside an offload plan."""
+        if config.offload == "none":
+            return None
+        self.memory.offload.check(config.offload)
+        return self.memory.offload_summary(Candidate.of(config), overlapped=self.backend == "nccl")
 
     def problem(self, c: Candidate, modes: tuple[str, ...] = MODES, per_layer: bool = True) -> InnerProblem:
         """The stage-cut and recompute ILP of candidate `c`, every number priced by the parts."""
@@ -93,29 +108,42 @@ class CostModel:
         shards = c.dp if c.zero_stage >= 1 else 1
         overlaps = self.backend == "nccl" and c.zero_stage >= 2 and c.dp > 1  # module docstring: what hides
         sp, mbs = c.sequence_parallel, c.micro_batch_size
+        gathered = mem.fp8_gathered(c)
         runs = []
         for ri, group in enumerate(mem.runs):
-            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep)
+            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.dp)
             tp = comm.tp_times(ri, c.tp, sp, mbs)
             ep = comm.ep_times(ri, c.tp, mbs, c.ep)  # expert all-to-alls: in the layer, counted as its tp_comm
-            tp_fwd, tp_bwd = tp["forward"] + ep["forward"], tp["backward"] + ep["backward"]
+            amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
+            tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3
+            tp_bwd = tp["backward"] + ep["backward"] + amax / 3
             # a mode that runs the forward again runs its TP collectives again
             rec = tuple(r + tp_fwd if again else r for r, again in zip(t.recompute_s, t.recompute_tp, strict=True))
             compute_s = t.compute_s
-            grad_bytes = mem.grad_bytes(mem.run_local_params(ri, c.tp, c.ep))
+            local = mem.run_local_params(ri, c.tp, c.ep)
+            grad_bytes = mem.grad_bytes(local)
+            gather = mem.gathered_bytes(ri, c.tp, True, c.ep) if gathered else None
+            # offload="params": every gather copies the shard in from the host, the reduce-scatter's goes back
+            copy = mem.offload.gather_copy_s(grad_bytes / c.dp) if c.offload == "params" and grad_bytes > 0 else 0.0
+            host_step = mem.offload.step_s(local / shards, c.offload)
+            if c.offload == "params" and tail.gathers_per_step == 0:  # one rank: FSDP copies without collectives
+                host_step += (2 * c.num_microbatches + 1) * copy
             # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
             hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
+            device_opt = 0.0 if c.offload != "none" else self.compute.optimizer_s(ri, c.tp, shards, c.ep)
             runs.append(Run(
                 name=group[0].name, count=len(group), layer_names=tuple(la.name for la in group),
                 time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),
                 compute_s=(compute_s + hooks,) * len(MODES),
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
                 act_bytes=mem.activation_bytes(ri, c.tp, sp, mbs),
-                state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, c.dp, c.ep),
+                state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, c.dp, c.ep, c.offload),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
-                backward_s=tail.hidden_s(grad_bytes, compute_s - t.backward_s, t.backward_s) if overlaps else 0.0,
-                grad_sync_s=tail.layer_s(grad_bytes) + tp["step"] + comm.shared_sync_s(ri, c),
-                optimizer_s=self.compute.optimizer_s(ri, c.tp, shards, c.ep) + opt_host,
+                backward_s=tail.hidden_s(grad_bytes, compute_s - t.backward_s, t.backward_s, gather, copy)
+                if overlaps else 0.0,
+                grad_sync_s=(tail.layer_s(grad_bytes, gather, copy) + tp["step"] + comm.shared_sync_s(ri, c)
+                             + (comm.fp8_scales_s(c) if ri == 0 else 0.0)),
+                optimizer_s=device_opt + host_step + opt_host,
                 send_s=comm.send_s(ri, c.tp, sp, mbs), host_s=t.host_s + hooks,
                 optimizer_host_s=self.compute.optimizer_host_s(ri, c.tp, shards) + opt_host))
         return tuple(runs)

@@ -101,17 +101,27 @@ class DPTail:
         """The optimizer's DTensor dispatch over one FSDP unit's shards, per step (0 without FSDP)."""
         return self.host_floor_s * DTENSOR_OPTIMIZER_FLOORS if self.gathers_per_step else 0.0
 
-    def layer_s(self, grad_bytes: float) -> float:
-        """γ of a layer whose parameters (= gradients) take grad_bytes on this rank."""
+    def layer_s(self, grad_bytes: float, gather_bytes: float | None = None, host_copy_s: float = 0.0) -> float:
+        """γ of a layer whose parameters (= gradients) take grad_bytes on this rank. gather_bytes: what its
+        all-gathers carry when not grad_bytes (FP8 weights gathered in 1 byte); host_copy_s: a copy from or to
+        host memory before each all-gather and after the reduce-scatter (FSDP2's CPU offload)."""
         if grad_bytes <= 0:
             return 0.0
         if self.gathers_per_step == 0:
             return self.per_byte_s * grad_bytes
         k = self.gathers_per_step
-        return (k * self._coll("all_gather", grad_bytes, self.dp) + self._coll("reduce_scatter", grad_bytes, self.dp)
-                + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes)
+        if gather_bytes is None:
+            rs = self._coll("reduce_scatter", grad_bytes, self.dp)
+            base = (k * self._coll("all_gather", grad_bytes, self.dp) + rs
+                    + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes)
+        else:
+            base = (k * self._coll("all_gather", gather_bytes, self.dp)
+                    + self._coll("reduce_scatter", grad_bytes, self.dp)
+                    + FSDP_COPY_PASSES * self._mem_per_byte * (k * gather_bytes + grad_bytes))
+        return base + (k + 1) * host_copy_s if host_copy_s else base
 
-    def hidden_s(self, grad_bytes: float, forward_s: float, backward_s: float) -> float:
+    def hidden_s(self, grad_bytes: float, forward_s: float, backward_s: float, gather_bytes: float | None = None,
+                 host_copy_s: float = 0.0) -> float:
         """Of `layer_s(grad_bytes)`, the time NCCL hides behind one layer's passes over all micro-batches (β).
         FSDP2 gathers a layer while the previous one computes, so in each micro-batch its forward hides up to
         `forward_s` of its all-gather and its backward up to `backward_s` of the backward all-gather (ZeRO-3)
@@ -120,8 +130,10 @@ class DPTail:
         if grad_bytes <= 0 or self.gathers_per_step == 0:
             return 0.0
         m = self.microbatches
-        ag = self._coll("all_gather", grad_bytes, self.dp)
+        ag = self._coll("all_gather", grad_bytes if gather_bytes is None else gather_bytes, self.dp)
         rs = self._coll("reduce_scatter", grad_bytes, self.dp)
+        if host_copy_s:
+            ag, rs = ag + host_copy_s, rs + host_copy_s
         ag_b = ag if self.zero_stage == 3 else 0.0
         return (m * min(ag, forward_s) + (m - 1) * min(ag_b, backward_s) + min(ag_b + rs, backward_s))
 

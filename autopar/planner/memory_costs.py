@@ -14,6 +14,11 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode
   per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
                   or unsharded buffers (ZeRO-2/3), the in-flight micro-batches of the schedule
+  offload         what stays on the device and what goes to the host (offload_costs.OffloadCosts): under
+                  "optimizer" the optimizer states leave the device, under "params" every state does (FSDP2
+                  keeps only its gathered buffers); host bytes per node are checked against the host
+  FP8             FSDP's gathered buffers hold converted weights in 1 byte under tensorwise scaling, and the
+                  FP8 copies of the largest layer's weights live during its passes (fp8_costs)
   shared weights  capture charges a weight several layers share (a head tied to the embedding) to every
                   layer holding it; with one stage it is held once, so the duplicates' states are given
                   back (ModelGraph.shared_params; codegen/shared.py)
@@ -27,9 +32,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
+from autopar.planner.offload_costs import OffloadCosts, OffloadSummary
 from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate
 from cost_models import memory
+from cost_models.hardware import HostSpec
 
 __all__ = ["MemoryCosts", "RankMemory", "group_runs", "expert_forward_flops", "DTYPE_BYTES"]
 
@@ -67,10 +75,12 @@ class MemoryCosts:
     """Bytes per device of a graph's layers and pipeline ranks; cached per (run, tp, …) and per layout."""
 
     def __init__(self, graph: ModelGraph, *, memory_bytes: float,
-                 memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION) -> None:
+                 memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
+                 devices_per_node: int = 1) -> None:
         self.graph = graph
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.elem = DTYPE_BYTES.get(graph.dtype, 2)  # bytes of one weight, gradient or activation element
+        self.offload = OffloadCosts(host, devices_per_node=devices_per_node, elem_bytes=self.elem)
         self.runs = group_runs(graph.layers)
         self._local_run = lru_cache(maxsize=None)(lambda ri, tp, ep=1: self.local_params(self.runs[ri][0], tp, ep))
         self._state_run = lru_cache(maxsize=None)(self._run_states)
@@ -115,38 +125,69 @@ class MemoryCosts:
         """Bytes of the gradients of num_params parameters (what data-parallel collectives carry)."""
         return num_params * self.elem
 
-    def model_states(self, num_params: float, zero_stage: int, dp: int) -> memory.ModelStateBytes:
-        """Weights, gradients and optimizer states of num_params on one device, in this model's dtype."""
+    def model_states(self, num_params: float, zero_stage: int, dp: int, offload: str = "none"
+                     ) -> memory.ModelStateBytes:
+        """Weights, gradients and optimizer states of num_params on one device, in this model's dtype (what
+        stays on the device under `offload`)."""
+        return self.offload.device_states(self._all_states(num_params, zero_stage, dp), offload)
+
+    def _all_states(self, num_params: float, zero_stage: int, dp: int) -> memory.ModelStateBytes:
         w = self.elem
         opt = 12 if w == 2 else 8  # mixed precision: fp32 master + 2 moments; fp32 training: 2 moments
         return memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=w, grad_bytes=w,
                                         optimizer_bytes=opt)
 
-    def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1) -> float:
+    def host_state_bytes(self, num_params: float, zero_stage: int, dp: int, offload: str) -> float:
+        """Host bytes one rank keeps for num_params of its parameters under `offload`."""
+        stepped = num_params / (dp if zero_stage >= 1 else 1)
+        return self.offload.host_bytes(self._all_states(num_params, zero_stage, dp), stepped, offload)
+
+    def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none") -> float:
         """Model-state bytes of one layer of run `ri` on one device."""
-        return self._state_run(ri, tp, zero_stage, dp, ep)
+        return self._state_run(ri, tp, zero_stage, dp, ep, offload)
 
-    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1) -> float:
-        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep).total_bytes
+    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none") -> float:
+        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep, offload).total_bytes
 
-    def layer_states(self, layer: LayerSpec, tp: int, zero_stage: int, dp: int, ep: int = 1) -> memory.ModelStateBytes:
+    def layer_states(self, layer: LayerSpec, tp: int, zero_stage: int, dp: int, ep: int = 1,
+                     offload: str = "none") -> memory.ModelStateBytes:
         """Model states of `layer` on one device: dense ones sharded over dp, expert ones over dp / ep."""
-        dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp)
+        dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp, offload)
         if layer.moe is None:
             return dense
-        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, dp // ep)
+        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, dp // ep, offload)
         return memory.ModelStateBytes(weights_bytes=dense.weights_bytes + expert.weights_bytes,
                                       grads_bytes=dense.grads_bytes + expert.grads_bytes,
                                       optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes)
 
-    def shared_duplicate_states(self, tp: int, zero_stage: int, dp: int) -> memory.ModelStateBytes:
+    def offload_summary(self, c: Candidate, *, overlapped: bool) -> OffloadSummary:
+        """Where a device's states live under c.offload and what moving them costs (stages taken as even)."""
+        params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
+        stepped = params / (c.dp if c.zero_stage >= 1 else 1)
+        gathers = c.num_microbatches * (2 if c.zero_stage == 3 else 1)
+        return self.offload.summary(
+            mode=c.offload, device_state_bytes=self.model_states(params, c.zero_stage, c.dp, c.offload).total_bytes,
+            host_bytes_per_node=self.host_fits(c)[1], stepped_params=stepped,
+            shard_bytes=params * self.elem / c.dp, gathers_per_step=gathers, overlapped=overlapped)
+
+    def host_fits(self, c: Candidate) -> tuple[bool, float]:
+        """(whether the node's host holds every rank's host states, those bytes per node), stages taken as
+        even (a rank holds 1/pp of the model's layers)."""
+        if c.offload == "none":
+            return True, 0.0
+        params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
+        per_node = self.offload.devices_per_node * self.host_state_bytes(params, c.zero_stage, c.dp, c.offload)
+        return per_node <= self.offload.host_capacity_bytes, per_node
+
+    def shared_duplicate_states(self, tp: int, zero_stage: int, dp: int, offload: str = "none"
+                                ) -> memory.ModelStateBytes:
         """Model states of the extra copies the layers' sums count of weights several layers share."""
         n = 0.0
         for sp in self.graph.shared_params:
             if len(sp.layers) > 1:
                 split = self.tp_param_fraction(self.graph.layer(sp.layers[0])) > 0
                 n += (len(sp.layers) - 1) * sp.num_params / (tp if split else 1)
-        return self.model_states(n, zero_stage, dp)
+        return self.model_states(n, zero_stage, dp, offload)
 
     # ---- activations ----
     def activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, ...]:
@@ -179,14 +220,31 @@ class MemoryCosts:
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.dp, c.zero_stage, c.schedule, c.num_microbatches, c.virtual_stages,
-                           c.micro_batch_size, c.ep)
+                           c.micro_batch_size, c.ep, c.fp8, c.offload)
+
+    def fp8_gathered(self, c: Candidate) -> bool:
+        """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
+        return c.fp8 == "tensorwise" and self.fsdp(c.zero_stage, c.dp, c.offload)
+
+    @staticmethod
+    def fsdp(zero_stage: int, dp: int, offload: str) -> bool:
+        """Whether codegen shards with FSDP2 (ZeRO-2/3 over dp > 1, or any dp under offload="params")."""
+        return zero_stage >= 2 and (dp > 1 or offload == "params")
+
+    def gathered_bytes(self, ri: int, tp: int, gathered_fp8: bool, ep: int = 1) -> float:
+        """Bytes of one layer of run `ri` as FSDP gathers it (its converted weights in 1 byte under fp8)."""
+        b = self._local_run(ri, tp, ep) * self.elem
+        if gathered_fp8:
+            share = fp8_param_share(self.runs[ri][0], self.graph)
+            b *= 1.0 - share + share / self.elem
+        return b
 
     def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
-                         mbs: int, ep: int = 1) -> tuple[RankMemory, ...]:
+                         mbs: int, ep: int = 1, fp8: str = "none", offload: str = "none") -> tuple[RankMemory, ...]:
         g = self.graph
         zero3_bytes = 0.0
-        if zero_stage >= 2 and dp > 1:
-            largest = max(self._local_run(ri, tp, ep) for ri in range(len(self.runs))) * self.elem
+        if self.fsdp(zero_stage, dp, offload):
+            largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep) for ri in range(len(self.runs)))
             # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer; ZeRO-3 also holds the
             # running and the prefetched layer's gathered weights (ZeRO-2 keeps its weights, already counted)
             zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest) if zero_stage == 3
@@ -199,8 +257,10 @@ class MemoryCosts:
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
                                                          tp=tp, dtype_bytes=self.elem)
+        if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
+            zero3_bytes += max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
-        shared = self.shared_duplicate_states(tp, zero_stage, dp).total_bytes if pp == 1 else 0.0
+        shared = self.shared_duplicate_states(tp, zero_stage, dp, offload).total_bytes if pp == 1 else 0.0
         ranks = [RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
                             capacity_bytes=self.usable_bytes - lg - zero3_bytes + shared) for lg in (0.0, logits)]
         return (ranks[0],) * (pp - 1) + (ranks[1],)  # only the last rank holds the logits
@@ -211,9 +271,9 @@ class MemoryCosts:
         ranks = self.rank_memory(c)
         out = []
         for q, names in enumerate(layer_names_by_rank):
-            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.dp, c.ep) for n in names]
+            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.dp, c.ep, c.offload) for n in names]
             if c.pp == 1:  # held once (see _rank_memory_key)
-                dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.dp)
+                dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.dp, c.offload)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,
                                     optimizer_bytes=-dup.optimizer_bytes))
             out.append({"weights": int(sum(s.weights_bytes for s in st)), "grads": int(sum(s.grads_bytes for s in st)),

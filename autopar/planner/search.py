@@ -23,10 +23,11 @@ import heapq
 import time
 from dataclasses import dataclass
 
-from autopar.config import ParallelConfig, PlannerOptions
+from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
 from autopar.planner.bound import Bound, lower_bound, tight_bound
 from autopar.planner.costs import CostModel
+from autopar.planner.fp8_costs import check_fp8_device, fp8_recipes
 from autopar.planner.ilp import select_solver, solve
 from autopar.planner.incumbent import incumbent
 from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate, mode_label
@@ -68,10 +69,42 @@ def _modes(options: PlannerOptions) -> tuple[str, ...]:
     return (options.recompute,) if options.recompute else tuple(k for k in MODES if k not in options.exclude_recompute)
 
 
+def _fp8_choices(costs: CostModel, options: PlannerOptions) -> tuple[str, ...]:
+    """The FP8 recipes to consider: the pinned one (refused on a device without FP8), else every one the
+    device runs beside "none" (--fp8 auto)."""
+    if options.fp8 is not None:
+        check_fp8_device(costs.device, options.fp8)
+        return (options.fp8,)
+    return ("none", *fp8_recipes(costs.device))
+
+
+def _offload_choices(costs: CostModel, options: PlannerOptions) -> tuple[str, ...]:
+    """The offload modes to consider: the pinned one (refused without a host), else every mode the host allows."""
+    if options.offload is not None:
+        costs.memory.offload.check(options.offload)
+        return (options.offload,)
+    return OFFLOAD_MODES if costs.memory.offload.host is not None else ("none",)
+
+
+def _host_fitting(costs: CostModel, cands: list[Candidate]) -> list[Candidate]:
+    """The candidates whose host states fit the node's host memory; raises when none does."""
+    fits = [(c, *costs.memory.host_fits(c)) for c in cands]
+    kept = [c for c, ok, _ in fits if ok]
+    if not kept:
+        c, _, need = min(fits, key=lambda x: x[2])
+        cap = costs.memory.offload.host_capacity_bytes
+        raise InfeasiblePlanError(
+            f"no offload layout's host states fit the node's host memory: the leanest ({c.config('none')}) needs "
+            f"{need / _GiB:,.0f} GiB per node, {cap / _GiB:,.0f} GiB are usable; use more nodes or --offload none")
+    return kept
+
+
 def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions) -> SearchResult:
     t0 = time.perf_counter()
     cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
-                                 global_batch_size=global_batch_size, options=options)
+                                 global_batch_size=global_batch_size, options=options,
+                                 fp8s=_fp8_choices(costs, options), offloads=_offload_choices(costs, options))
+    cands = _host_fitting(costs, cands)
     modes = _modes(options)
     problems = [costs.problem(c, modes, options.recompute_per_layer) for c in cands]
     heap = [(lower_bound(pr), i, 0) for i, pr in enumerate(problems)]
@@ -128,7 +161,9 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
         offer(i, sol)
     top = sorted(found.values(), key=lambda s: s.objective_s)[:keep]
     if not top:
-        raise InfeasiblePlanError(_why_infeasible(costs, list(zip(cands, problems, strict=True))))
+        hint = ("; or let the planner keep model states in host memory (--offload auto, PlannerOptions(offload=None))"
+                if options.offload == "none" and costs.memory.offload.host is not None else "")
+        raise InfeasiblePlanError(_why_infeasible(costs, list(zip(cands, problems, strict=True))) + hint)
     best = top[0]
     gap = 0.0 if status == "optimal" else max(0.0, (best.objective_s - open_bound) / best.objective_s)
     gap = max(gap, best.solution.gap)
@@ -145,6 +180,8 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
     priced with `solution.feasible` False and the memory row it breaks (by default on even cuts); other
     violations raise InfeasiblePlanError naming the constraint."""
     _check_layout(costs, config)
+    check_fp8_device(costs.device, config.fp8)
+    costs.memory.offload.check(config.offload)
     cand = Candidate.of(config)
     if layers_per_stage is not None or layer_modes is not None:
         if layers_per_stage is None or layer_modes is None:

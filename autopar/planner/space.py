@@ -10,6 +10,7 @@ and 1F1B are the same schedule (named 1f1b).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from autopar.capture.graph import ModelGraph
@@ -32,19 +33,23 @@ class Candidate:
     sequence_parallel: bool
     compile: bool = False
     ep: int = 1
+    fp8: str = "none"
+    offload: str = "none"
 
     def config(self, recompute: str) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage,
                               micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
-                              sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep)
+                              sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep,
+                              fp8=self.fp8, offload=self.offload)
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
         return cls(tp=config.tp, pp=config.pp, dp=config.dp, zero_stage=config.zero_stage,
                    micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
-                   sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep)
+                   sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep,
+                   fp8=config.fp8, offload=config.offload)
 
 
 def divisors(n: int) -> list[int]:
@@ -72,8 +77,11 @@ def _pinned(values: list, pin) -> list:
 
 
 def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, global_batch_size: int,
-                         options: PlannerOptions) -> list[Candidate]:
-    """All outer layouts allowed by the cluster, the batch and `options`; raises when there are none."""
+                         options: PlannerOptions, fp8s: tuple[str, ...] = ("none",),
+                         offloads: tuple[str, ...] = ("none",)) -> list[Candidate]:
+    """All outer layouts allowed by the cluster, the batch and `options`; raises when there are none.
+    fp8s / offloads: the FP8 recipes and offload modes to consider (the caller knows what the devices and
+    hosts allow); offload "params" is FSDP2's CPU offload, so it comes with ZeRO-3 only (at dp = 1 too)."""
     o = options
     out: list[Candidate] = []
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
@@ -92,10 +100,15 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                 for zero in _zero_stages(dp, zeros, o.zero_stage):
                     for sched, v in _schedules(pp, m, graph.num_layers, schedules, o):
                         for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
-                            for comp in _pinned([False, True], o.compile):
-                                out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
+                            for comp, f8, off in itertools.product(_pinned([False, True], o.compile), fp8s,
+                                                                   offloads):
+                                z = 3 if off == "params" else zero
+                                if z != zero and not (dp == 1 and o.zero_stage is None and 3 in zeros):
+                                    continue
+                                out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=z, micro_batch_size=mbs,
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
-                                                     sequence_parallel=sp, compile=comp, ep=ep)
+                                                     sequence_parallel=sp, compile=comp, ep=ep, fp8=f8,
+                                                     offload=off)
                                            for ep in _pinned(ep_degrees(graph, dp), o.ep))
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
@@ -153,5 +166,5 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 def _pins(o: PlannerOptions) -> str:
     names = ("tp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages",
-             "recompute", "sequence_parallel", "compile", "ep")
+             "recompute", "sequence_parallel", "compile", "ep", "fp8", "offload")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"

@@ -13,14 +13,15 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from cost_models.hardware import DeviceSpec, LinkSpec
+from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
 
 try:  # Python ≥ 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["device", "link", "devices", "links", "device_from_table", "link_from_table", "match_device", "CATALOG_DIR"]
+__all__ = ["device", "link", "host", "devices", "links", "hosts", "device_from_table", "link_from_table",
+           "host_from_table", "match_device", "CATALOG_DIR"]
 
 CATALOG_DIR = Path(__file__).parent
 GiB = 1024**3
@@ -59,6 +60,20 @@ def link_from_table(name: str, t: dict[str, Any]) -> LinkSpec:
     )
 
 
+def host_from_table(name: str, t: dict[str, Any]) -> HostSpec:
+    """A HostSpec from a catalog-style table (memory_GiB, memory_bandwidth_GBps, cpu_cores, device_link, source);
+    device_link is a catalog link name or an inline link table."""
+    required = ("memory_GiB", "memory_bandwidth_GBps", "cpu_cores", "device_link", "source")
+    missing = [k for k in required if k not in t]
+    if missing:
+        raise ValueError(f"host {name!r} lacks {missing}; a host table needs {list(required)}")
+    dl = t["device_link"]
+    device_link = link(dl) if isinstance(dl, str) else link_from_table(f"{name}-device-link", dl)
+    return HostSpec(name=name, memory_bytes=int(float(t["memory_GiB"]) * GiB),
+                    memory_bandwidth_Bps=float(t["memory_bandwidth_GBps"]) * 1e9, cpu_cores=int(t["cpu_cores"]),
+                    device_link=device_link, source=str(t["source"]))
+
+
 @functools.cache
 def _load(kind: str) -> dict[str, Any]:
     with open(CATALOG_DIR / f"{kind}.toml", "rb") as f:
@@ -73,6 +88,18 @@ def devices() -> list[str]:
 def links() -> list[str]:
     """Names of the catalogued links."""
     return list(_load("links"))
+
+
+def hosts() -> list[str]:
+    """Names of the catalogued hosts (the cluster presets' nodes)."""
+    return list(_load("hosts"))
+
+
+def host(name: str) -> HostSpec:
+    table = _load("hosts")
+    if name not in table:
+        raise KeyError(f"unknown host {name!r}; the catalog has {', '.join(table)}")
+    return host_from_table(name, table[name])
 
 
 def device(name: str) -> DeviceSpec:
