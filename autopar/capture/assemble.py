@@ -300,6 +300,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             kernels_backward=s.kernels_backward.scaled(1 / batch),
             norm_param_numels=_norm_param_numels(model, g.units),
             moe=s.moe,
+            batch_norm_channels=tuple(m.num_features for u in g.units for m in model.get_submodule(u).modules()
+                                      if isinstance(m, nn.modules.batchnorm._BatchNorm)),
         ))
     attention = next((p for la in layers for p in la.tp_patterns if p.kind == "attention"), None)
     vocab_embedding = next((m for m in embeddings if m.num_embeddings == vocab), None)

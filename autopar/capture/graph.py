@@ -270,11 +270,15 @@ class LayerSpec:
     saved_activation_bytes_op_sac_tp_sharded: int | None = None
     # The layer's mixture-of-experts block, if any (its experts' parameters are part of num_params).
     moe: MoESpec | None = None
+    # Channels of each batch norm the layer holds: under data parallelism codegen synchronises their
+    # statistics over the dp group every micro-batch (autopar.codegen.batch_norm; priced in comm_costs).
+    batch_norm_channels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from JSON
             object.__setattr__(self, "moe", MoESpec(**self.moe))
         object.__setattr__(self, "norm_param_numels", tuple(int(n) for n in self.norm_param_numels))
+        object.__setattr__(self, "batch_norm_channels", tuple(int(n) for n in self.batch_norm_channels))
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"LayerSpec.kind={self.kind!r}; expected one of {LAYER_KINDS}")
         for f in ("num_params", "param_bytes", "saved_activation_bytes", "boundary_bytes"):
@@ -377,6 +381,9 @@ class ModelGraph:
         if not payload.get("shared_params"):
             payload.pop("shared_params", None)  # graphs without shared weights keep their fingerprints
         _drop_moe_defaults(payload)  # and dense graphs keep theirs from before MoE fields existed
+        for layer in payload["layers"]:
+            if not layer.get("batch_norm_channels"):
+                layer.pop("batch_norm_channels", None)  # nor do graphs without batch norm
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

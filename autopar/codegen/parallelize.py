@@ -1,9 +1,10 @@
 """`parallelize`: a `Plan` applied to a model, on every rank of a torchrun job.
 
 The order is fixed (docs/design.md, as torchtitan composes it): mesh → FP8 linears (torchao, before any
-sharding) → what crosses each pipeline cut (a dry run of the model's forward) → pipeline stages → tensor
-parallelism (tied weights tied again) → activation recompute → ZeRO/data parallelism (parameters on the
-host under offload="params") → optimizer (on the host under offload="optimizer") → schedule.
+sharding) → what crosses each pipeline cut (a dry run of the model's forward) → pipeline stages (each dry-run
+on its own) → batch norms synchronised over dp → tensor parallelism (tied weights tied again) → activation
+recompute → ZeRO/data parallelism (parameters on the host under offload="params") → optimizer (on the host
+under offload="optimizer") → schedule.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from autopar.capture.graph import ModelGraph
 from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
+from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import DataFlow, trace_dataflow
@@ -24,7 +26,14 @@ from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
 from autopar.codegen.offload import HostOptimizer, host_optimizer_factory
-from autopar.codegen.pipeline import build_schedule, build_stage, check_stage_placement, layer_modules, stage_of_units
+from autopar.codegen.pipeline import (
+    build_schedule,
+    build_stage,
+    check_stage_placement,
+    dry_run_stage,
+    layer_modules,
+    stage_of_units,
+)
 from autopar.codegen.recompute import apply_recompute
 from autopar.codegen.runtime import ParallelModel
 from autopar.codegen.shared import SharedGradients, alias_groups, retie, stages_holding
@@ -142,9 +151,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                        fsdp_float8_all_gather=float8_gather)
 
     units = stage_of_units(graph, plan)
-    flow = (trace_dataflow(model, list(units), *_microbatch_inputs(graph, example_inputs, example_kwargs,
-                                                                   cfg.micro_batch_size))
-            if len(plan.stages) > 1 else DataFlow.single_stage())
+    one_micro_batch = (_microbatch_inputs(graph, example_inputs, example_kwargs, cfg.micro_batch_size)
+                       if len(plan.stages) > 1 else None)
+    flow = trace_dataflow(model, list(units), *one_micro_batch) if one_micro_batch else DataFlow.single_stage()
     feed = MicroBatches()
     ios = flow.stages(units, len(plan.stages))
     ties = alias_groups(model)
@@ -157,6 +166,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     try:
         for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
             part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed)
+            if one_micro_batch:
+                dry_run_stage(part, flow, ios[stage.index], feed, one_micro_batch)
+            apply_sync_batch_norm(part, mesh["dp"].get_group() if cfg.dp > 1 else None, cfg.dp)
             layers = [graph.layer(name) for name in stage.layers]
             if cfg.tp > 1:
                 apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)

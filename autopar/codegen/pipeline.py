@@ -23,17 +23,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autopar.capture.graph import ModelGraph
+from autopar.capture.meta import swap_tensors
 from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
 
-__all__ = ["layer_modules", "stage_of_units", "build_stage", "check_stage_placement", "build_schedule"]
+__all__ = ["layer_modules", "stage_of_units", "build_stage", "dry_run_stage", "check_stage_placement",
+           "build_schedule"]
 
 
 def layer_modules(graph: ModelGraph, name: str) -> tuple[str, ...]:
@@ -49,7 +52,8 @@ def stage_of_units(graph: ModelGraph, plan: Plan) -> dict[str, int]:
 
 def _index_of(t: torch.Tensor) -> int:
     """The micro-batch index a stage received (-1 for the runtime's shape-inference run on empty buffers)."""
-    value = float(t.reshape(-1)[0])
+    with unset_fake_temporarily():  # the dry run (dry_run_stage) passes a real index under FakeTensorMode
+        value = float(t.reshape(-1)[0])
     return int(value) if math.isfinite(value) and value == int(value) else -1
 
 
@@ -58,12 +62,24 @@ class _StageExit(Exception):  # noqa: N818 - control flow, never seen by users
 
 
 class _StandIn(nn.Module):
-    """Takes the place of a unit that lives on another stage (holds no parameters)."""
+    """Takes the place of a unit that lives on another stage (holds no parameters).
 
-    def __init__(self, unit: str, runner: _StageRunner) -> None:
+    What the model's forward reads of it other than calling it (a parameter's dtype, device or shape, a
+    config attribute, a submodule) is read from the unit itself, which this stage does not own: its
+    weights are in none of this stage's parameters, state dict or optimizer.
+    """
+
+    def __init__(self, unit: str, runner: _StageRunner, original: nn.Module) -> None:
         super().__init__()
         self.unit = unit
         object.__setattr__(self, "_runner", runner)  # not a submodule: no state of its own
+        object.__setattr__(self, "_original", original)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
 
     def forward(self, *args, **kwargs):
         return self._runner.stand_in(self.unit)
@@ -186,7 +202,8 @@ def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_
                           device=device, forward=lambda *a, **k: None,
                           kwargs=forward_kwargs(model), feed=feed)
     others = {u for u, s in stage_of_unit.items() if s != index and u not in flow.replicated}
-    stage = _prune(model, "", {u: _StandIn(u, runner) for u in others}) if others else model
+    stand_ins = {u: _StandIn(u, runner, model.get_submodule(u)) for u in others}
+    stage = _prune(model, "", stand_ins) if others else model
     runner.forward = forward.__get__(stage)
     for unit, s in stage_of_unit.items():
         if s == index and any(k[0] == unit for k in io.sends):
@@ -194,6 +211,30 @@ def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_
                 lambda mod, args, out, unit=unit: runner.record_output(unit, out))
     stage.forward = runner.run  # the instance attribute: the stage protocol around the model's own forward
     return stage
+
+
+def dry_run_stage(stage: nn.Module, flow: DataFlow, io: StageIO, feed: MicroBatches,
+                  call: tuple[tuple, dict[str, Any]]) -> None:
+    """Run pipeline stage `io.index`'s own pruned program once on fake tensors (one micro-batch's inputs
+    `call`, zeros for what it receives), so whatever it cannot run (an attribute of a unit it does not
+    hold, a shape it gets wrong) is a clear error at `parallelize`, before any rank trains."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    index = torch.zeros(1)  # a real tensor: the stage reads its value
+    try:
+        with fake, swap_tensors(stage, fake.from_tensor):
+            feed.inputs = [tree_map_only(torch.Tensor, fake.from_tensor, call)]
+            received = [torch.zeros(leaf.shape, dtype=leaf.dtype) for key in io.receives
+                        for leaf in flow.calls[key].leaves if isinstance(leaf, LeafMeta)]
+            stage(*received, index)
+    except PlanMismatchError:
+        raise
+    except Exception as e:
+        raise PlanMismatchError(
+            f"pipeline stage {io.index} cannot run its part of the model's forward: {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300] if str(e) else ''}. Re-plan with the cut elsewhere, or use pp=1 for this "
+            "model") from e
+    finally:
+        feed.inputs = []
 
 
 def check_stage_placement(plan: Plan) -> None:
@@ -227,6 +268,31 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
         return loss_fn(output, feed.target(_index_of(index))) / m
 
     if cfg.schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
-    cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
+    else:
+        cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+        schedule = cls(stages[0], n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
+    _keep_buffers_through_shape_inference(schedule, [mod for _, mod in stage_modules])
+    return schedule
+
+
+def _keep_buffers_through_shape_inference(schedule, modules: Sequence[nn.Module]) -> None:
+    """The pipelining runtime infers its stages' shapes by running each once more (at the first step, and
+    again after switching between training and evaluation), on uninitialised buffers; buffers a forward
+    updates (batch norm's running statistics) must not see that run, so they are restored after it."""
+    init = getattr(schedule, "_initialize_pp_stages", None)
+    if init is None:
+        raise PlanMismatchError(f"this torch ({torch.__version__}) has no pipelining stage initialisation autopar "
+                                "can guard; use the torch version in autopar's requirements, or pp=1")
+    buffers = list({id(b): b for mod in modules for b in mod.buffers()}.values())
+
+    def initialise(*args, **kwargs):
+        saved = [b.detach().clone() for b in buffers]
+        try:
+            return init(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for b, value in zip(buffers, saved, strict=True):
+                    b.copy_(value)
+
+    schedule._initialize_pp_stages = initialise

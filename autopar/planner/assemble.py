@@ -72,7 +72,7 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
                     memory_capacity_bytes=int(costs.memory.usable_bytes),
                     reserved_bytes=int(memory.reserved_bytes(max(totals), costs.memory.usable_bytes)),
-                    notes=_eager_note(costs, c))
+                    notes=_eager_note(costs, c) + _batch_norm_note(costs, c))
 
 
 def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
@@ -85,6 +85,20 @@ def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
     return (f"unfused eager kernels: each block runs {count} memory-bound kernels per forward (norms, "
             f"activations, rotary, residuals), each reading and writing HBM: {share:.0%} of its compute, priced "
             "so; fused kernels or compiled blocks (--compile) would spend less",)
+
+
+def _batch_norm_note(costs: CostModel, c) -> tuple[str, ...]:
+    """What batch norm computes under this layout, and where its synchronisation is priced."""
+    norms = sum(len(la.batch_norm_channels) for la in costs.graph.layers)
+    if not norms:
+        return ()
+    per_stat = c.dp * c.micro_batch_size
+    if c.dp == 1:
+        return (f"batch norm: {norms} modules compute their statistics on each micro-batch of "
+                f"{c.micro_batch_size} samples (no data parallelism: nothing to synchronise)",)
+    return (f"batch norm: {norms} modules synchronise their statistics over the {c.dp} data-parallel ranks "
+            f"every micro-batch ({c.dp}·{c.micro_batch_size} = {per_stat} samples per statistic, as one process "
+            f"on those micro-batches), 4 all-reduces each per micro-batch, priced in tp_comm",)
 
 
 def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:

@@ -14,6 +14,11 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   busiest rank receiving MoESpec.load_imbalance × the mean
   p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across
   DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
+  batch norm      under data parallelism each batch norm synchronises its statistics over the dp ranks
+                  every micro-batch (autopar.codegen.batch_norm): forward, an all-reduce of its C channel
+                  sums with the count ((C + 1) fp32 values) and one of its C sums of squared deviations;
+                  backward, the same two all-reduces of their gradients; on the critical path (each
+                  waits for the ranks' statistics), so in the micro-batch's time (`batch_norm_s`)
   shared weights  with pp > 1 the replicas of a weight several layers share (a head tied to the embedding)
                   sum their gradients over the holding stages after the data-parallel reduction: one
                   all-reduce per step, charged to each holding layer (`shared_sync_s`)
@@ -143,6 +148,17 @@ class CommCosts:
                       for g in self.memory.runs if is_fp8_layer(g[0]))
         rpn = math.gcd(c.dp, max(1, self.devices_per_node // c.tp))
         return self.collective_s("all_reduce", AMAX_BYTES * weights / c.pp, c.dp, rpn)
+
+    def batch_norm_s(self, ri: int, c: Candidate) -> tuple[float, float]:
+        """Seconds of one layer of run `ri`'s batch-norm statistics all-reduces per micro-batch over the
+        dp group: (forward, backward); 0 without batch norm or data parallelism."""
+        channels = self.memory.runs[ri][0].batch_norm_channels
+        if c.dp <= 1 or not channels:
+            return 0.0, 0.0
+        rpn = math.gcd(c.dp, max(1, self.devices_per_node // c.tp))
+        one = sum(self.collective_s("all_reduce", 4 * (n + 1), c.dp, rpn)
+                  + self.collective_s("all_reduce", 4 * n, c.dp, rpn) for n in channels)
+        return one, one
 
     # ---- pipeline parallelism ----
     def send_s(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, float]:

@@ -115,8 +115,9 @@ class CostModel:
             tp = comm.tp_times(ri, c.tp, sp, mbs)
             ep = comm.ep_times(ri, c.tp, mbs, c.ep)  # expert all-to-alls: in the layer, counted as its tp_comm
             amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
-            tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3
-            tp_bwd = tp["backward"] + ep["backward"] + amax / 3
+            bn_fwd, bn_bwd = comm.batch_norm_s(ri, c)  # batch-norm statistics over dp: counted as tp_comm too
+            tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd
+            tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd
             # a mode that runs the forward again runs its TP collectives again
             rec = tuple(r + tp_fwd if again else r for r, again in zip(t.recompute_s, t.recompute_tp, strict=True))
             compute_s = t.compute_s
