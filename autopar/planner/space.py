@@ -93,6 +93,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
             dp = world_size // (tp * pp)
             if (o.dp is not None and dp != o.dp) or global_batch_size % dp:
                 continue
+            eps = _pinned(ep_degrees(graph, dp), o.ep)
             for mbs in _pinned(divisors(global_batch_size // dp), o.micro_batch_size):
                 m = global_batch_size // (dp * mbs)
                 if o.num_microbatches is not None and m != o.num_microbatches:
@@ -109,7 +110,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
                                                      sequence_parallel=sp, compile=comp, ep=ep, fp8=f8,
                                                      offload=off)
-                                           for ep in _pinned(ep_degrees(graph, dp), o.ep))
+                                           for ep in eps)
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out

@@ -1,0 +1,89 @@
+"""Plans for full-size mixture-of-experts models, beside the closest published runs.
+
+Mixtral-8x7B (transformers' default MixtralConfig) on 8 DGX H100 nodes at batch 512 × 4096, and
+DeepSeek-V3 (671B, transformers' default DeepseekV3Config) on 256 H800 nodes at its final batch of 15,360 ×
+4096, both built and captured on the meta device in bf16; each plan with its capture and planning time,
+its predicted MFU, the best plan without expert parallelism, and (DeepSeek-V3) its published layout
+(PP16 · EP64 · ZeRO-1 on 2,048 H800, no TP: DeepSeek-V3 technical report, arXiv 2412.19437, §3.2) priced
+with `autopar.estimate`.
+
+Published figures the plans are set beside:
+- MoE Parallel Folding (Liu et al. 2025, arXiv 2504.14960, abstract): Megatron-Core reaches 49.3% MFU on
+  Mixtral-8x22B and 39.0% on Qwen2-57B-A14B on H100.
+- DeepSeek-V3 report, Table 1 / §1: pre-training on 14.8T tokens took 2.664M H800 GPU hours, i.e.
+  14.8e12 / (2.664e6 · 3600) = 1,543 tokens/s per GPU; at 6 · 37B activated parameters per token that is
+  35% of the H800's 989 TFLOP/s bf16 peak (DeepSeek trained its GEMMs in FP8, whose peak is twice that).
+
+    python benchmarks/moe_plans.py [--load-imbalance F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import autopar
+from autopar import Cluster, ParallelConfig, PlannerOptions
+
+DEEPSEEK_TOKENS_PER_S_PER_GPU = 14.8e12 / (2.664e6 * 3600)
+DEEPSEEK_ACTIVE_PARAMS = 37e9
+
+
+def _captured(config_name: str, model_name: str, seq_len: int, imbalance: float | None):
+    import transformers
+
+    cfg = getattr(transformers, config_name)()
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = getattr(transformers, model_name)(cfg).to(torch.bfloat16)
+    built = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    graph = autopar.capture(model, (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),))
+    print(f"{model_name}: {graph.num_params / 1e9:.1f}B parameters ({graph.expert_params / 1e9:.1f}B in experts), "
+          f"built in {built:.1f} s, captured in {time.perf_counter() - t0:.1f} s wall / "
+          f"{time.process_time() - c0:.1f} s CPU")
+    return graph.with_moe_load_imbalance(imbalance) if imbalance is not None else graph
+
+
+def _plan(graph, cluster: Cluster, batch: int, label: str) -> autopar.Plan:
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = autopar.plan(graph, cluster, global_batch_size=batch)
+    dense = autopar.plan(graph, cluster, global_batch_size=batch, options=PlannerOptions(ep=1, top_k=0))
+    print(f"  {label}: {plan.config}\n    MFU {plan.estimate.mfu:.1%}, step {plan.estimate.step_time_s:.2f} s, "
+          f"{plan.estimate.tokens_per_s / cluster.world_size:,.0f} tokens/s/GPU; planned in "
+          f"{time.perf_counter() - t0:.1f} s wall / {time.process_time() - c0:.1f} s CPU (both searches), "
+          f"{plan.solver.status}, gap {plan.solver.gap:g}\n"
+          f"    best without expert parallelism: {dense.config}: MFU {dense.estimate.mfu:.1%}")
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--load-imbalance", type=float, default=None,
+                    help="busiest expert's tokens ÷ the mean (default: capture's, 1.25)")
+    args = ap.parse_args(argv)
+
+    mixtral = _captured("MixtralConfig", "MixtralForCausalLM", 4096, args.load_imbalance)
+    _plan(mixtral, Cluster.preset("dgx-h100", nodes=8), 512, "Mixtral-8x7B on 64 H100, batch 512 × 4096")
+    print("    closest published: Megatron-Core, Mixtral-8x22B on H100, 49.3% MFU (arXiv 2504.14960)")
+
+    dsv3 = _captured("DeepseekV3Config", "DeepseekV3ForCausalLM", 4096, args.load_imbalance)
+    h800 = Cluster.preset("hgx-h800", nodes=256)
+    _plan(dsv3, h800, 15360, "DeepSeek-V3 on 2,048 H800, batch 15,360 × 4096")
+    pub_mfu = 6 * DEEPSEEK_ACTIVE_PARAMS * DEEPSEEK_TOKENS_PER_S_PER_GPU / h800.device.peak_flops_for("bfloat16")
+    for recompute in ("none", "full"):  # DeepSeek recomputes norms and MLA up-projections: between the two
+        own = ParallelConfig(pp=16, dp=128, ep=64, zero_stage=1, micro_batch_size=1, num_microbatches=120,
+                             recompute=recompute)
+        est = autopar.estimate(dsv3, h800, own, global_batch_size=15360)
+        print(f"  DeepSeek's layout {own}: MFU {est.mfu:.1%}, {est.tokens_per_s / h800.world_size:,.0f} "
+              f"tokens/s/GPU, all-to-all and TP {est.breakdown['tp_comm']:.1f} s of {est.step_time_s:.1f} s, "
+              f"peak {est.peak_memory_bytes / 2**30:.0f} GiB, fits={est.fits}")
+    print(f"    published: {DEEPSEEK_TOKENS_PER_S_PER_GPU:,.0f} tokens/s/GPU over pre-training = {pub_mfu:.1%} of the "
+          "bf16 peak by 6·37B (FP8 GEMMs, all-to-all hidden under DualPipe; arXiv 2412.19437)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
