@@ -132,8 +132,8 @@ def _plan_everywhere(graph: ModelGraph, cluster: Any, global_batch_size: int | N
 
 def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | None = None,
                 example_kwargs: dict[str, Any] | None = None, optimizer: Any, loss_fn: Any = None,
-                global_batch_size: int | None = None, profile: Any = None, options: PlannerOptions | None = None,
-                device: Any = None) -> Any:
+                target_arg: str | None = None, global_batch_size: int | None = None, profile: Any = None,
+                options: PlannerOptions | None = None, device: Any = None) -> Any:
     """Shard `model` on this rank as a plan says and return its `ParallelModel` (call on every rank).
 
     plan_or_cluster: a `Plan` (e.g. `Plan.load("plan.json")`), or a `Cluster` to plan for first
@@ -141,12 +141,22 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
     example_inputs / example_kwargs: the model's inputs as its forward takes them (a tuple, None allowed,
     and a dict), nested. optimizer: a factory `params -> torch.optim.Optimizer`; loss_fn:
     `(logits, targets) -> mean loss`, targets as `train_step` gets them (default: language-model cross
-    entropy, vocab-parallel under tensor parallelism).
+    entropy, vocab-parallel under tensor parallelism). Without loss_fn, a model whose forward takes its
+    targets (`targets`, `labels`, or the argument named by `target_arg`) trains on the loss it returns,
+    averaged over the global batch's tokens as one process averages it.
     """
     from autopar import codegen
     from autopar.codegen.mesh import init_distributed, resolve_device
+    from autopar.codegen.model_loss import example_targets, target_parameter
 
+    target_name = target_parameter(model, target_arg) if loss_fn is None and not isinstance(model, ModelGraph) \
+        else None
+    if target_name is not None:  # a model that computes its own loss is captured as it trains: with its targets
+        example_kwargs = {**(example_kwargs or {}),
+                          target_name: example_targets((tuple(example_inputs or ()), example_kwargs or {}))}
     graph = _graph(model, example_inputs, example_kwargs)
+    if target_name is not None:
+        example_kwargs = {k: v for k, v in example_kwargs.items() if k != target_name}
     if isinstance(plan_or_cluster, Plan):
         the_plan = plan_or_cluster
     else:
@@ -157,6 +167,6 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
         opts = check_options(options)
         opts = dataclasses.replace(opts, ep=1) if opts.ep is None else opts
         the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, opts)
-    kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
     return codegen.parallelize(model, the_plan, graph=graph, example_inputs=example_inputs,
-                               example_kwargs=example_kwargs, optimizer=optimizer, device=device, **kwargs)
+                               example_kwargs=example_kwargs or None, optimizer=optimizer, device=device,
+                               loss_fn=loss_fn, target_arg=target_arg)

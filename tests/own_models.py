@@ -217,13 +217,13 @@ class EagerAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.size()  # noqa: N806
-        k = self.key(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = self.query(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = self.value(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = self.key(x).view(B, T, self.n_head, -1).transpose(1, 2)
+        q = self.query(x).view(B, T, self.n_head, -1).transpose(1, 2)
+        v = self.value(x).view(B, T, self.n_head, -1).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
         att = F.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)
         return self.proj(y)
 
 
@@ -410,3 +410,79 @@ TARGET_ARG = {"nanogpt": "targets", "functional_lm": "labels", "target_arg_lm": 
 def build_own(name: str, seed: int = 0, **dims) -> nn.Module:
     torch.manual_seed(seed)
     return MODELS[name](**dims).float()
+
+
+# ---- conformance cases (run in every rank of a gloo job; see tests/test_conformance_own.py) -------------
+
+IGNORE = {"nanogpt": -1, "functional_lm": -100, "target_arg_lm": -1}  # the ignore_index each model's loss uses
+
+
+def own_batches(name: str, steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches; a model with its own loss gets targets with ignored positions, unevenly spread over the
+    samples (so each rank and micro-batch averages over a different number of tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        t = torch.randint(0, VOCAB, (batch, SEQ), generator=g) if name not in TARGET_ARG else x.clone()
+        if name in IGNORE:
+            t[torch.rand(batch, SEQ, generator=g) < torch.linspace(0.0, 0.8, batch).unsqueeze(1)] = IGNORE[name]
+        out.append((x, t))
+    return out
+
+
+def own_loss(model: nn.Module, name: str, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The single-process loss: the model's own when it has one, else next-token cross-entropy of its logits."""
+    if name in TARGET_ARG:
+        out = model(x, **{TARGET_ARG[name]: t})
+        return out if isinstance(out, torch.Tensor) else out.loss if hasattr(out, "loss") else out[1]
+    from autopar.codegen import lm_cross_entropy
+
+    return lm_cross_entropy(model(x), t)
+
+
+_DONE: dict[tuple[str, int], tuple] = {}
+
+
+def own_case(name: str, config: dict, steps: int = 3) -> dict:
+    """Reference (one process, whole batch) vs parallel run of model `name` under `config`."""
+    import copy
+
+    from parity_models import BATCH, excess, make_plan, optimizer
+
+    import autopar
+    from autopar.codegen import lm_cross_entropy, parallelize
+    from autopar.codegen.state import full_gradients
+
+    model = build_own(name)
+    x0 = torch.zeros(1, SEQ, dtype=torch.long)
+    data = own_batches(name, steps, BATCH)
+    if (name, steps) not in _DONE:  # the graph and the one-process reference, once per model in a process
+        kw = {TARGET_ARG[name]: x0} if name in TARGET_ARG else {}
+        graph = autopar.capture(model, (x0,), kw)
+        ref = copy.deepcopy(model)
+        opt = optimizer(ref.parameters())
+        ref_losses = []
+        for x, t in data:
+            opt.zero_grad()
+            loss = own_loss(ref, name, x, t)
+            loss.backward()
+            opt.step()
+            ref_losses.append(loss.item())
+        ref_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+        _DONE[name, steps] = graph, ref_losses, ref_grads, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    graph, ref_losses, ref_grads, ref_state = _DONE[name, steps]
+    own = {"target_arg": TARGET_ARG[name]} if name in TARGET_ARG else {"loss_fn": lm_cross_entropy}
+    pm = parallelize(model, make_plan(graph, **config), graph=graph, example_inputs=(x0,), optimizer=optimizer, **own)
+    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
+    full = pm.full_state_dict()
+    grads = full_gradients(pm.modules, pm.mesh["pp"])
+    weight_excess, weight_key = excess(full, ref_state)
+    grad_excess, grad_key = excess(grads, ref_grads)
+    return {"case": f"{name} {config}", "losses": losses, "ref_losses": ref_losses,
+            "weight_excess": weight_excess, "weight_key": weight_key, "grad_excess": grad_excess, "grad_key": grad_key,
+            "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
+
+
+def own_cases(cases: list[tuple[str, dict]], steps: int = 3) -> list[dict]:
+    return [own_case(name, cfg, steps) for name, cfg in cases]

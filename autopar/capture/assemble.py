@@ -89,14 +89,22 @@ def _shared_params(model: nn.Module, groups: list[LayerGroup], holders: dict[int
 def _vocab_modules(model: nn.Module, vocab: int | None) -> dict[str, str]:
     """Fully qualified name → "embedding" / "lm_head" for modules whose size is the vocabulary.
 
-    Modules inside a stack of blocks are never the vocabulary's: a projection inside a block can be as
-    wide as the vocabulary by coincidence (a fused q|k|v of a small model).
+    Found at any depth (a token embedding kept in an `nn.ModuleDict` beside the blocks, a head under an
+    attribute), except inside a stack of blocks (a container child with a sibling of its class): a
+    projection inside a block can be as wide as the vocabulary by coincidence (a fused q|k|v of a small model).
     """
     found: dict[str, str] = {}
     if vocab is None:
         return found
-    in_blocks = {f"{name}.{sub}" for name, c in model.named_modules() if isinstance(c, CONTAINERS)
-                 for sub, _ in c.named_modules() if sub}
+    in_blocks: set[str] = set()
+    for name, c in model.named_modules():
+        if not isinstance(c, CONTAINERS):
+            continue
+        classes = [type(child) for child in c.children()]
+        for child_name, child in c.named_children():
+            if classes.count(type(child)) > 1:
+                prefix = f"{name}.{child_name}" if name else child_name
+                in_blocks.update(f"{prefix}.{sub}" for sub, _ in child.named_modules() if sub)
     for name, m in model.named_modules():
         if name in in_blocks:
             continue
@@ -139,6 +147,35 @@ def _vocab_kernels(mix: KernelMix, logits_bytes: int) -> KernelMix:
     kernels = [dataclasses.replace(k, tp_sharded=True) if k.kind == "gemm" or k.tensor_bytes >= logits_bytes
                else k for k in mix.kernels]
     return dataclasses.replace(mix, kernels=merge_kernels(kernels))
+
+
+def _weight_split(pattern: TPPattern, module: str) -> str:
+    """How a pattern splits `module`'s weight: "rows" (vocab-parallel embedding and head, column-parallel
+    linears: the weight's dim 0), "columns" (row-parallel linears: dim 1), or "" when it is not in it."""
+    if module in pattern.row:
+        return "columns"
+    return "rows" if module in pattern.column else ""
+
+
+def _reconcile_ties(sums: list[_Sums], shared: tuple[SharedParam, ...]) -> list[str]:
+    """A weight that several modules share is split alike by all of them or by none: where the patterns found
+    split it differently (or on one side only), those patterns are dropped, so the planner prices the weight
+    replicated and codegen never meets a tie it would refuse. Returns the modules whose patterns were dropped."""
+    dropped: list[str] = []
+    patterns = [p for s in sums for p in s.patterns.values()]
+    for sp in shared:
+        modules = {name.rsplit(".", 1)[0] for name in sp.names if "." in name}
+        if len(modules) < 2:
+            continue
+        splits = {m: {_weight_split(p, m) for p in patterns} - {""} for m in modules}
+        if len({frozenset(v) for v in splits.values()}) <= 1 and all(len(v) <= 1 for v in splits.values()):
+            continue
+        for s in sums:
+            for key, p in list(s.patterns.items()):
+                if any(_weight_split(p, m) for m in modules):
+                    del s.patterns[key]
+        dropped.extend(sorted(modules))
+    return dropped
 
 
 def _norm_param_numels(model: nn.Module, units: tuple[str, ...]) -> tuple[int, ...]:
@@ -206,6 +243,15 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     embeddings = [model.get_submodule(n) for n in embedding_names]
     vocab = _vocab_size(model, embeddings)
     vocab_modules = _vocab_modules(model, vocab)
+    tie_groups: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tie_groups.setdefault(id(p), set()).add(name.rsplit(".", 1)[0] if "." in name else "")
+    replicated_ties: list[str] = []
+    for modules in tie_groups.values():  # a tied weight is vocab-parallel on every side or on none
+        if len({m in vocab_modules for m in modules}) > 1:
+            for m in modules:
+                vocab_modules.pop(m, None)
+            replicated_ties.extend(sorted(modules))
     sums = [_Sums() for _ in groups]
     for call in rec.calls:
         s, st = sums[layer_of[call.unit]], stats[call.signature]
@@ -272,6 +318,9 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     top_level = [p for p in model.parameters() if id(p) not in holders]
     params[0].extend(top_level)
     shared = _shared_params(model, groups, holders, {id(p) for p in top_level})
+    replicated_ties += _reconcile_ties(sums, shared)
+    if replicated_ties:
+        metadata = {**metadata, "tied_weights_replicated": replicated_ties}
 
     def per_sample(x: float) -> int:
         return int(round(x / batch))

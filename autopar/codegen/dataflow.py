@@ -35,6 +35,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_on
 
 from autopar.capture.meta import swap_tensors
 from autopar.capture.moe import grouped_mm_any_dtype
+from autopar.codegen.model_loss import loss_of
 from autopar.errors import PlanMismatchError
 
 __all__ = ["CallKey", "LeafMeta", "DataFlow", "StageIO", "trace_dataflow", "forward_kwargs", "model_logits"]
@@ -205,7 +206,7 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Sequence[Any],
-                   example_kwargs: Mapping[str, Any] | None = None) -> DataFlow:
+                   example_kwargs: Mapping[str, Any] | None = None, *, own_loss: bool = False) -> DataFlow:
     """Run `model(*example_inputs, **example_kwargs)` once on fake tensors and record the taint of every
     unit call."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -253,7 +254,7 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
             with mode:
                 mode.set((inputs, kwargs), frozenset({INPUT}))
                 out = model(*inputs, **{**forward_kwargs(model), **kwargs})
-                output_taint = mode.tag(model_logits(out))
+                output_taint = mode.tag(loss_of(out) if own_loss else model_logits(out))  # what the last stage returns
     except PlanMismatchError:
         raise
     except Exception as e:

@@ -21,10 +21,11 @@ from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
-from autopar.codegen.dataflow import DataFlow, trace_dataflow
+from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
 from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
+from autopar.codegen.model_loss import check_model_loss, example_targets, target_parameter
 from autopar.codegen.offload import HostOptimizer, host_optimizer_factory
 from autopar.codegen.pipeline import (
     build_schedule,
@@ -46,13 +47,16 @@ __all__ = ["parallelize"]
 
 
 def _graph_of(model: nn.Module, example_inputs: Sequence[Any] | None,
-              example_kwargs: Mapping[str, Any] | None) -> ModelGraph:
+              example_kwargs: Mapping[str, Any] | None, target_name: str | None = None) -> ModelGraph:
     try:
         from autopar.capture import capture  # owned by the capture module; imported late on purpose
     except ImportError as e:
         raise PlanMismatchError("parallelize needs the model's graph: pass graph=autopar.capture(model, x)") from e
     if example_inputs is None:
         raise PlanMismatchError("parallelize needs example_inputs (or graph=) to check the plan against the model")
+    if target_name is not None:  # captured as it trains: with its targets, and its loss's kernels
+        example_kwargs = {**(example_kwargs or {}),
+                          target_name: example_targets((tuple(example_inputs), example_kwargs or {}))}
     return capture(model, tuple(example_inputs), example_kwargs)
 
 
@@ -121,16 +125,23 @@ def _refuse_expert_parallelism(plan: Plan, graph: ModelGraph) -> None:
 def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
                 example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_cross_entropy,
-                device: str | torch.device | None = None) -> ParallelModel:
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                target_arg: str | None = None, device: str | torch.device | None = None) -> ParallelModel:
     """Shard `model` as `plan` says and return the `ParallelModel` that trains it (call on every rank).
 
     The model's own forward runs on every stage (`pipeline.py`); with pp = 1 it is the model itself,
     sharded in place. optimizer: a factory `params -> torch.optim.Optimizer` (it receives parameter
     groups). loss_fn: `(logits, targets) -> mean loss`; `lm_cross_entropy` runs vocab-parallel under TP.
+    Without loss_fn, a model whose forward takes its targets (`targets`, `labels`, or `target_arg`) trains on
+    the loss it returns (`model_loss.py`); any other on `lm_cross_entropy` of the logits it returns.
     The model's parameters are modified in place (sharded); its weights are taken from rank 0.
     """
-    graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs)
+    if loss_fn is not None and target_arg is not None:
+        raise PlanMismatchError(f"pass loss_fn or target_arg={target_arg!r}, not both: target_arg trains on the "
+                                "model's own loss, loss_fn on a loss of its logits")
+    target_name = target_parameter(model, target_arg) if loss_fn is None else None
+    loss_fn = loss_fn or lm_cross_entropy
+    graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs, target_name)
     check_plan_for_graph(plan, graph)  # stages cover the layers once, in order; tp splits them; numbers sane
     cfg = plan.config
     _refuse_expert_parallelism(plan, graph)
@@ -151,9 +162,16 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                        fsdp_float8_all_gather=float8_gather)
 
     units = stage_of_units(graph, plan)
-    one_micro_batch = (_microbatch_inputs(graph, example_inputs, example_kwargs, cfg.micro_batch_size)
-                       if len(plan.stages) > 1 else None)
-    flow = trace_dataflow(model, list(units), *one_micro_batch) if one_micro_batch else DataFlow.single_stage()
+    needs_micro_batch = len(plan.stages) > 1 or target_name is not None
+    micro = (_microbatch_inputs(graph, example_inputs, example_kwargs, cfg.micro_batch_size)
+             if needs_micro_batch else None)
+    one_micro_batch = micro if len(plan.stages) > 1 else None
+    flow_kwargs = micro[1] if micro else {}
+    if target_name is not None:
+        check_model_loss(model, target_name, micro[0], {**forward_kwargs(model), **micro[1]})
+        flow_kwargs = {**micro[1], target_name: example_targets(micro)}
+    flow = (trace_dataflow(model, list(units), one_micro_batch[0], flow_kwargs, own_loss=target_name is not None)
+            if one_micro_batch else DataFlow.single_stage())
     feed = MicroBatches()
     ios = flow.stages(units, len(plan.stages))
     ties = alias_groups(model)
@@ -165,13 +183,14 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     failure: BaseException | None = None
     try:
         for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
-            part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed)
+            part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed, target_name=target_name)
             if one_micro_batch:
                 dry_run_stage(part, flow, ios[stage.index], feed, one_micro_batch)
             apply_sync_batch_norm(part, mesh["dp"].get_group() if cfg.dp > 1 else None, cfg.dp)
             layers = [graph.layer(name) for name in stage.layers]
             if cfg.tp > 1:
-                apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span)
+                apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span,
+                                      logits_as_dtensor=target_name is not None)
                 retie(part, ties)
             for layer in layers:
                 if layer.kind == "block":
@@ -196,7 +215,12 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
         opt = make(param_groups_by_kind(params))
     vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
-    schedule = build_schedule(plan, parts, mesh["pp"], dev, loss, feed) if cfg.pp > 1 else None
-    return ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
-                         loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
-                         shared_gradients=shared, float8_fsdp_scales=float8_gather)
+    own: list[ParallelModel] = []  # on the model's own loss, the schedule's loss is the ParallelModel's (below)
+    schedule_loss = (lambda out, target: own[0].own_loss(out)) if target_name else loss
+    schedule = (build_schedule(plan, parts, mesh["pp"], dev, schedule_loss, feed,
+                               per_microbatch_mean=target_name is None) if cfg.pp > 1 else None)
+    pm = ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
+                       loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
+                       shared_gradients=shared, float8_fsdp_scales=float8_gather, target_name=target_name)
+    own.append(pm)
+    return pm

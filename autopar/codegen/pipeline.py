@@ -32,6 +32,7 @@ from autopar.capture.graph import ModelGraph
 from autopar.capture.meta import swap_tensors
 from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
+from autopar.codegen.model_loss import stage_loss
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
 
@@ -111,8 +112,11 @@ class _StageRunner:
 
     def __init__(self, *, flow: DataFlow, io: StageIO, stage_of_unit: Mapping[str, int], num_stages: int,
                  device: torch.device, forward: Callable[..., Any], kwargs: dict[str, Any],
-                 feed: MicroBatches) -> None:
+                 feed: MicroBatches, target_name: str | None = None) -> None:
         self.flow, self.io, self.stage_of_unit = flow, io, stage_of_unit
+        # the forward argument that takes each micro-batch's targets, when the model computes its own loss: the
+        # last stage then returns that loss (model_loss.stage_loss) rather than the logits
+        self.target_name = target_name
         self.index, self.num_stages = io.index, num_stages
         self.forward, self.kwargs, self.feed = forward, kwargs, feed
         self._sends = set(io.sends)
@@ -153,6 +157,9 @@ class _StageRunner:
             if self.index > 0:
                 self._unpack(args[:-1])
             args, kwargs = self.feed.call(index)
+            if self.target_name is not None and self.feed.targets:  # (a dry run at parallelize has none)
+                kwargs = {**kwargs, self.target_name: self.feed.target(index)}
+        own_loss = self.target_name is not None and self.target_name in kwargs
         try:
             out = self.forward(*args, **{**self.kwargs, **kwargs})
         except _StageExit:
@@ -161,7 +168,7 @@ class _StageRunner:
             raise PlanMismatchError(f"the model's forward ended inside pipeline stage {self.index} of "
                                     f"{self.num_stages}; the later stages' modules were never called. Re-plan "
                                     "for this model with `autopar plan` (or use pp=1)")
-        return model_logits(out)
+        return stage_loss(out) if own_loss else model_logits(out)
 
     def _unpack(self, args: Sequence[torch.Tensor]) -> None:
         it = iter(args)
@@ -184,7 +191,8 @@ class _StageRunner:
 
 
 def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_of_unit: Mapping[str, int],
-                index: int, *, device: torch.device, feed: MicroBatches) -> nn.Module:
+                index: int, *, device: torch.device, feed: MicroBatches,
+                target_name: str | None = None) -> nn.Module:
     """Stage `index` as a pruned copy of `model` whose forward sends/receives what `ios` says and reads
     the model's inputs from `feed`.
 
@@ -200,7 +208,7 @@ def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_
     forward = type(model).forward
     runner = _StageRunner(flow=flow, io=io, stage_of_unit=stage_of_unit, num_stages=num_stages,
                           device=device, forward=lambda *a, **k: None,
-                          kwargs=forward_kwargs(model), feed=feed)
+                          kwargs=forward_kwargs(model), feed=feed, target_name=target_name)
     others = {u for u, s in stage_of_unit.items() if s != index and u not in flow.replicated}
     stand_ins = {u: _StandIn(u, runner, model.get_submodule(u)) for u in others}
     stage = _prune(model, "", stand_ins) if others else model
@@ -249,7 +257,7 @@ def check_stage_placement(plan: Plan) -> None:
 
 
 def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], pp_mesh: DeviceMesh,
-                   device: torch.device, loss_fn, feed: MicroBatches):
+                   device: torch.device, loss_fn, feed: MicroBatches, *, per_microbatch_mean: bool = True):
     """The planned schedule over this rank's stages `[(stage_index, module), ...]`.
 
     Each micro-batch's loss is divided by the number of micro-batches before backward, so the
@@ -258,6 +266,7 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
     stage's gradients after backward instead, twice for a weight two stages of this rank share.
     The schedule is stepped with the micro-batch indices as input and target (`ParallelModel`), and
     the loss reads micro-batch i's targets, whatever their structure, from `feed`.
+    With `per_microbatch_mean=False` (the model's own loss, summed over its tokens) nothing is divided here.
     """
     cfg = plan.config
     m = cfg.num_microbatches
@@ -265,7 +274,8 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
     stages = [PipelineStage(mod, index, len(plan.stages), device, group=group) for index, mod in stage_modules]
 
     def scaled_loss(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, feed.target(_index_of(index))) / m
+        loss = loss_fn(output, feed.target(_index_of(index)))
+        return loss / m if per_microbatch_mean else loss
 
     if cfg.schedule == "interleaved_1f1b":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)

@@ -9,7 +9,7 @@ global mean loss — identical on every rank and equal to the single-device mean
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._pytree import tree_map_only
 
 from autopar.codegen import state as state_io
@@ -25,6 +26,7 @@ from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
 from autopar.codegen.loss import gather_vocab
+from autopar.codegen.model_loss import LossWatch
 from autopar.codegen.shared import SharedGradients
 from autopar.codegen.timing import CommClock, StepTimer
 from autopar.config import ParallelConfig
@@ -44,7 +46,7 @@ class ParallelModel:
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
                  device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None,
-                 float8_fsdp_scales: bool = False) -> None:
+                 float8_fsdp_scales: bool = False, target_name: str | None = None) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -59,6 +61,10 @@ class ParallelModel:
         # FSDP gathers float8 weights: their scales are computed once per step, after the optimizer (torchtitan)
         self.float8_fsdp_scales = float8_fsdp_scales
         self.timer: StepTimer | None = None
+        # the model's own loss (autopar.codegen.model_loss): targets go to forward(..., target_name=targets)
+        self.target_name = target_name
+        self._watch = LossWatch() if target_name else None
+        self._counts: list[torch.Tensor] = []  # tokens each micro-batch's loss averaged over, in order
 
     # ---- where this rank sits ----
     @property
@@ -125,11 +131,34 @@ class ParallelModel:
             if isinstance(m, FSDPModule):
                 m.set_requires_gradient_sync(on)
 
+    def _loss_context(self):
+        """Around every forward and backward of a step on the model's own loss: its loss calls are watched, and
+        under tensor parallelism a cross-entropy of vocab-sharded logits runs vocab-parallel (DTensor's
+        loss_parallel, Megatron's parallel cross-entropy)."""
+        stack = ExitStack()
+        stack.enter_context(self._watch)
+        if self.vocab_parallel:
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def own_loss(self, out: torch.Tensor) -> torch.Tensor:
+        """Backward target of one micro-batch on the model's own loss: its loss summed over its tokens (the
+        token count is kept for the step's divisor)."""
+        loss = out.reshape(())  # a stage's last part returns model_loss.stage_loss: the loss, shape [1]
+        summed, count = self._watch.take(loss)
+        self._counts.append(count.cpu())
+        return summed
+
     def _run(self, inputs: Any, targets: Any, *, backward: bool) -> torch.Tensor:
-        """This rank's mean loss over its micro-batches (0 on ranks without the last stage)."""
+        """This rank's mean loss over its micro-batches (0 on ranks without the last stage); on the model's own
+        loss, the sum over this rank's tokens (`_counts` counts them)."""
         m = self.config.num_microbatches
         self.feed.set(self._micro_batches(inputs, "train_step's inputs"),
                       self._micro_batches(targets, "train_step's targets"), self.device)
+        if self.target_name is not None:
+            self._counts = []
+            with self._loss_context():
+                return self._run_own_loss(backward=backward)
         if self.schedule is None:
             part = self.modules[0]
             total = torch.zeros((), device=self.device)
@@ -152,6 +181,50 @@ class ParallelModel:
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()  # each is loss / m (build_schedule)
+
+    def _run_own_loss(self, *, backward: bool) -> torch.Tensor:
+        m = self.config.num_microbatches
+        if self.schedule is None:
+            part = self.modules[0]
+            total = torch.zeros((), device=self.device)
+            for i in range(m):
+                args, kwargs = self.feed.call(i)
+                self._set_gradient_sync(i == m - 1 or not backward)
+                summed = self.own_loss(part(*args, **{**kwargs, self.target_name: self.feed.target(i)}))
+                if backward:
+                    summed.backward()
+                total += summed.detach().float()
+            return total
+        losses: list[torch.Tensor] = []
+        index = torch.arange(m, device=self.device)  # stages read micro-batch i's inputs and targets from the feed
+        run = self.schedule.step if backward else self.schedule.eval
+        run(*((index,) if self.has_first_stage else ()), target=index if self.has_last_stage else None,
+            losses=losses)
+        if not self.has_last_stage:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    def _own_loss_totals(self, local_sum: torch.Tensor) -> tuple[float, float]:
+        """(global loss, gradient divisor) of a step on the model's own loss: the summed losses and token counts
+        of the last stage's ranks over the whole job (tp ranks hold copies of both); a loss with reduction="sum"
+        counts no tokens and is divided by nothing."""
+        last = 1.0 if self.has_last_stage else 0.0
+        # the step's micro-batches are the last m losses computed: a pipeline's first step also runs the loss
+        # once in the stage's shape inference, which the schedule leaves out of its losses
+        counts = self._counts[-self.config.num_microbatches:]
+        tokens = torch.stack(counts).sum() if counts else torch.zeros(())
+        totals = torch.stack([local_sum.reshape(()).float().cpu() * last, tokens.float() * last]).to(self.device)
+        dist.all_reduce(totals)
+        loss_sum, tokens_all = float(totals[0]) / self.config.tp, float(totals[1]) / self.config.tp
+        if tokens_all == 0:  # a sum-reduced loss (or a batch whose every target is ignored)
+            return loss_sum, 1.0
+        return loss_sum / tokens_all, tokens_all
+
+    @torch.no_grad()
+    def _scale_gradients(self, factor: float) -> None:
+        for p in self._parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def _global_mean(self, local_loss: torch.Tensor) -> float:
         """Mean over data-parallel ranks; every tensor-parallel rank of the last stage holds a copy."""
@@ -176,12 +249,15 @@ class ParallelModel:
                     average_gradients(self._parameters(), self.mesh["dp"])
                 if self.shared_gradients is not None:
                     self.shared_gradients.sync(self.modules)
+                if self.target_name is not None:  # gradients are dp-averaged sums over tokens: make them the mean
+                    own_loss, divisor = self._own_loss_totals(local_loss)
+                    self._scale_gradients(self.config.dp / divisor)
             with timer.phase("optimizer") if timer else nullcontext():
                 self.optimizer.step()
                 if self.float8_fsdp_scales:
                     precompute_fsdp_scales(self.modules)
             with timer.phase("loss") if timer else nullcontext():
-                return self._global_mean(local_loss)
+                return own_loss if self.target_name is not None else self._global_mean(local_loss)
 
     @contextmanager
     def timing(self) -> Iterator[StepTimer]:
@@ -201,7 +277,8 @@ class ParallelModel:
     def eval_loss(self, inputs: Any, targets: Any) -> float:
         """The global mean loss on this rank's local batch (as `train_step` takes it), updating nothing."""
         self.eval()
-        return self._global_mean(self._run(inputs, targets, backward=False))
+        local = self._run(inputs, targets, backward=False)
+        return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> torch.Tensor:

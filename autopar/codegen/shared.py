@@ -60,7 +60,8 @@ def retie(part: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
                 raise PlanMismatchError(
                     f"parameters {names} are one tied weight, but tensor parallelism shards them differently "
                     f"({getattr(first, 'placements', 'replicated')} vs {getattr(p, 'placements', 'replicated')}); "
-                    "re-plan with tp=1 for this model")
+                    "capture keeps a tied weight split alike on every side, so this plan was made from another "
+                    "graph of the model: re-capture and re-plan it with this autopar version")
             owner._parameters[leaf] = first
 
 

@@ -40,7 +40,7 @@ from autopar.errors import PlanMismatchError
 __all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
 
 # Attribute names that models use for (local) head counts; rewritten to count / tp.
-HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_local_heads",
+HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
                     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_kv_heads")
 # Attribute names for the concatenated width of the heads (BART-style attention reshapes with them).
 HEAD_WIDTH_ATTRS = ("embed_dim", "all_head_size", "inner_dim", "kv_dim")
@@ -220,8 +220,12 @@ def _layer_module(module: nn.Module, layer: LayerSpec) -> nn.Module:
 
 
 def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mesh: DeviceMesh, *,
-                          sequence_parallel: SequenceSpan | None) -> None:
-    """Shard, in place, the TP patterns of `layers` that live in `module` (a model or one pipeline stage)."""
+                          sequence_parallel: SequenceSpan | None, logits_as_dtensor: bool = False) -> None:
+    """Shard, in place, the TP patterns of `layers` that live in `module` (a model or one pipeline stage).
+
+    logits_as_dtensor: a vocab-parallel head returns its logits as a DTensor sharded on the vocabulary, for a
+    model that computes its own loss: its code then sees the logits' global shape (`view(-1, vocab_size)`,
+    label shifting) and its cross-entropy runs vocab-parallel under DTensor's loss_parallel."""
     tp = tp_mesh.size()
     span = sequence_parallel
     sp = span is not None
@@ -263,8 +267,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
             elif pattern.kind == "lm_head":
                 shards_in = span is not None and span.gather_after is None
                 parallelize_module(module, tp_mesh, {name: ColwiseParallel(
-                    input_layouts=Shard(1) if shards_in else Replicate(), output_layouts=Shard(-1))
-                    for name in pattern.column})
+                    input_layouts=Shard(1) if shards_in else Replicate(), output_layouts=Shard(-1),
+                    use_local_output=not logits_as_dtensor) for name in pattern.column})
         if span is not None and layer.name in span.sharded_layers:
             for name, sub in _layer_module(module, layer).named_modules(prefix=layer.name):
                 if is_norm(sub) and any(not isinstance(p, DTensor) for p in sub.parameters(recurse=False)):

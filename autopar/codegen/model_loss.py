@@ -1,0 +1,168 @@
+"""Training on the loss the model computes itself: `forward(idx, targets) -> (logits, loss)`, transformers' `labels=`.
+
+When `parallelize` gets no `loss_fn` and the model's forward takes a targets argument (`targets`, `labels`, or
+the one named by `target_arg=`), each micro-batch's targets go to the model and the step trains on the loss
+it returns: a scalar tensor, `.loss`, `["loss"]`, or the one 0-dim tensor of a tuple.
+
+One process averages a token loss over the tokens of the whole batch that count (`ignore_index` skipped,
+labels shifted inside the model or not); split into micro-batches and data-parallel ranks, each piece averages
+over its own tokens. To give the same gradients and loss, every cross-entropy / NLL call the model makes is
+watched (`LossWatch`, a torch-function mode): its reduction and the number of targets it counted. Each
+micro-batch's backward runs on `loss · n` (a sum over its tokens; `loss` itself for reduction="sum"), and after
+the gradients are summed over the data-parallel group they are divided by the global count — exactly the
+single-process mean. A model whose loss is not one such call (several calls, a loss built by other code, a
+reduction of "none") cannot be split this way and is refused at `parallelize`, naming what was found.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from autopar.capture.meta import swap_tensors
+from autopar.errors import PlanMismatchError
+
+__all__ = ["TARGET_NAMES", "LossWatch", "target_parameter", "loss_of", "stage_loss", "check_model_loss",
+           "example_targets"]
+
+TARGET_NAMES = ("targets", "labels")
+_LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
+
+
+def target_parameter(model: nn.Module, target_arg: str | None) -> str | None:
+    """The forward parameter that takes the targets: `target_arg` (checked), else `targets` or `labels`."""
+    params = inspect.signature(model.forward).parameters
+    if target_arg is not None:
+        if target_arg not in params:
+            raise PlanMismatchError(
+                f"target_arg={target_arg!r}, but {type(model).__name__}.forward takes no such argument (it takes "
+                f"{', '.join(params)}); name the argument its targets go to, or pass loss_fn=(logits, targets) -> loss")
+        return target_arg
+    return next((name for name in TARGET_NAMES if name in params), None)
+
+
+def example_targets(example_inputs: Any) -> torch.Tensor:
+    """Targets shaped like the first input tensor (token ids: a language model's targets are token ids too)."""
+    first = next((t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    if first is None:
+        raise PlanMismatchError("the model's own loss needs example inputs with a tensor (the token ids)")
+    return torch.zeros(first.shape, dtype=torch.long, device=first.device)
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss in a model's output: a scalar tensor, `.loss`, `["loss"]`, or the one scalar of a tuple (as a
+    plain tensor: a vocab-parallel cross-entropy returns a replicated DTensor)."""
+    loss = _find_loss(out)
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def stage_loss(out: Any) -> torch.Tensor:
+    """The loss as the last pipeline stage returns it: shape [1] (the schedule concatenates micro-batches' outputs)."""
+    return loss_of(out).reshape(1)
+
+
+def _find_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    candidate = getattr(out, "loss", None)
+    if candidate is None and isinstance(out, dict):
+        candidate = out.get("loss")
+    if isinstance(candidate, torch.Tensor) and candidate.dim() == 0:
+        return candidate
+    if isinstance(out, (tuple, list)):
+        scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0]
+        if len(scalars) == 1:
+            return scalars[0]
+    raise PlanMismatchError(
+        f"with its targets the model returned a {type(out).__name__} without one scalar loss (a 0-dim tensor, "
+        ".loss, ['loss'], or the one 0-dim tensor of a tuple); return the loss, or pass loss_fn=(logits, targets) "
+        "-> loss and let forward return the logits")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossCall:
+    function: str
+    reduction: str
+    count: torch.Tensor  # targets that count (not ignore_index), a 0-dim tensor
+    output: torch.Tensor
+
+
+class LossWatch(TorchFunctionMode):
+    """Records every `F.cross_entropy` / `F.nll_loss` call (nn.CrossEntropyLoss and transformers call them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[LossCall] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _LOSSES.get(func)
+        if name is not None:
+            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound.apply_defaults()
+            target = bound.arguments["target"]
+            reduction = bound.arguments["reduction"]
+            if bound.arguments.get("reduce") is not None or bound.arguments.get("size_average") is not None:
+                reduction = "legacy"
+            count = (target != bound.arguments["ignore_index"]).sum() if not target.is_floating_point() \
+                else torch.tensor(target.shape[0] if target.dim() else 1)
+            self.calls.append(LossCall(function=name, reduction=reduction, count=count, output=out))
+        return out
+
+    def take(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the backward target: the loss summed over its tokens, the token count it adds; 0 for a sum), for the
+        micro-batch just run; clears the record."""
+        calls, self.calls = self.calls, []
+        call = calls[-1]
+        if call.reduction == "sum":
+            return loss, torch.zeros((), dtype=torch.long, device=loss.device)
+        count = call.count.to(loss.device)
+        return loss * count, count
+
+
+def check_model_loss(model: nn.Module, target_name: str, example_inputs: Sequence[Any],
+                     forward_kwargs: dict[str, Any]) -> None:
+    """One forward on fake tensors with targets: its loss must be the output of one mean or sum cross-entropy
+    (or NLL) call, which is what lets micro-batches and data-parallel ranks average as one process does."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    watch = LossWatch()
+    try:
+        with fake, swap_tensors(model, fake.from_tensor):
+            inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor, (tuple(example_inputs), forward_kwargs))
+            targets = fake.from_tensor(example_targets((example_inputs, forward_kwargs)))
+            with watch:
+                loss = _find_loss(model(*inputs, **kwargs, **{target_name: targets}))
+    except PlanMismatchError:
+        raise
+    except Exception as e:
+        raise PlanMismatchError(
+            f"training on {type(model).__name__}'s own loss runs forward(..., {target_name}=targets) with targets "
+            f"shaped like the first input, and it failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
+            "Pass loss_fn=(logits, targets) -> loss instead") from e
+    where = f"{type(model).__name__}.forward(..., {target_name}=targets)"
+    if len(watch.calls) != 1:
+        found = ", ".join(c.function for c in watch.calls) or "none"
+        raise PlanMismatchError(
+            f"{where} computes its loss with {len(watch.calls)} cross-entropy/NLL calls ({found}); autopar splits a "
+            "model's own loss over micro-batches and ranks when it is one mean (or sum) cross-entropy over tokens. "
+            "Pass loss_fn=(logits, targets) -> loss and let forward return the logits")
+    call = watch.calls[0]
+    if call.reduction not in ("mean", "sum"):
+        raise PlanMismatchError(
+            f"{where}: its {call.function} has reduction={call.reduction!r}; only 'mean' and 'sum' split exactly over "
+            "micro-batches and ranks. Pass loss_fn=(logits, targets) -> loss instead")
+    if loss is not call.output:
+        raise PlanMismatchError(
+            f"{where} returns a loss computed from its {call.function} by further code (a weighted sum, an auxiliary "
+            "term); autopar can split only the cross-entropy itself. Pass loss_fn=(logits, targets) -> loss instead")
