@@ -109,3 +109,11 @@ def test_a_tie_no_pattern_can_split_alike_stays_replicated():
     split = {m for la in graph.layers for p in la.tp_patterns for m in (*p.column, *p.row)}
     assert not split & {"emb", "blocks.1.0"}  # neither side of the tie is sharded
     assert graph.metadata.get("tied_weights_replicated") == ["blocks.1.0", "emb"]
+
+
+def test_default_loss_on_logits_that_do_not_match_the_targets_says_to_pass_a_loss_fn():
+    from autopar.codegen import lm_cross_entropy
+
+    logits, _ = build_own("nanogpt")(X[0])  # without targets nanoGPT returns only the last position's logits
+    with pytest.raises(PlanMismatchError, match=r"shape \(2, 1, 128\) for targets of shape \(2, 16\).*loss_fn"):
+        lm_cross_entropy(logits, X[0])

@@ -16,9 +16,22 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar.errors import PlanMismatchError
+
 __all__ = ["IGNORE_INDEX", "lm_cross_entropy", "vocab_parallel_cross_entropy", "gather_vocab", "resolve_loss"]
 
 IGNORE_INDEX = -100  # the target value skipped by the loss, as torch.nn.functional.cross_entropy
+
+
+def _check_shapes(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """The default loss needs one logit row per target; say so, rather than failing deep inside torch."""
+    if not isinstance(logits, torch.Tensor) or logits.shape[:-1].numel() != targets.numel():
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise PlanMismatchError(
+            f"the model returned logits of shape {shape} for targets of shape {tuple(targets.shape)}; the default "
+            "loss (lm_cross_entropy) needs logits [..., vocab] with one row per target. Pass loss_fn=(output, "
+            "targets) -> loss to parallelize, or give the model's forward a targets argument (targets, labels or "
+            "target_arg=) to train on the loss it computes")
 
 
 def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -26,6 +39,7 @@ def lm_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
     Pass this as `loss_fn` to get the vocab-parallel version under tensor parallelism.
     """
+    _check_shapes(logits, targets)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
 
@@ -67,6 +81,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
                                  tp_mesh: DeviceMesh) -> torch.Tensor:
     """`lm_cross_entropy` of logits sharded along the vocabulary over `tp_mesh` (equal, contiguous slices)."""
+    _check_shapes(local_logits, targets)
     v_local = local_logits.size(-1)
     vocab_start = tp_mesh.get_local_rank() * v_local
     return _VocabParallelCrossEntropy.apply(local_logits, targets, vocab_start, tp_mesh.get_group())
