@@ -74,7 +74,8 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs)
     cluster.check_trains(graph.dtype)
-    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
+    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
+                                  options.loss_kernel)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
                       global_batch_size=global_batch_size)
@@ -104,7 +105,8 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs)
     cluster.check_trains(graph.dtype)
-    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction)
+    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
+                                  options.loss_kernel)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)

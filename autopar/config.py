@@ -17,12 +17,15 @@ from typing import Any
 
 from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
 from autopar.errors import AutoparError, ConfigError
-from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, RECOMPUTE_MODES
+from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
 
 __all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "FP8_RECIPES",
-           "OFFLOAD_MODES", "check_options"]
+           "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# "fastest": the layout of least modelled step time; "pessimistic": of least step time at the slow end of its
+# error band (cost_models.error_band), so a layout wins only by more than the model's own uncertainty
+OBJECTIVES = ("fastest", "pessimistic")
 ZERO_STAGES = (0, 1, 2, 3)
 # torchao float8 training recipes (autopar.codegen.float8): scales per tensor, or per row of each GEMM operand
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
@@ -190,6 +193,10 @@ class PlannerOptions:
     memory_reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION  # CUDA context, NCCL, cuBLAS (cost_models.memory)
     time_limit_s: float = 60.0
     top_k: int = 5  # runner-up configurations kept in the plan
+    objective: str = "fastest"  # OBJECTIVES
+    # how the training code computes the loss (cost_models.memory.LOSS_KERNELS): "fp32_logits" as autopar's
+    # runtime and plain torch do; "fused" for a fused or chunked cross-entropy kernel (another framework's)
+    loss_kernel: str = "fp32_logits"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
@@ -227,6 +234,10 @@ class PlannerOptions:
         bad = [s for s in self.exclude_schedules if s not in SCHEDULES]
         if bad:
             raise ConfigError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"PlannerOptions.objective={self.objective!r}; expected one of {OBJECTIVES}")
+        if self.loss_kernel not in LOSS_KERNELS:
+            raise ConfigError(f"PlannerOptions.loss_kernel={self.loss_kernel!r}; expected one of {LOSS_KERNELS}")
 
 
 def check_options(options: Any) -> PlannerOptions:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.checks import MAX_DEVICES, REL_TOL, check_flags, check_number, close, is_int
+from autopar.checks import MAX_DEVICES, REL_TOL, check_flags, check_number, close, is_int, is_real
 from autopar.config import RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig
 from autopar.errors import PlanMismatchError
 
@@ -47,15 +48,31 @@ class Estimate:
     # (cost_models.memory.reserved_bytes); 0 in plans written before it
     reserved_bytes: int = 0
     notes: tuple[str, ...] = ()  # how the model was priced where it matters, e.g. its unfused eager kernels
+    # the error band of published runs like this layout (cost_models.error_band): their published step times
+    # fell within step_time_s · [1 + band_lo, 1 + band_hi]; band_runs = 0 when no band applies (a measured
+    # profile, a CPU, or plans written before bands)
+    band_lo: float = 0.0
+    band_hi: float = 0.0
+    band_runs: int = 0
+    band_basis: str = ""  # what those runs share with the layout, e.g. "fsdp on a100"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "notes", tuple(self.notes))
+        if not -1.0 < self.band_lo <= self.band_hi or self.band_runs < 0:
+            raise ValueError(f"Estimate band [{self.band_lo}, {self.band_hi}] over {self.band_runs} runs: "
+                             "need −1 < band_lo ≤ band_hi and band_runs ≥ 0")
         unknown = set(self.breakdown) - set(BREAKDOWN_KEYS)
         if unknown:
             raise ValueError(f"Estimate.breakdown has unknown keys {sorted(unknown)}; expected {BREAKDOWN_KEYS}")
         total = sum(self.breakdown.values())
         if self.breakdown and abs(total - self.step_time_s) > 1e-6 * max(1.0, self.step_time_s):
             raise ValueError(f"Estimate.breakdown sums to {total} s but step_time_s is {self.step_time_s} s")
+
+
+    @property
+    def pessimistic_step_time_s(self) -> float:
+        """The step time at the slow end of the band (step_time_s without a band)."""
+        return self.step_time_s * (1.0 + self.band_hi)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +237,7 @@ def _check_estimate(est: Estimate, where: str, *, tokens_per_step: int | None) -
         raise plan_error(where, f"mfu = {est.mfu:.9g}: no layout uses more than the devices' peak FLOP/s")
     for f in dataclasses.fields(est):  # every other figure, including fields added after this check was written
         v = getattr(est, f.name)
-        if f.name == "breakdown" or isinstance(v, (bool, str)):
+        if f.name in ("breakdown", "band_lo", "band_hi") or isinstance(v, (bool, str)):
             continue
         if isinstance(v, dict):
             for k, x in v.items():
@@ -230,6 +247,12 @@ def _check_estimate(est: Estimate, where: str, *, tokens_per_step: int | None) -
                 raise plan_error(where, f"{f.name} = {v!r} must be a list of strings")
         else:
             _nonneg(where, f.name, v)
+    for name in ("band_lo", "band_hi"):  # signed: published runs of a kind were faster or slower than priced
+        v = getattr(est, name)
+        if not (is_real(v) and math.isfinite(v)):
+            raise plan_error(where, f"{name} = {v!r} must be a finite number")
+    if not -1.0 < est.band_lo <= est.band_hi:
+        raise plan_error(where, f"band [{est.band_lo:.9g}, {est.band_hi:.9g}] must satisfy −1 < band_lo ≤ band_hi")
     if getattr(est, "fits", True) is not True:
         raise plan_error(where, f"fits = {est.fits!r}: a plan holds a layout that fits device memory "
                          f"({getattr(est, 'violated', '') or 'no constraint named'})")

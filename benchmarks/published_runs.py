@@ -3,13 +3,16 @@ priced with `autopar.estimate` on its own layout and model shape, against the pu
 where published, peak memory.
 
 Prints per run the predicted and published step time and memory, whether autopar says the layout fits,
-the mean absolute percentage error (MAPE) of step time, and the baseline "6·N·tokens at one constant MFU",
-with that constant fitted to these same runs (the MAPE-minimising one), for comparison. Where a source does
-not publish the micro-batch size and schedule, the run is priced at the planner's best with every published
-field pinned (that is what the people who ran it tuned too); if nothing fits, at micro-batch 1 and 1F1B,
-and it counts as refused.
+the mean absolute percentage error (MAPE) of step time, and leave-one-source-out (LOSO) validation
+(benchmarks/loso.py): per source, the model's error on it, the baseline "6·N·tokens at one constant MFU"
+with that MFU fitted to the *other* sources, and how many of its runs fell inside the error band derived
+without it. Where a source does not publish the micro-batch size and schedule (or ZeRO stage, or
+recompute), the run is priced at the planner's best with every published field pinned (that is what the
+people who ran it tuned too); if nothing fits, at micro-batch 1 and 1F1B, and it counts as refused.
 
-    python benchmarks/published_runs.py [--only NAME_SUBSTRING] [--json out.json]
+    python benchmarks/published_runs.py [--only NAME_SUBSTRING] [--json out.json] [--write-bands]
+
+--write-bands writes cost_models/catalog/error_bands.toml (the bands every Estimate carries) from all runs.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fused_llama  # noqa: E402  (beside this script)
+import loso  # noqa: E402
+
+from cost_models import error_band  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "published_runs.toml"
 GiB = float(1 << 30)
@@ -43,6 +49,9 @@ GiB = float(1 << 30)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Priced:
     name: str
+    source_id: str
+    kind: str  # cost_models.error_band.layout_kind of the layout priced
+    hardware: str  # device family
     published_s: float
     predicted_s: float
     fits: bool
@@ -105,27 +114,41 @@ def _run_options(run: dict) -> dict:
     return dict(fp8=run.get("fp8", "none"), offload=run.get("offload", "none"), compile=run.get("compile", False))
 
 
-def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, str, bool]:
+def source_id(run: dict) -> str:
+    """The independent source a row comes from: its `source_id`, else its citation up to the first colon."""
+    return run.get("source_id") or run["source"].split(":", 1)[0].strip()
+
+
+def _options(run: dict, **pins) -> PlannerOptions:
+    """Planner options with every published field of `run` pinned (zero and recompute when published)."""
+    return PlannerOptions(tp=run["tp"], pp=run["pp"], dp=run["dp"], zero_stage=run.get("zero"),
+                          recompute=run.get("recompute"), sequence_parallel=run["sp"],
+                          loss_kernel=run.get("loss_impl", "fp32_logits"),
+                          top_k=0, max_virtual_stages=8,
+                          **_run_options(run), **pins)
+
+
+def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, ParallelConfig, bool]:
     """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
     dp, gb = run["dp"], run["global_batch"]
-    if "mbs" in run:
+    if "mbs" in run and "zero" in run and "recompute" in run:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
                              sequence_parallel=run["sp"], **_run_options(run))
-        est = autopar.estimate(graph, cluster, cfg)
-        return est, str(cfg), not est.fits
-    opts = PlannerOptions(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], recompute=run["recompute"],
-                          sequence_parallel=run["sp"], top_k=0, max_virtual_stages=8,
-                          **_run_options(run))
+        est = autopar.estimate(graph, cluster, cfg, options=_options(run))
+        return est, cfg, not est.fits
+    pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
+    if "schedule" in run:
+        pins["schedule"] = run["schedule"]
     try:
-        plan = autopar.plan(graph, cluster, global_batch_size=gb, options=opts)
-        return plan.estimate, str(plan.config), False
+        plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
+        return plan.estimate, plan.config, False
     except InfeasiblePlanError:
-        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], micro_batch_size=1,
-                             num_microbatches=gb // dp, schedule="1f1b", recompute=run["recompute"],
+        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run.get("zero", 0), micro_batch_size=1,
+                             num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
                              sequence_parallel=run["sp"], **_run_options(run))
-        return autopar.estimate(graph, cluster, cfg), str(cfg), True
+        return autopar.estimate(graph, cluster, cfg, options=_options(run)), cfg, True
 
 
 def _memory_as_published(run: dict, est) -> float:
@@ -134,18 +157,34 @@ def _memory_as_published(run: dict, est) -> float:
     return est.reserved_bytes if run.get("memory_kind", "reserved") == "reserved" else est.peak_memory_bytes
 
 
-def fitted_constant_mfu(rows: list[Priced]) -> tuple[float, float]:
-    """(c, MAPE) of the baseline step = 6·N·tokens / (gpus · peak · c), c minimising the MAPE over `rows`.
-    The MAPE is piecewise convex in 1/c with its minimum at a weighted median of the per-run ratios, so
-    scanning every run's own ratio finds it exactly."""
-    ideal = [6.0 * r.params * r.tokens / (r.gpus * r.peak_flops) for r in rows]  # step time at MFU 1
+def loso_rows(rows: list[Priced]) -> list[loso.Row]:
+    return [loso.Row(name=r.name, source_id=r.source_id, kind=r.kind, hardware=r.hardware, published_s=r.published_s,
+                     predicted_s=r.predicted_s, ideal_s=6.0 * r.params * r.tokens / (r.gpus * r.peak_flops))
+            for r in rows]
 
-    def mape(c: float) -> float:
-        return statistics.fmean(abs(i / c / r.published_s - 1.0) for i, r in zip(ideal, rows, strict=True))
 
-    candidates = [i / r.published_s for i, r in zip(ideal, rows, strict=True)]
-    best = min(candidates, key=mape)
-    return best, mape(best)
+def write_bands(rows: list[loso.Row], path: Path = error_band.BANDS_FILE) -> None:
+    """The bands of every (kind, device family), every kind on any hardware, and all runs, as TOML."""
+    keys = sorted({(r.kind, r.hardware) for r in rows}) + sorted({(r.kind, error_band.ANY) for r in rows})
+    lines = ["# Error bands of autopar's step time on published runs (cost_models/error_band.py): published step",
+             "# time ∈ predicted · [1 + lo, 1 + hi]. Generated from benchmarks/data/published_runs.toml by",
+             "#     python benchmarks/published_runs.py --write-bands",
+             f"# from {len(rows)} runs of {len({r.source_id for r in rows})} sources; do not edit by hand.", ""]
+    for kind, hw in keys + [(error_band.ANY, error_band.ANY)]:
+        if kind == error_band.ANY:
+            lo, hi = loso._spread([r.slowdown for r in rows])
+            band = loso.Band(lo=lo, hi=hi, runs=len(rows), basis="all")
+        elif hw == error_band.ANY:  # the kind on any hardware: derive_band's fallback without the hardware step
+            same = [r.slowdown for r in rows if r.kind == kind]
+            pool = same if len(same) >= loso.BAND_MIN_RUNS else [r.slowdown for r in rows]
+            lo, hi = loso._spread(pool)
+            band = loso.Band(lo=lo, hi=hi, runs=len(pool), basis="kind" if pool is same else "all")
+        else:
+            band = loso.derive_band(rows, kind=kind, hardware=hw)
+        basis = {"kind+hardware": f"{kind} on {hw}", "kind": f"{kind}, any hardware", "all": "every kind"}[band.basis]
+        lines += ["[[band]]", f'kind = "{kind}"', f'hardware = "{hw}"', f"lo = {band.lo:.4f}", f"hi = {band.hi:.4f}",
+                  f"runs = {band.runs}", f'basis = "{basis}"', ""]
+    path.write_text("\n".join(lines))
 
 
 def print_speedups(runs: list[dict], rows: list[Priced]) -> None:
@@ -179,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="price only runs whose name contains this")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
+    ap.add_argument("--write-bands", action="store_true", help="write cost_models/catalog/error_bands.toml")
     args = ap.parse_args(argv)
     runs = tomllib.loads(DATA.read_text())["run"]
+    if args.only and args.write_bands:
+        ap.error("--write-bands derives the bands from every run; drop --only")
     if args.only:
         runs = [r for r in runs if args.only in r["name"]]
     cache: dict = {}
@@ -190,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{'error':>7}  fits  layout priced")
     for run in runs:
         graph, cluster = _graph(run, cache), _cluster(run)
-        est, layout, refused = price(run, graph, cluster)
+        est, cfg, refused = price(run, graph, cluster)
+        layout = str(cfg)
         pub = published_step_s(run, graph)
-        row = Priced(name=run["name"], published_s=pub, predicted_s=est.step_time_s, fits=not refused, config=layout,
+        row = Priced(name=run["name"], source_id=source_id(run),
+                     kind=error_band.layout_kind(tp=cfg.tp, pp=cfg.pp, zero_stage=cfg.zero_stage),
+                     hardware=error_band.device_family(cluster.device.name), published_s=pub,
+                     predicted_s=est.step_time_s, fits=not refused, config=layout,
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.num_params, tokens=run["global_batch"] * run["seq_len"],
                      peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"])
@@ -202,18 +248,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.name:<32} {pub:>9.3f}s {est.step_time_s:>9.3f}s {row.error:>+7.1%}  {mem_pub:>8} "
               f"{row.predicted_GiB:>9.1f} {mem_err:>7}  {'yes' if row.fits else 'NO ':<4}  {layout}")
         sys.stdout.flush()
+    if not rows:
+        ap.error(f"no run's name contains {args.only!r}")
     errors = [abs(r.error) for r in rows]
     mem = [abs(r.memory_error) for r in rows if r.memory_error is not None]
-    c, base = fitted_constant_mfu(rows)
-    print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.0f} s")
+    print(f"\n{len(rows)} runs of {len({r.source_id for r in rows})} sources in {time.perf_counter() - t0:.0f} s")
     print(f"step time   MAPE {statistics.fmean(errors):.1%}, median {statistics.median(errors):.1%}, "
-          f"worst {max(errors):.1%}; {sum(e <= 0.10 for e in errors)} of {len(rows)} within 10%")
+          f"worst {max(errors):.1%}; {sum(e <= 0.10 for e in errors)} of {len(rows)} within 10%; median signed "
+          f"error {statistics.median(r.error for r in rows):+.1%}")
     if mem:
         print(f"memory      MAPE {statistics.fmean(mem):.1%} over {len(mem)} runs that publish it; "
               f"{sum(e <= 0.10 for e in mem)} within 10%")
     print(f"refused     {sum(not r.fits for r in rows)} of {len(rows)} published layouts priced as not fitting")
-    print(f"baseline    6·N·tokens at one MFU fitted to these runs ({c:.1%}): MAPE {base:.1%}")
     print_speedups(runs, rows)
+    lrows = loso_rows(rows)
+    if len({r.source_id for r in lrows}) >= 2:
+        results = loso.leave_one_source_out(lrows)
+        print("\nleave-one-source-out (baseline MFU and bands derived without the source):")
+        print(f"  {'source':<18} {'runs':>4} {'autopar':>8} {'1-MFU':>8} {'(MFU)':>6}  {'in band':>7}")
+        for s in results:
+            print(f"  {s.source_id:<18} {s.runs:>4} {s.model_mape:>8.1%} {s.baseline_mape:>8.1%} "
+                  f"{s.baseline_mfu:>6.1%}  {s.inside_band:>3}/{s.runs:<3}")
+        model_all, base_all = loso.overall(results)
+        print(f"  {'all':<18} {len(lrows):>4} {model_all:>8.1%} {base_all:>8.1%}         "
+              f"{sum(s.inside_band for s in results):>3}/{len(lrows):<3}")
+        by_kind = {}
+        for r in lrows:
+            by_kind.setdefault((r.kind, r.hardware), []).append(r.error)
+        print("  by kind    " + "; ".join(f"{k} on {h}: {loso.mape(e):.1%} ({len(e)})"
+                                          for (k, h), e in sorted(by_kind.items())))
+    if args.write_bands:
+        write_bands(lrows)
+        print(f"wrote {error_band.BANDS_FILE}")
     _planner_against_meta(runs, cache)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")

@@ -23,6 +23,7 @@ __all__ = [
     "inflight_microbatches",
     "zero3_gathered_param_bytes",
     "logits_bytes",
+    "LOSS_KERNELS",
     "ALLOCATOR_RESERVE_FRACTION",
     "ALLOCATOR_FRAGMENTATION",
     "reserved_bytes",
@@ -35,6 +36,12 @@ __all__ = [
 # second matmul and all pointwise ops (torchtitan's op-level selective activation checkpointing); "full"
 # keeps only the layer input (Chen et al. 2016). The one list of modes autopar uses.
 RECOMPUTE_MODES = ("none", "selective", "op_sac", "full")
+# How the loss is computed over the logits: "fp32_logits", torch's and Megatron-LM's cross-entropy, which
+# upcast the [b, s, V] logits to fp32 and keep a fp32 log-softmax for backward; "fused", a fused
+# cross-entropy kernel over the 16-bit logits that keeps only a fp32 log-sum-exp per row and writes the
+# gradient into the logits' own buffer (flash-attn's `flash_attn/losses/cross_entropy.py`, inplace_backward,
+# which llm-foundry's MPT uses by default; Liger's and torchtitan's chunked losses hold less still).
+LOSS_KERNELS = ("fp32_logits", "fused")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # Fraction of device memory a layout may not fill with tensors (autopar.PlannerOptions.memory_reserve_fraction):
@@ -192,13 +199,19 @@ def zero3_gathered_param_bytes(*, largest_layer_param_bytes: float, prefetch_lay
 
 
 def logits_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dtype_bytes: int = 2,
-                 fp32_copies: int = 2) -> float:
+                 fp32_copies: int = 2, loss_kernel: str = "fp32_logits") -> float:
     """Bytes of the last stage's logits for one micro-batch: the [b, s, V/t] output in the model dtype
-    plus the fp32 upcast and the fp32 log-softmax that cross-entropy keeps for backward (`fp32_copies`),
-    the largest transient of a language model (Megatron-LM vocab-parallel cross entropy upcasts likewise).
+    plus, with the "fp32_logits" loss kernel, the fp32 upcast and the fp32 log-softmax that cross-entropy
+    keeps for backward (`fp32_copies`), the largest transient of a language model (Megatron-LM
+    vocab-parallel cross entropy upcasts likewise); with "fused", the 16-bit logits and a fp32 log-sum-exp
+    per row (LOSS_KERNELS).
     """
     for name, v in (("micro_batch", micro_batch), ("seq_len", seq_len), ("vocab", vocab), ("tp", tp)):
         _check_positive_int(name, v)
+    if loss_kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel={loss_kernel!r}; expected one of {LOSS_KERNELS}")
+    if loss_kernel == "fused":
+        return micro_batch * seq_len * ((vocab / tp) * dtype_bytes + 4)
     return micro_batch * seq_len * (vocab / tp) * (dtype_bytes + 4 * fp32_copies)
 
 

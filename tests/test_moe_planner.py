@@ -128,7 +128,8 @@ def test_expert_compute_at_busiest_rank(moe) -> None:
         load = f if ep > 1 else 1.0
         want = rest + sum(k.count * cm.kernel_time_s("gemm", 2 * load * k.work, dtype=g.dtype, groups=k.groups // ep)
                           for k in experts)
-        assert costs.compute.run(ri, 1, False, 2, False, ep).forward_s == pytest.approx(want)
+        # × the lock-step straggler factor of the cluster's world size (cost_models.fleet), as every kernel
+        assert costs.compute.run(ri, 1, False, 2, False, ep).forward_s == pytest.approx(want * costs.compute.straggler)
 
 
 def test_planner_splits_experts_when_memory_needs_it(moe) -> None:

@@ -13,6 +13,7 @@ from autopar.checks import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_TOP_K, check_posit
 from autopar.cli.checks import check_output_path, check_plan_for_cluster, check_saved_plan
 from autopar.config import (
     FP8_RECIPES,
+    OBJECTIVES,
     OFFLOAD_MODES,
     RECOMPUTE_MODES,
     SCHEDULES,
@@ -68,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="model states in host memory: none, optimizer (fp32 masters and moments, the step on the "
                         "CPU), params (FSDP2 CPU offload of everything), or auto (the default: the planner takes "
                         "one where it fits and nothing else does, or where it is faster)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="fastest",
+                   help="fastest: least modelled step time; pessimistic: least step time at the slow end of the "
+                        "error band of published runs like each layout")
     p.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -165,7 +169,7 @@ def _plan(args: argparse.Namespace) -> int:
                           ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
                           fp8=None if args.fp8 == "auto" else args.fp8,
                           offload=None if args.offload == "auto" else args.offload,
-                          top_k=args.top, time_limit_s=args.time_limit)
+                          top_k=args.top, time_limit_s=args.time_limit, objective=args.objective)
     from autopar.models import training_dtype
 
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)

@@ -9,6 +9,7 @@ data-parallel communication plus the optimizer step.
 from __future__ import annotations
 
 from autopar.plan import Estimate, Plan, SolverInfo, StagePlan
+from autopar.planner.band import layout_band
 from autopar.planner.costs import CostModel
 from autopar.planner.ilp import MODES
 from autopar.planner.search import SearchResult, Solved
@@ -66,13 +67,16 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
     peak = costs.device.peak_flops_for(g.dtype)
     totals, by_rank = _rank_totals(solved, costs)
     top = max(range(len(totals)), key=lambda q: totals[q])
+    band = layout_band(costs, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage)
     return Estimate(step_time_s=step, tokens_per_s=batch * (g.seq_len or 1) / step,
                     tflops_per_device=model_flops / step / world / 1e12, mfu=model_flops / (step * world * peak),
                     peak_memory_bytes=int(max(totals)), breakdown=breakdown, host_s=host,
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
                     memory_capacity_bytes=int(costs.memory.usable_bytes),
                     reserved_bytes=int(memory.reserved_bytes(max(totals), costs.memory.usable_bytes)),
-                    notes=_eager_note(costs, c) + _batch_norm_note(costs, c))
+                    notes=_eager_note(costs, c) + _batch_norm_note(costs, c),
+                    **({} if band is None else {"band_lo": band.lo, "band_hi": band.hi, "band_runs": band.runs,
+                                                "band_basis": band.basis}))
 
 
 def _eager_note(costs: CostModel, c) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import tp_collectives
+from cost_models import fleet
 from cost_models.comm import CommModel
 from cost_models.compute import ComputeModel
 
@@ -197,7 +198,7 @@ class CommCosts:
         return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
                       rank_grad_bytes=grad_bytes, collective_s=coll,
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, self.graph.dtype),
-                      host_floor_s=self.host_floor_s)
+                      host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device))
 
     def shared_sync_s(self, ri: int, c: Candidate) -> float:
         """The cross-stage all-reduce of shared weights held by run `ri`'s layer, per step.

@@ -93,7 +93,7 @@ class ComputeCosts:
     """Kernel, recompute, optimizer and host seconds of a graph's layers; cached per (run, tp, sp, b)."""
 
     def __init__(self, graph: ModelGraph, memory: MemoryCosts, *, compute: ComputeModel,
-                 host_floor_s: float) -> None:
+                 host_floor_s: float, straggler: float = 1.0) -> None:
         self.graph = graph
         self.memory = memory
         self.model = compute
@@ -101,6 +101,8 @@ class ComputeCosts:
         # the floor framework host overheads are counted in (DTensor TP, FSDP2 hooks): the profile's host
         # floor on CPU with gloo (not divided among processes, scaled by its own calibration), else 0
         self.host_floor_s = host_floor_s
+        # kernel time × the slowest GPU's lag behind the median (cost_models.fleet.straggler_factor; 1 alone)
+        self.straggler = straggler
         self._time = lru_cache(maxsize=None)(self._run_compute)
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
 
@@ -173,7 +175,9 @@ class ComputeCosts:
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
                  "full": (fwd, True)}
-        return RunCompute(forward_s=fwd, backward_s=bwd, host_s=host, recompute_s=tuple(again[k][0] for k in MODES),
+        s = self.straggler
+        return RunCompute(forward_s=fwd * s, backward_s=bwd * s, host_s=host,
+                          recompute_s=tuple(again[k][0] * s for k in MODES),
                           recompute_tp=tuple(again[k][1] for k in MODES))
 
     def layer_compute_s(self, name: str, *, tp: int = 1, sp: bool = False, micro_batch: int = 1,

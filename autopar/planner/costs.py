@@ -33,7 +33,7 @@ from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.offload_costs import OffloadSummary
 from autopar.planner.problem import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
-from cost_models import memory
+from cost_models import fleet, memory
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
 from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
@@ -48,7 +48,7 @@ class CostModel:
     def __init__(self, graph: ModelGraph, *, device: DeviceSpec, devices_per_node: int, nodes: int,
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
-                 host: HostSpec | None = None) -> None:
+                 host: HostSpec | None = None, loss_kernel: str = "fp32_logits") -> None:
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -63,9 +63,11 @@ class CostModel:
         host_floor_s = profile.host_overhead_floor_s if cpu_cores and profile is not None else 0.0
         self.memory = MemoryCosts(graph, memory_bytes=device.memory_bytes,
                                   memory_reserve_fraction=memory_reserve_fraction, host=host,
-                                  devices_per_node=devices_per_node)
+                                  devices_per_node=devices_per_node, loss_kernel=loss_kernel)
+        # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
+        straggler = fleet.straggler_factor(devices_per_node * nodes) if device.kind == "gpu" else 1.0
         self.compute = ComputeCosts(graph, self.memory, compute=ComputeModel(device, profile),
-                                    host_floor_s=host_floor_s)
+                                    host_floor_s=host_floor_s, straggler=straggler)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
                               host_floor_s=host_floor_s)
@@ -73,12 +75,13 @@ class CostModel:
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
-                    memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION) -> CostModel:
+                    memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
+                    loss_kernel: str = "fp32_logits") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
-                   host=getattr(cluster, "host", None))
+                   host=getattr(cluster, "host", None), loss_kernel=loss_kernel)
 
     @property
     def world_size(self) -> int:

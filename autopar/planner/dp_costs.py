@@ -31,13 +31,16 @@ rank's G (γ per byte plus a fixed γ0, exact where the measured time is affine 
 per layer and priced exactly per layer. On gloo nothing here overlaps compute (ProcessGroupGloo runs
 on the same cores, and autopar issues ZeRO-0/1 after backward), so all of it is exposed. On NCCL, FSDP2's
 collectives run beside compute: each micro-batch's passes hide as much of that micro-batch's gathers as
-they last (`hidden_s`, the planner's β).
+they last (`hidden_s`, the planner's β), less the compute NCCL's CTAs take from the passes while they run
+(cost_models.fleet: the SMs an overlapped collective occupies).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
+from cost_models.fleet import hidden_beside_s
 
 __all__ = ["BUCKET_BYTES", "LOSS_BYTES", "FSDP_HOOKS_FLOORS", "DTENSOR_OPTIMIZER_FLOORS", "DPTail", "affine"]
 
@@ -60,9 +63,11 @@ class DPTail:
 
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
-                 host_floor_s: float = 0.0) -> None:
+                 host_floor_s: float = 0.0, interference: float = 0.0) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
-        where they are not charged."""
+        where they are not charged. interference: the share of compute an overlapped collective takes
+        (cost_models.fleet.overlap_interference)."""
+        self.interference = interference
         self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
         self.host_floor_s = host_floor_s
         self._coll, self._mem = collective_s, memory_s
@@ -126,16 +131,19 @@ class DPTail:
         FSDP2 gathers a layer while the previous one computes, so in each micro-batch its forward hides up to
         `forward_s` of its all-gather and its backward up to `backward_s` of the backward all-gather (ZeRO-3)
         and, in the last micro-batch, of the reduce-scatter: a pass longer than its collective hides all of
-        it, a shorter one only its own length (the rest waits in the critical path, exposed in the tail)."""
+        it, a shorter one only its own length (the rest waits in the critical path, exposed in the tail).
+        While a collective runs beside a pass, NCCL's CTAs slow the pass by `interference` of the collective's
+        time (cost_models.fleet.hidden_beside_s), so even a fully hidden collective costs that much."""
         if grad_bytes <= 0 or self.gathers_per_step == 0:
             return 0.0
-        m = self.microbatches
+        m, f = self.microbatches, self.interference
         ag = self._coll("all_gather", grad_bytes if gather_bytes is None else gather_bytes, self.dp)
         rs = self._coll("reduce_scatter", grad_bytes, self.dp)
         if host_copy_s:
             ag, rs = ag + host_copy_s, rs + host_copy_s
         ag_b = ag if self.zero_stage == 3 else 0.0
-        return (m * min(ag, forward_s) + (m - 1) * min(ag_b, backward_s) + min(ag_b + rs, backward_s))
+        return (m * hidden_beside_s(ag, forward_s, f) + (m - 1) * hidden_beside_s(ag_b, backward_s, f)
+                + hidden_beside_s(ag_b + rs, backward_s, f))
 
     def collectives_per_step(self, layers_with_params: int) -> int:
         """Collectives one rank issues per step for data parallelism and the loss."""

@@ -76,8 +76,9 @@ class MemoryCosts:
 
     def __init__(self, graph: ModelGraph, *, memory_bytes: float,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
-                 devices_per_node: int = 1) -> None:
+                 devices_per_node: int = 1, loss_kernel: str = "fp32_logits") -> None:
         self.graph = graph
+        self.loss_kernel = loss_kernel  # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.elem = DTYPE_BYTES.get(graph.dtype, 2)  # bytes of one weight, gradient or activation element
         self.offload = OffloadCosts(host, devices_per_node=devices_per_node, elem_bytes=self.elem)
@@ -256,7 +257,7 @@ class MemoryCosts:
             # followed by its own backward (one in flight), not the rank's average of all its chunks
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
-                                                         tp=tp, dtype_bytes=self.elem)
+                                                         tp=tp, dtype_bytes=self.elem, loss_kernel=self.loss_kernel)
         if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
             zero3_bytes += max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
         # with one stage, a weight two layers share is counted by both layers but held once: give it back

@@ -8,6 +8,9 @@ Branch and bound over the outer candidates, with bounds refined lazily in a prio
            exceeds the best objective known (the lead), it cannot win and its incumbent stays as a
            runner-up; otherwise its ILP (`ilp.solve`) is solved exactly, warm-started from the
            incumbent, with the tight bound as valid inequalities and the lead as cutoff.
+With `PlannerOptions(objective="pessimistic")` every key and objective of a candidate is its step time
+times the slow end of its error band (`band.pessimism`, one factor per outer candidate, so bounds stay
+bounds and the order of the search is the same argument).
 The search stops when the next key in the queue exceeds the (top_k+1)-th best objective known: no
 candidate left can beat the best or enter the runner-ups. The best is the exact optimum of the modelled
 step time over the space (gap 0): every candidate whose bound lies below it had its ILP solved or its
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
+from autopar.planner.band import pessimism
 from autopar.planner.bound import Bound, lower_bound, tight_bound
 from autopar.planner.costs import CostModel
 from autopar.planner.fp8_costs import check_fp8_device, fp8_recipes
@@ -107,11 +111,14 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     cands = _host_fitting(costs, cands)
     modes = _modes(options)
     problems = [costs.problem(c, modes, options.recompute_per_layer) for c in cands]
-    heap = [(lower_bound(pr), i, 0) for i, pr in enumerate(problems)]
+    # the objective's factor per candidate: 1 for the fastest layout, the band's slow end for the pessimistic one
+    scale = [pessimism(costs, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage) if options.objective == "pessimistic"
+             else 1.0 for c in cands]
+    heap = [(lower_bound(pr) * scale[i], i, 0) for i, pr in enumerate(problems)]
     heapq.heapify(heap)
     keep = options.top_k + 1
     found: dict[int, Solved] = {}  # candidate → its best known solution: exact optimum, else incumbent
-    ranked: list[float] = []  # sorted objectives of `found`; ranked[0] is the best known step time
+    ranked: list[float] = []  # sorted (scaled) objectives of `found`; ranked[0] is the best known
     tight: dict[int, tuple[Bound, InnerSolution | None]] = {}
     solved, status, open_bound, ilp_time = 0, "optimal", float("inf"), 0.0
     solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC").replace("_HiGHSWarm", "HiGHS")
@@ -120,9 +127,9 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
         old = found.get(i)
         if old is None or sol.objective_s < old.objective_s:
             if old is not None:
-                ranked.remove(old.objective_s)
+                ranked.remove(old.objective_s * scale[i])
             found[i] = Solved(candidate=cands[i], solution=sol)
-            bisect.insort(ranked, sol.objective_s)
+            bisect.insort(ranked, sol.objective_s * scale[i])
 
     while heap:
         key, i, level = heapq.heappop(heap)
@@ -141,7 +148,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
             tight[i] = (bnd, inc)
             if inc is not None:
                 offer(i, inc)
-            heapq.heappush(heap, (max(key, bnd.value_s), i, 1))
+            heapq.heappush(heap, (max(key, bnd.value_s * scale[i]), i, 1))
             continue
         bnd, inc = tight.pop(i)
         lead = ranked[0] * (1 + 1e-9) if ranked else float("inf")
@@ -150,7 +157,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
             # meets its bound: that is its optimum
         left = options.time_limit_s - (time.perf_counter() - t0)
         t_ilp = time.perf_counter()
-        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=lead if lead < float("inf") else None,
+        sol = solve(pr, time_limit_s=max(left, 1.0), cutoff_s=lead / scale[i] if lead < float("inf") else None,
                     bound=bnd, start=inc)
         ilp_time += time.perf_counter() - t_ilp
         solved += 1
@@ -159,13 +166,15 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
         if sol.status != "optimal":
             status = "time_limit"
         offer(i, sol)
-    top = sorted(found.values(), key=lambda s: s.objective_s)[:keep]
+    index = {id(c): i for i, c in enumerate(cands)}
+    top = sorted(found.values(), key=lambda s: s.objective_s * scale[index[id(s.candidate)]])[:keep]
     if not top:
         hint = ("; or let the planner keep model states in host memory (--offload auto, PlannerOptions(offload=None))"
                 if options.offload == "none" and costs.memory.offload.host is not None else "")
         raise InfeasiblePlanError(_why_infeasible(costs, list(zip(cands, problems, strict=True))) + hint)
     best = top[0]
-    gap = 0.0 if status == "optimal" else max(0.0, (best.objective_s - open_bound) / best.objective_s)
+    best_key = best.objective_s * scale[index[id(best.candidate)]]
+    gap = 0.0 if status == "optimal" else max(0.0, (best_key - open_bound) / best_key)
     gap = max(gap, best.solution.gap)
     return SearchResult(best=best, alternatives=tuple(top[1:]), status=status, gap=gap, solver=solver_name,
                         configs_considered=len(cands), ilps_solved=solved, solve_time_s=time.perf_counter() - t0,

@@ -6,7 +6,8 @@ from autopar.config import ParallelConfig
 from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
 from cost_models.memory import RECOMPUTE_MODES
 
-__all__ = ["render_plan", "render_diff", "render_explain", "render_estimate", "memory_lines", "gib", "fmt_s"]
+__all__ = ["render_plan", "render_diff", "render_explain", "render_estimate", "memory_lines", "gib", "fmt_s",
+           "band_text"]
 
 
 
@@ -22,8 +23,22 @@ def fmt_s(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
 
 
+def band_text(e: Estimate) -> str:
+    """", runs of this kind −12%/+31% (fsdp on a100, 37 published runs)": how far published runs like the
+    layout were from their predictions; "" when no band applies."""
+    if not e.band_runs:
+        return ""
+
+    def pct(x: float) -> str:
+        return f"{x:+.0%}".replace("-", "−")
+
+    return (f", runs of this kind {pct(e.band_lo)}/{pct(e.band_hi)} ({e.band_basis}, "
+            f"{_count(e.band_runs, 'published run')})")
+
+
 def _estimate_line(e: Estimate) -> str:
-    return (f"step {fmt_s(e.step_time_s)}  |  {e.tokens_per_s:,.0f} tokens/s  |  {e.tflops_per_device:.0f} TFLOP/s "
+    return (f"step {fmt_s(e.step_time_s)}{band_text(e)}  |  {e.tokens_per_s:,.0f} tokens/s  |  "
+            f"{e.tflops_per_device:.0f} TFLOP/s "
             f"per device  |  MFU {e.mfu:.1%}  |  peak {gib(e.peak_memory_bytes)}")
 
 
@@ -74,7 +89,7 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
     if alts:
         lines += ["", "runner-ups"]
         for i, (ac, ae) in enumerate(alts, 1):
-            lines.append(f"  {i}. {fmt_s(ae.step_time_s):>10} (+{ae.step_time_s / e.step_time_s - 1:6.2%})  {ac}")
+            lines.append(f"  {i}. {fmt_s(ae.step_time_s):>10} ({ae.step_time_s / e.step_time_s - 1:+7.2%})  {ac}")
     if plan.solver:
         s = plan.solver
         ilps = f", {s.ilps_solved} ILPs solved ({s.ilp_time_s:.2f} s)" if s.ilps_solved else ""

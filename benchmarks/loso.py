@@ -1,0 +1,138 @@
+"""Leave-one-source-out (LOSO) validation of the cost model against published runs.
+
+Everything derived from published runs is derived again without the source under test: the baseline's
+one MFU (6·N·tokens at a single utilisation, the MAPE-minimising one) and the error band (the spread of
+the model's residuals on runs of the same kind). The cost model itself holds no constant fitted to these
+runs (tests/test_no_run_keyed_constants.py), so a run's LOSO residual is its plain residual; what LOSO
+changes is what the band and the baseline know when they meet a source they have never seen.
+
+Pure functions over `Row`s (no torch, no autopar), so tests can check them on synthetic numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+
+# the spread a band reports: with at least BAND_QUANTILE_MIN_RUNS runs, the 10th and 90th percentiles of
+# their residuals (a band that 80% of runs like it fell inside); with fewer, their minimum and maximum
+BAND_QUANTILES = (0.10, 0.90)
+BAND_QUANTILE_MIN_RUNS = 10
+# a band needs at least this many runs of its kind (parallelism kind and hardware); with fewer it widens
+# to the kind on any hardware, then to every run
+BAND_MIN_RUNS = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One priced run: what LOSO needs of it."""
+
+    name: str
+    source_id: str
+    kind: str  # parallelism kind (cost_models.error_band.layout_kind)
+    hardware: str  # device family, e.g. "a100", "h100"
+    published_s: float
+    predicted_s: float
+    ideal_s: float  # step time at MFU 1: 6·N·tokens / (gpus · peak)
+
+    @property
+    def error(self) -> float:
+        """predicted / published − 1 (negative: predicted too fast)."""
+        return self.predicted_s / self.published_s - 1.0
+
+    @property
+    def slowdown(self) -> float:
+        """published / predicted − 1: how much slower the run was than predicted (what a band holds)."""
+        return self.published_s / self.predicted_s - 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Band:
+    """Published step time ∈ predicted · [1 + lo, 1 + hi], from `runs` runs matched at `basis`."""
+
+    lo: float
+    hi: float
+    runs: int
+    basis: str  # "kind+hardware" | "kind" | "all"
+
+
+def mape(errors: Sequence[float]) -> float:
+    return statistics.fmean(abs(e) for e in errors) if errors else math.nan
+
+
+def fit_constant_mfu(train: Sequence[Row]) -> float:
+    """The MFU c minimising the MAPE of step = ideal / c over `train`. The MAPE is piecewise convex in 1/c
+    with its minimum at a weighted median of the per-run ratios, so one of the runs' own ratios is optimal."""
+    if not train:
+        raise ValueError("fit_constant_mfu needs at least one run")
+
+    def loss(c: float) -> float:
+        return mape([r.ideal_s / c / r.published_s - 1.0 for r in train])
+
+    return min((r.ideal_s / r.published_s for r in train), key=loss)
+
+
+def _spread(values: Sequence[float]) -> tuple[float, float]:
+    v = sorted(values)
+    if len(v) < BAND_QUANTILE_MIN_RUNS:
+        return v[0], v[-1]
+    qs = statistics.quantiles(v, n=100, method="inclusive")
+    return qs[round(BAND_QUANTILES[0] * 100) - 1], qs[round(BAND_QUANTILES[1] * 100) - 1]
+
+
+def derive_band(train: Sequence[Row], *, kind: str, hardware: str) -> Band:
+    """The band of a layout of `kind` on `hardware` from the residuals of the training runs like it."""
+    for basis, match in (("kind+hardware", lambda r: r.kind == kind and r.hardware == hardware),
+                         ("kind", lambda r: r.kind == kind), ("all", lambda r: True)):
+        runs = [r.slowdown for r in train if match(r)]
+        if len(runs) >= BAND_MIN_RUNS or (basis == "all" and runs):
+            lo, hi = _spread(runs)
+            return Band(lo=lo, hi=hi, runs=len(runs), basis=basis)
+    raise ValueError("derive_band needs at least one training run")
+
+
+def derive_bands(train: Sequence[Row]) -> dict[tuple[str, str], Band]:
+    """A band for every (kind, hardware) seen in `train`, plus ("*", "*") over every run."""
+    keys = {(r.kind, r.hardware) for r in train}
+    out = {k: derive_band(train, kind=k[0], hardware=k[1]) for k in sorted(keys)}
+    lo, hi = _spread([r.slowdown for r in train])
+    out[("*", "*")] = Band(lo=lo, hi=hi, runs=len(train), basis="all")
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceResult:
+    source_id: str
+    runs: int
+    model_mape: float  # the cost model on the held-out source
+    baseline_mfu: float  # fitted without the source
+    baseline_mape: float  # that MFU on the held-out source
+    inside_band: int  # held-out runs whose published time fell inside the band derived without the source
+
+
+def leave_one_source_out(rows: Sequence[Row]) -> list[SourceResult]:
+    """For each source: hold its runs out, derive the baseline MFU and the bands from the rest, and measure
+    the model, the baseline and the band's coverage on the held-out runs."""
+    out = []
+    for source in sorted({r.source_id for r in rows}):
+        test = [r for r in rows if r.source_id == source]
+        train = [r for r in rows if r.source_id != source]
+        if not train:
+            raise ValueError("leave-one-source-out needs at least two sources")
+        c = fit_constant_mfu(train)
+        inside = 0
+        for r in test:
+            band = derive_band(train, kind=r.kind, hardware=r.hardware)
+            inside += band.lo <= r.slowdown <= band.hi
+        out.append(SourceResult(source_id=source, runs=len(test), model_mape=mape([r.error for r in test]),
+                                baseline_mfu=c, baseline_mape=mape([r.ideal_s / c / r.published_s - 1.0 for r in test]),
+                                inside_band=inside))
+    return out
+
+
+def overall(results: Sequence[SourceResult]) -> tuple[float, float]:
+    """(model, baseline) LOSO MAPE over every run (each source weighted by its number of runs)."""
+    n = sum(r.runs for r in results)
+    return (sum(r.model_mape * r.runs for r in results) / n, sum(r.baseline_mape * r.runs for r in results) / n)
