@@ -1,10 +1,10 @@
 """`ParallelConfig` (one layout) and `PlannerOptions` (which layouts the planner may consider).
 
-Vocabulary: tp / pp / dp are the *degrees* of tensor, pipeline and data parallelism (mesh axis
-sizes, mesh order ("pp", "dp", "tp"), tp innermost); ep is the expert-parallel degree of mixture-of-experts
-layers, folded over a stage's data-parallel ranks (docs/design.md §8: experts see the mesh
-("pp", "edp", "ep", "etp") with etp = 1 here, their bank replicated over tp as dense linears are not,
-and ep · edp = dp); `virtual_stages` is the number of model
+Vocabulary: tp / cp / pp / dp are the *degrees* of tensor, context (sequence split across ranks),
+pipeline and data parallelism (mesh axis sizes, mesh order ("pp", "dp", "cp", "tp"), tp innermost); ep is
+the expert-parallel degree of mixture-of-experts layers, folded over a stage's data-parallel ranks
+(docs/design.md §8: experts see the mesh ("pp", "edp", "ep", "etp") with etp = 1 here, their bank
+replicated over tp as dense linears are not, and ep · edp = dp); `virtual_stages` is the number of model
 chunks per pipeline rank (v in Narayanan et al. 2021, §2.2); a *micro-batch* is what one pipeline
 slot processes on one data-parallel rank.
 """
@@ -19,13 +19,17 @@ from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_
 from autopar.errors import AutoparError, ConfigError
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
 
-__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "FP8_RECIPES",
-           "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "check_options"]
+__all__ = ["ParallelConfig", "PlannerOptions", "CP_RECOMPUTE_MODES", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
+           "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # "fastest": the layout of least modelled step time; "pessimistic": of least step time at the slow end of its
 # error band (cost_models.error_band), so a layout wins only by more than the model's own uncertainty
 OBJECTIVES = ("fastest", "pessimistic")
+# Recompute modes that run with context-parallel attention (cp > 1): the selective policies (selective,
+# op_sac) replay the K/V all-gather's functional collective from their cache, and checkpointing then counts
+# one saved tensor fewer in recompute than in forward (torch 2.13); codegen refuses them, the planner skips them.
+CP_RECOMPUTE_MODES = ("none", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 # torchao float8 training recipes (autopar.codegen.float8): scales per tensor, or per row of each GEMM operand
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
@@ -41,6 +45,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # context parallelism: each sequence split over cp ranks, two mirrored chunks each (codegen/context_parallel.py)
+    cp: int = 1
     zero_stage: int = 0
     micro_batch_size: int = 1
     num_microbatches: int = 1
@@ -59,7 +65,7 @@ class ParallelConfig:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
+        for f in ("tp", "pp", "dp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{f}={v!r}; it must be a positive integer")
@@ -87,6 +93,9 @@ class ParallelConfig:
                 )
         elif self.virtual_stages != 1:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
+        if self.cp > 1 and self.compile:
+            raise ConfigError("compile=True with cp > 1 is not supported (context-parallel attention runs in a "
+                              "torch function mode); set compile=False or cp=1")
         if self.dp % self.ep:
             raise ConfigError(f"ParallelConfig.ep={self.ep} must divide dp={self.dp}: experts are split over ep of "
                               "each stage's data-parallel ranks (ep · edp = dp); use an ep that divides dp")
@@ -98,7 +107,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def global_batch_size(self) -> int:
@@ -112,7 +121,8 @@ class ParallelConfig:
         return cls(**d)
 
     def __str__(self) -> str:
-        s = f"tp={self.tp},pp={self.pp},dp={self.dp},zero={self.zero_stage},mbs={self.micro_batch_size}," \
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        s = f"tp={self.tp}{cp},pp={self.pp},dp={self.dp},zero={self.zero_stage},mbs={self.micro_batch_size}," \
             f"m={self.num_microbatches},schedule={self.schedule}"
         if self.virtual_stages > 1:
             s += f",v={self.virtual_stages}"
@@ -171,6 +181,7 @@ class PlannerOptions:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    cp: int | None = None
     zero_stage: int | None = None
     micro_batch_size: int | None = None
     num_microbatches: int | None = None

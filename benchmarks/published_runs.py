@@ -132,7 +132,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
     dp, gb = run["dp"], run["global_batch"]
     if "mbs" in run and "zero" in run and "recompute" in run:
-        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run["zero"], micro_batch_size=run["mbs"],
+        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), zero_stage=run["zero"],
+                             micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
                              sequence_parallel=run["sp"], **_run_options(run))
@@ -145,7 +146,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
         plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
         return plan.estimate, plan.config, False
     except InfeasiblePlanError:
-        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, zero_stage=run.get("zero", 0), micro_batch_size=1,
+        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), zero_stage=run.get("zero", 0),
+                             micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
                              sequence_parallel=run["sp"], **_run_options(run))
         return autopar.estimate(graph, cluster, cfg, options=_options(run)), cfg, True

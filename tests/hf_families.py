@@ -53,6 +53,9 @@ def _families() -> dict[str, Callable[[], nn.Module]]:
         "gemma2": make(hf.Gemma2Config, hf.Gemma2ForCausalLM, attention="eager",
                        **_common(**gqa, head_dim=HIDDEN // HEADS)),
         "phi": make(hf.PhiConfig, hf.PhiForCausalLM, **_common(resid_pdrop=0.0, embd_pdrop=0.0)),
+        # interleaved sliding-window and global layers (the window here spans the whole test sequence), q/k norms
+        "gemma3": make(hf.Gemma3TextConfig, hf.Gemma3ForCausalLM, **_common(**gqa, head_dim=HIDDEN // HEADS,
+                                                                           sliding_window=POSITIONS)),
         # multi-query attention in one fused projection, parallel attention/MLP, residual added in place
         "falcon": make(hf.FalconConfig, hf.FalconForCausalLM, vocab_size=VOCAB, hidden_size=HIDDEN,
                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, multi_query=True,
@@ -93,6 +96,7 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe")
 
 FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo", "phi3",
             "stablelm", "granite", "gemma2", "phi", "falcon")
+OTHER_FAMILIES = ("gemma3",)  # built here, run by other suites (tests/test_context_parallel.py)
 
 
 def build_family(name: str, seed: int = 0) -> nn.Module:

@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 import torch
-from hf_families import FAMILIES, MOE_FAMILIES, build_custom, build_family
+from hf_families import FAMILIES, MOE_FAMILIES, OTHER_FAMILIES, build_custom, build_family
 from torch import nn
 
 import autopar
@@ -34,7 +34,7 @@ def optimizer(params):
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
-    if kind in FAMILIES or kind in MOE_FAMILIES:
+    if kind in FAMILIES or kind in MOE_FAMILIES or kind in OTHER_FAMILIES:
         return build_family(kind, seed)
     if kind == "skip_tied":
         return build_custom(kind, seed)
@@ -92,9 +92,9 @@ def handmade_graph(kind: str) -> ModelGraph:
                       vocab_size=VOCAB)
 
 
-def graph_of(kind: str, model: nn.Module) -> ModelGraph:
+def graph_of(kind: str, model: nn.Module, seq: int = SEQ) -> ModelGraph:
     """The captured graph of `model` (what a user's plan is made from)."""
-    return autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
+    return autopar.capture(model, (torch.zeros(1, seq, dtype=torch.long),))
 
 
 def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, **config: Any) -> Plan:
@@ -119,9 +119,9 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, 
                 global_batch_size=cfg.global_batch_size, seq_len=graph.seq_len)
 
 
-def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int = STEPS, seed: int = 1, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return [(torch.randint(0, VOCAB, (BATCH, seq), generator=g), torch.randint(0, VOCAB, (BATCH, seq), generator=g))
             for _ in range(steps)]
 
 
@@ -156,32 +156,32 @@ def excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
     return per[worst], worst
 
 
-_GRAPHS: dict[str, ModelGraph] = {}
+_GRAPHS: dict[tuple[str, int], ModelGraph] = {}
 _REFERENCES: dict[tuple, tuple] = {}
 
 
-def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
+def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS, seq: int = SEQ) -> dict[str, Any]:
     """Run in every rank: reference vs parallel losses per step and the largest final-weight error.
 
     The graph and the single-device reference depend on the model only, so a process running several
     cases of one model computes them once.
     """
     model = build_model(kind)
-    if kind not in _GRAPHS:
-        _GRAPHS[kind] = graph_of(kind, model)
-    graph = _GRAPHS[kind]
+    if (kind, seq) not in _GRAPHS:
+        _GRAPHS[kind, seq] = graph_of(kind, model, seq)
+    graph = _GRAPHS[kind, seq]
     plan = make_plan(graph, **config)
-    data = batches(steps)
+    data = batches(steps, seq=seq)
     # under FP8 the reference is the same model converted alike (the linears the plan converts), on one process
     fp8 = plan.config.fp8
     names = float8_linear_names(model, graph, plan.config.tp) if fp8 != "none" else ()
     chunks = plan.config.dp * plan.config.num_microbatches if fp8 != "none" else 1
-    if (kind, steps, fp8, names, chunks) not in _REFERENCES:
+    if (kind, steps, seq, fp8, names, chunks) not in _REFERENCES:
         reference = copy.deepcopy(model)
         if fp8 != "none":
             convert_float8(reference, names, fp8, device=torch.device("cpu"))
-        _REFERENCES[kind, steps, fp8, names, chunks] = train_reference(reference, data, chunks)
-    ref_losses, ref_state, ref_grads = _REFERENCES[kind, steps, fp8, names, chunks]
+        _REFERENCES[kind, steps, seq, fp8, names, chunks] = train_reference(reference, data, chunks)
+    ref_losses, ref_state, ref_grads = _REFERENCES[kind, steps, seq, fp8, names, chunks]
     pm = parallelize(model, plan, graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
     losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
     full = pm.full_state_dict()
@@ -195,5 +195,5 @@ def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[s
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
 
 
-def parity_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS) -> list[dict[str, Any]]:
-    return [parity_case(kind, cfg, steps) for kind, cfg in cases]
+def parity_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS, seq: int = SEQ) -> list[dict[str, Any]]:
+    return [parity_case(kind, cfg, steps, seq) for kind, cfg in cases]

@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, help="pin tensor parallelism")
     p.add_argument("--pp", type=int, help="pin pipeline parallelism")
     p.add_argument("--dp", type=int, help="pin data parallelism")
+    p.add_argument("--cp", type=int, help="pin context parallelism (each sequence split over cp ranks)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="pin the ZeRO stage")
     p.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; a divisor of dp)")
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
@@ -123,7 +124,7 @@ def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | Non
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
     """Numbers and output paths of `autopar plan`, checked before any capture or search."""
-    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "mbs", "ep"):
+    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "cp", "mbs", "ep"):
         value = getattr(args, flag)
         if value is not None:
             check_positive_int(f"--{flag.replace('_', '-')}", value, error=AutoparError,
@@ -165,7 +166,8 @@ def _plan(args: argparse.Namespace) -> int:
     import autopar
 
     _check_plan_flags(args)
-    opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, micro_batch_size=args.mbs,
+    opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, zero_stage=args.zero,
+                          micro_batch_size=args.mbs,
                           ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
                           fp8=None if args.fp8 == "auto" else args.fp8,
                           offload=None if args.offload == "auto" else args.offload,
@@ -285,13 +287,13 @@ def _alternative(plan: Plan, text: str) -> ParallelConfig:
     given = ParallelConfig.parse_fields(text)
     base = plan.config.to_dict()
     world, batch = plan.world_size, plan.global_batch_size
-    tp, pp = given.get("tp", base["tp"]), given.get("pp", base["pp"])
+    tp, pp, cp = given.get("tp", base["tp"]), given.get("pp", base["pp"]), given.get("cp", base.get("cp", 1))
     mbs = given.get("micro_batch_size", base["micro_batch_size"])
-    dp = given.get("dp", max(1, world // (tp * pp)))
-    if tp * pp * dp != world or batch % (dp * mbs):
-        raise AutoparError(f"--config {text!r}: tp·pp·dp must be {world} and dp·mbs must divide the global batch "
-                           f"{batch}; got tp={tp}, pp={pp}, dp={dp}, mbs={mbs}")
-    fill = {**base, "dp": dp, "num_microbatches": batch // (dp * mbs)}
+    dp = given.get("dp", max(1, world // (tp * cp * pp)))
+    if tp * cp * pp * dp != world or batch % (dp * mbs):
+        raise AutoparError(f"--config {text!r}: tp·cp·pp·dp must be {world} and dp·mbs must divide the global batch "
+                           f"{batch}; got tp={tp}, cp={cp}, pp={pp}, dp={dp}, mbs={mbs}")
+    fill = {**base, "dp": dp, "cp": cp, "num_microbatches": batch // (dp * mbs)}
     if "virtual_stages" not in given and given.get("schedule") == "interleaved_1f1b":
         fill["virtual_stages"] = max(2, base["virtual_stages"])
     inherited_interleave = "schedule" not in given and base["schedule"] == "interleaved_1f1b"

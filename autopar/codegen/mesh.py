@@ -1,8 +1,10 @@
-"""Process group and device mesh: the ("pp", "dp", "tp") grid every other codegen step slices.
+"""Process group and device mesh: the ("pp", "dp", "cp", "tp") grid every other codegen step slices.
 
 tp is the innermost (fastest-varying) axis, so consecutive ranks — the GPUs of one node under
-torchrun — form a tensor-parallel group; pp is outermost, so pipeline neighbours may sit on other
-nodes (Narayanan et al. 2021, §3.3: TP inside a node, PP across nodes).
+torchrun — form a tensor-parallel group; cp next, so a context-parallel group stays inside a node
+where it fits (its K/V exchange on NVLink); pp is outermost, so pipeline neighbours may sit on other
+nodes (Narayanan et al. 2021, §3.3: TP inside a node, PP across nodes). Gradients are reduced over
+the flattened ("dp", "cp") axis "dp_cp": cp ranks hold the same weights and see other tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from autopar.codegen.elastic import init_process_group
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
-__all__ = ["MESH_AXES", "resolve_device", "init_distributed", "build_mesh"]
+__all__ = ["MESH_AXES", "GRAD_AXIS", "resolve_device", "init_distributed", "build_mesh"]
 
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp", "cp", "tp")
+GRAD_AXIS = "dp_cp"  # the flattened ("dp", "cp") axis gradients are averaged and ZeRO shards over
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -51,8 +54,9 @@ def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s:
                               MASTER_PORT=str(_free_port()))
         elif "RANK" not in os.environ:
             raise PlanMismatchError(
-                f"the plan needs {config.world_size} processes (tp·pp·dp = {config.tp}·{config.pp}·{config.dp}) but "
-                f"this is not a distributed launch; run `torchrun --nproc_per_node {config.world_size} your_script.py`"
+                f"the plan needs {config.world_size} processes (tp·cp·pp·dp = {config.tp}·{config.cp}·{config.pp}·"
+                f"{config.dp}) but this is not a distributed launch; run "
+                f"`torchrun --nproc_per_node {config.world_size} your_script.py`"
             )
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -61,12 +65,14 @@ def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s:
     world = dist.get_world_size()
     if world != config.world_size:
         raise PlanMismatchError(
-            f"the plan needs {config.world_size} processes (tp·pp·dp = {config.tp}·{config.pp}·{config.dp}) "
-            f"but the world size is {world}; launch with `torchrun --nproc_per_node {config.world_size}` "
+            f"the plan needs {config.world_size} processes (tp·cp·pp·dp = {config.tp}·{config.cp}·{config.pp}·"
+            f"{config.dp}) but the world size is {world}; launch with `torchrun --nproc_per_node {config.world_size}` "
             f"(or make a plan for {world} process{'' if world == 1 else 'es'})"
         )
 
 
-def build_mesh(config: ParallelConfig, device: torch.device) -> DeviceMesh:
-    """The 3-D mesh (pp, dp, tp); axes of size 1 are kept so every rank can slice every axis."""
-    return init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=MESH_AXES)
+def build_mesh(config: ParallelConfig, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """The 4-D mesh (pp, dp, cp, tp), axes of size 1 kept so every rank can slice every axis, and its
+    flattened ("dp", "cp") axis `GRAD_AXIS`, over which gradients are averaged and ZeRO shards."""
+    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp), mesh_dim_names=MESH_AXES)
+    return mesh, mesh["dp", "cp"]._flatten(GRAD_AXIS)

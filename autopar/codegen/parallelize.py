@@ -15,11 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from autopar.capture.graph import ModelGraph
 from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
+from autopar.codegen.context_parallel import ContextParallel, SequenceShard, check_context_parallel, padded_length
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
 from autopar.codegen.float8 import convert_float8, float8_linear_names
@@ -78,6 +80,17 @@ def _microbatch_inputs(graph: ModelGraph, example_inputs: Sequence[Any] | None,
     inputs = (tuple(example_inputs or ()), dict(example_kwargs or {}))
     size = batch_size_of(inputs)
     return resize_batch(inputs, size, micro_batch_size) if size is not None else inputs
+
+
+def _context_parallel(model: nn.Module, graph: ModelGraph, plan: Plan, mesh) -> ContextParallel | None:
+    """The cp runtime of this rank (None when cp = 1), after refusing what cannot run sequence-sharded."""
+    cfg = plan.config
+    if cfg.cp == 1:
+        return None
+    multiple = 2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+    modes = {st.recompute_of(name) for st in plan.stages for name in st.layers}
+    check_context_parallel(model, graph, padded_length(graph.seq_len or multiple, multiple), modes)
+    return ContextParallel(mesh["cp"], SequenceShard(cp=cfg.cp, rank=mesh["cp"].get_local_rank(), multiple=multiple))
 
 
 def _fsdp_paths(part: nn.Module, paths: Sequence[str]) -> list[str]:
@@ -148,10 +161,10 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     dev = resolve_device(device)
     init_distributed(cfg, dev)
     check_stage_placement(plan)
-    mesh = build_mesh(cfg, dev)
+    mesh, grad_mesh = build_mesh(cfg, dev)
     model.to(dev)
     _broadcast_from_rank0(model)
-    fsdp = cfg.zero_stage >= 2 and (cfg.dp > 1 or cfg.offload == "params")
+    fsdp = cfg.zero_stage >= 2 and (cfg.dp * cfg.cp > 1 or cfg.offload == "params")
     float8_gather = fsdp and cfg.fp8 == "tensorwise"
     if cfg.fp8 == "tensorwise" and cfg.sequence_parallel and dist.get_backend() == "gloo":
         raise PlanMismatchError("fp8='tensorwise' with sequence parallelism all-gathers float8 activations, which gloo "
@@ -162,28 +175,34 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                        fsdp_float8_all_gather=float8_gather)
 
     units = stage_of_units(graph, plan)
+    context = _context_parallel(model, graph, plan, mesh)
+    stage_kwargs: dict[str, Any] = {}
     needs_micro_batch = len(plan.stages) > 1 or target_name is not None
     micro = (_microbatch_inputs(graph, example_inputs, example_kwargs, cfg.micro_batch_size)
              if needs_micro_batch else None)
+    if micro is not None and context is not None:  # every stage runs at the shard's length, with its positions
+        micro, _ = context.split(micro, None)
+        stage_kwargs = context.forward_kwargs(model, tree_map_only(torch.Tensor, lambda t: t.to(dev), micro))
     one_micro_batch = micro if len(plan.stages) > 1 else None
-    flow_kwargs = micro[1] if micro else {}
+    flow_kwargs = {**micro[1], **stage_kwargs} if micro else {}
     if target_name is not None:
         check_model_loss(model, target_name, micro[0], {**forward_kwargs(model), **micro[1]})
-        flow_kwargs = {**micro[1], target_name: example_targets(micro)}
+        flow_kwargs = {**micro[1], **stage_kwargs, target_name: example_targets(micro)}
     flow = (trace_dataflow(model, list(units), one_micro_batch[0], flow_kwargs, own_loss=target_name is not None)
             if one_micro_batch else DataFlow.single_stage())
     feed = MicroBatches()
     ios = flow.stages(units, len(plan.stages))
     ties = alias_groups(model)
     shared = SharedGradients(model, stages_holding(model, units, flow.replicated, len(plan.stages)),
-                             mesh.mesh.reshape(cfg.pp, cfg.dp, cfg.tp), cfg.pp)
+                             mesh.mesh.reshape(cfg.pp, cfg.dp * cfg.cp, cfg.tp), cfg.pp)
     pp_rank = mesh["pp"].get_local_rank()
     span = sequence_span(graph) if cfg.sequence_parallel else None
     parts: list[tuple[int, nn.Module]] = []
     failure: BaseException | None = None
     try:
         for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
-            part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed, target_name=target_name)
+            part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed, target_name=target_name,
+                               kwargs=stage_kwargs)
             if one_micro_batch:
                 dry_run_stage(part, flow, ios[stage.index], feed, one_micro_batch)
             apply_sync_batch_norm(part, mesh["dp"].get_group() if cfg.dp > 1 else None, cfg.dp)
@@ -192,6 +211,10 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                 apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span,
                                       logits_as_dtensor=target_name is not None)
                 retie(part, ties)
+            if context is not None:  # before recompute, which re-runs the units' forwards in backward
+                if len(plan.stages) == 1:
+                    part.forward = context.with_positions(model, part.forward)
+                context.apply(part, [p for la in layers if la.kind == "block" for p in layer_modules(graph, la.name)])
             for layer in layers:
                 if layer.kind == "block":
                     for path in layer_modules(graph, layer.name):
@@ -200,7 +223,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                             apply_compile(part.get_submodule(path))
             if fsdp:
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
-                apply_fsdp(part, _fsdp_paths(part, paths), mesh["dp"], zero_stage=cfg.zero_stage,
+                apply_fsdp(part, _fsdp_paths(part, paths), grad_mesh, zero_stage=cfg.zero_stage,
                            offload_params=cfg.offload == "params")
             parts.append((stage.index, part))
     except Exception as e:  # held until every rank has reported, so no rank waits for a failed peer
@@ -209,18 +232,21 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
 
     params = list({id(p): p for _, part in parts for p in part.parameters()}.values())
     make = host_optimizer_factory(optimizer) if cfg.offload == "optimizer" else optimizer
-    if cfg.zero_stage == 1 and cfg.dp > 1:
-        opt: torch.optim.Optimizer | ShardedOptimizer | HostOptimizer = ShardedOptimizer(params, make, mesh["dp"])
+    if cfg.zero_stage == 1 and cfg.dp * cfg.cp > 1:
+        opt: torch.optim.Optimizer | ShardedOptimizer | HostOptimizer = ShardedOptimizer(params, make, grad_mesh)
     else:
         opt = make(param_groups_by_kind(params))
     vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
+    if context is not None:
+        loss = context.loss(loss)
     own: list[ParallelModel] = []  # on the model's own loss, the schedule's loss is the ParallelModel's (below)
     schedule_loss = (lambda out, target: own[0].own_loss(out)) if target_name else loss
     schedule = (build_schedule(plan, parts, mesh["pp"], dev, schedule_loss, feed,
                                per_microbatch_mean=target_name is None) if cfg.pp > 1 else None)
     pm = ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
                        loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
-                       shared_gradients=shared, float8_fsdp_scales=float8_gather, target_name=target_name)
+                       shared_gradients=shared, float8_fsdp_scales=float8_gather, target_name=target_name,
+                       context=context, grad_mesh=grad_mesh)
     own.append(pm)
     return pm

@@ -192,11 +192,12 @@ class _StageRunner:
 
 def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_of_unit: Mapping[str, int],
                 index: int, *, device: torch.device, feed: MicroBatches,
-                target_name: str | None = None) -> nn.Module:
+                target_name: str | None = None, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
     """Stage `index` as a pruned copy of `model` whose forward sends/receives what `ios` says and reads
     the model's inputs from `feed`.
 
     With one stage in all, the model itself (its forward then takes the model's inputs and returns the logits).
+    `kwargs`: more keyword arguments of every forward call (the shard's position ids under context parallelism).
     """
     num_stages = len(ios)
     io = ios[index]
@@ -208,7 +209,7 @@ def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_
     forward = type(model).forward
     runner = _StageRunner(flow=flow, io=io, stage_of_unit=stage_of_unit, num_stages=num_stages,
                           device=device, forward=lambda *a, **k: None,
-                          kwargs=forward_kwargs(model), feed=feed, target_name=target_name)
+                          kwargs={**forward_kwargs(model), **(kwargs or {})}, feed=feed, target_name=target_name)
     others = {u for u, s in stage_of_unit.items() if s != index and u not in flow.replicated}
     stand_ins = {u: _StandIn(u, runner, model.get_submodule(u)) for u in others}
     stage = _prune(model, "", stand_ins) if others else model

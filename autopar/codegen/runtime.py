@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
+from autopar.codegen.context_parallel import ContextParallel
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
@@ -46,7 +47,8 @@ class ParallelModel:
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
                  device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None,
-                 float8_fsdp_scales: bool = False, target_name: str | None = None) -> None:
+                 float8_fsdp_scales: bool = False, target_name: str | None = None,
+                 context: ContextParallel | None = None, grad_mesh: DeviceMesh | None = None) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -60,6 +62,8 @@ class ParallelModel:
         self.shared_gradients = shared_gradients
         # FSDP gathers float8 weights: their scales are computed once per step, after the optimizer (torchtitan)
         self.float8_fsdp_scales = float8_fsdp_scales
+        self.context = context
+        self.grad_mesh = grad_mesh if grad_mesh is not None else mesh["dp"]  # ("dp", "cp") flattened
         self.timer: StepTimer | None = None
         # the model's own loss (autopar.codegen.model_loss): targets go to forward(..., target_name=targets)
         self.target_name = target_name
@@ -153,6 +157,8 @@ class ParallelModel:
         """This rank's mean loss over its micro-batches (0 on ranks without the last stage); on the model's own
         loss, the sum over this rank's tokens (`_counts` counts them)."""
         m = self.config.num_microbatches
+        if self.context is not None:  # this cp rank's two chunks of every sequence (padded to a multiple)
+            inputs, targets = self.context.split(inputs, targets)
         self.feed.set(self._micro_batches(inputs, "train_step's inputs"),
                       self._micro_batches(targets, "train_step's targets"), self.device)
         if self.target_name is not None:
@@ -227,10 +233,11 @@ class ParallelModel:
                 p.grad.mul_(factor)
 
     def _global_mean(self, local_loss: torch.Tensor) -> float:
-        """Mean over data-parallel ranks; every tensor-parallel rank of the last stage holds a copy."""
+        """Mean over data-parallel ranks; every tensor-parallel rank of the last stage holds a copy, and the
+        values of a context-parallel group sum to cp times its mean (`ContextParallel.loss`)."""
         loss = local_loss.reshape(1).to(self.device)
         dist.all_reduce(loss)
-        return float(loss.item() / (self.config.dp * self.config.tp))
+        return float(loss.item() / (self.config.dp * self.config.tp * self.config.cp))
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One optimizer step on this rank's local batch; returns the global mean loss.
@@ -245,8 +252,8 @@ class ParallelModel:
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
             with timer.phase("grad_sync") if timer else nullcontext():
-                if self.config.zero_stage < 2 or self.config.dp == 1:
-                    average_gradients(self._parameters(), self.mesh["dp"])
+                if self.config.zero_stage < 2 or self.config.dp * self.config.cp == 1:
+                    average_gradients(self._parameters(), self.grad_mesh)
                 if self.shared_gradients is not None:
                     self.shared_gradients.sync(self.modules)
                 if self.target_name is not None:  # gradients are dp-averaged sums over tokens: make them the mean
@@ -284,8 +291,9 @@ class ParallelModel:
     def forward(self, inputs: Any) -> torch.Tensor:
         """Full logits for `inputs` (as `train_step` takes them; the whole batch at once, no pipelining)."""
         self.eval()
-        if self.schedule is not None:
-            raise AutoparError("forward() of a pipelined model is not supported; use eval_loss(inputs, targets)")
+        if self.schedule is not None or self.context is not None:
+            raise AutoparError("forward() of a pipelined or context-parallel model is not supported; use "
+                               "eval_loss(inputs, targets)")
         args, kwargs = as_call(tree_map_only(torch.Tensor, lambda t: t.to(self.device), inputs))
         logits = self.modules[0](*args, **kwargs)
         return gather_vocab(logits, self.mesh["tp"]) if self.vocab_parallel else logits

@@ -83,7 +83,7 @@ def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
     """A note when the model's blocks run unfused eager kernels that take a visible share of the time."""
     if getattr(c, "compile", False):
         return ()
-    count, share = costs.compute.eager_memory_share(tp=c.tp, sp=c.sequence_parallel, mbs=c.micro_batch_size)
+    count, share = costs.compute.eager_memory_share(tp=c.tp, sp=c.sequence_parallel, mbs=c.tokens_share)
     if share < 0.05:
         return ()
     return (f"unfused eager kernels: each block runs {count} memory-bound kernels per forward (norms, "

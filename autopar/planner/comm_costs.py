@@ -137,18 +137,18 @@ class CommCosts:
             return 0.0
         work = cast_work(self.memory.runs[ri][0], self.graph, recipe=c.fp8, elem_bytes=self.memory.elem,
                          micro_batch=c.micro_batch_size, tp=c.tp, compiled=c.compile, weights_gathered_fp8=False,
-                         dp=c.dp)
+                         dp=c.shard_group)
         return work.amax_allreduces * self.collective_s("all_reduce", AMAX_BYTES, c.tp, c.tp)
 
     def fp8_scales_s(self, c: Candidate) -> float:
         """Per step under FSDP's float8 all-gather: one all-reduce of every converted weight's amax over dp
         (torchao's precompute_float8_dynamic_scale_for_fsdp, after the optimizer step)."""
-        if not self.memory.fp8_gathered(c) or c.dp == 1:
+        if not self.memory.fp8_gathered(c) or c.shard_group == 1:
             return 0.0
         weights = sum(len(g) * sum(k.count for k in g[0].kernels_forward.kernels if fp8_gemm(k))
                       for g in self.memory.runs if is_fp8_layer(g[0]))
-        rpn = math.gcd(c.dp, max(1, self.devices_per_node // c.tp))
-        return self.collective_s("all_reduce", AMAX_BYTES * weights / c.pp, c.dp, rpn)
+        rpn = math.gcd(c.shard_group, max(1, self.devices_per_node // c.tp))
+        return self.collective_s("all_reduce", AMAX_BYTES * weights / c.pp, c.shard_group, rpn)
 
     def batch_norm_s(self, ri: int, c: Candidate) -> tuple[float, float]:
         """Seconds of one layer of run `ri`'s batch-norm statistics all-reduces per micro-batch over the
@@ -168,8 +168,8 @@ class CommCosts:
         return self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True)
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
-        """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, tp), tp innermost)."""
-        return self._inter(c.pp, c.virtual_stages, c.dp * c.tp)
+        """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, cp, tp), tp innermost)."""
+        return self._inter(c.pp, c.virtual_stages, c.dp * c.cp * c.tp)
 
     def _inter_node_key(self, pp: int, v: int, block: int) -> tuple[bool, ...]:
         dpn = self.devices_per_node
@@ -181,7 +181,7 @@ class CommCosts:
 
     # ---- data parallelism ----
     def dp_tail(self, c: Candidate) -> DPTail:
-        return self._sync(c.tp, c.pp, c.dp, c.zero_stage, c.num_microbatches, c.ep)
+        return self._sync(c.tp, c.pp, c.shard_group, c.zero_stage, c.num_microbatches, c.ep)  # over dp·cp
 
     def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int, ep: int = 1) -> DPTail:
         """The data-parallel tail over this rank's gradients: dense ones reduce over dp, expert ones over
@@ -217,7 +217,7 @@ class CommCosts:
             if holders < 2 or layer.name not in (sp.layers or (first,)):
                 continue
             n = self.memory.grad_bytes(sp.num_params) / (c.tp if self.memory.tp_param_fraction(layer) > 0 else 1)
-            n /= c.dp if c.zero_stage >= 2 else 1
+            n /= c.shard_group if c.zero_stage >= 2 else 1
             k = min(holders, c.pp)
-            total += self.collective_s("all_reduce", n, k, k if c.tp * c.dp * c.pp <= self.devices_per_node else 1)
+            total += self.collective_s("all_reduce", n, k, k if c.world_size <= self.devices_per_node else 1)
         return total

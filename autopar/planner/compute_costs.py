@@ -112,6 +112,13 @@ class ComputeCosts:
         GEMMs under recipe `fp8` (`fp8_gathered`: FSDP gathers its weights in float8 over dp ranks)."""
         return self._time(ri, tp, sp, mbs, compiled, ep, fp8, fp8_gathered, dp if fp8_gathered else 1)
 
+    def attention_s(self, ri: int, tp: int, sp: bool, mbs: float) -> float:
+        """Forward + backward seconds of one layer of run `ri`'s attention kernels alone (0 without a kernel list)."""
+        layer = self.memory.runs[ri][0]
+        return sum(self._pass_s(dataclasses.replace(mix, kernels=tuple(k for k in mix.kernels if k.kind == "attention"),
+                                                    fused=()), tp, sp, mbs)
+                   for mix in (layer.kernels_forward, layer.kernels_backward) if mix.kernels)
+
     def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
         and its experts' over shards / ep (the ranks holding the same experts)."""

@@ -10,6 +10,9 @@ entry, which this module builds and joins:
                               boundary, the data-parallel tail per step, shared weights' cross-stage sum
   fp8_costs, offload_costs    FP8 GEMMs and their casts (inside compute_costs' passes), float8 gathers and
                               amax reductions; the host's part of an offloaded step and its copies
+  cp_costs                    context parallelism's K/V exchange, causal-block overhead and gathered K/V;
+                              under cp every per-token cost above is priced at mbs/cp samples
+                              (Candidate.tokens_share) and weights are averaged and sharded over dp·cp
 
 `CostModel.problem(c)` turns them into one `Run` per run of identical layers (time by recompute mode,
 activation and model-state bytes, gradient-sync, optimizer and p2p time) and each pipeline rank into
@@ -29,6 +32,7 @@ from autopar.capture.graph import ModelGraph
 from autopar.config import ParallelConfig
 from autopar.planner.comm_costs import CommCosts
 from autopar.planner.compute_costs import ComputeCosts
+from autopar.planner.cp_costs import cp_layer_costs
 from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.offload_costs import OffloadSummary
 from autopar.planner.problem import MODES, InnerProblem, Run
@@ -108,27 +112,35 @@ class CostModel:
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         mem, comm = self.memory, self.comm
         tail = comm.dp_tail(c)
-        shards = c.dp if c.zero_stage >= 1 else 1
-        overlaps = self.backend == "nccl" and c.zero_stage >= 2 and c.dp > 1  # module docstring: what hides
-        sp, mbs = c.sequence_parallel, c.micro_batch_size
+        group_size = c.shard_group  # ranks averaging gradients and sharding ZeRO states: dp·cp
+        shards = group_size if c.zero_stage >= 1 else 1
+        overlaps = self.backend == "nccl" and c.zero_stage >= 2 and group_size > 1  # module docstring: what hides
+        sp, mbs = c.sequence_parallel, c.tokens_share  # each rank runs 1/cp of every sequence
         gathered = mem.fp8_gathered(c)
         runs = []
         for ri, group in enumerate(mem.runs):
-            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.dp)
+            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group)
             tp = comm.tp_times(ri, c.tp, sp, mbs)
             ep = comm.ep_times(ri, c.tp, mbs, c.ep)  # expert all-to-alls: in the layer, counted as its tp_comm
             amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
+            cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
+                                attention_s=self.compute.attention_s(ri, c.tp, sp, mbs) if c.cp > 1 else 0.0,
+                                collective_s=comm.collective_s, devices_per_node=self.devices_per_node)
             bn_fwd, bn_bwd = comm.batch_norm_s(ri, c)  # batch-norm statistics over dp: counted as tp_comm too
-            tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd
-            tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd
-            # a mode that runs the forward again runs its TP collectives again
+            # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
+            tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd + cp.forward_s
+            tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd + cp.backward_s
+            # a mode that runs the forward again runs its TP collectives (and K/V all-gather) again
             rec = tuple(r + tp_fwd if again else r for r, again in zip(t.recompute_s, t.recompute_tp, strict=True))
-            compute_s = t.compute_s
+            compute_s = t.compute_s + cp.attention_extra_s
+            acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
+                         for a, k in zip(mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size), MODES, strict=True))
             local = mem.run_local_params(ri, c.tp, c.ep)
             grad_bytes = mem.grad_bytes(local)
             gather = mem.gathered_bytes(ri, c.tp, True, c.ep) if gathered else None
             # offload="params": every gather copies the shard in from the host, the reduce-scatter's goes back
-            copy = mem.offload.gather_copy_s(grad_bytes / c.dp) if c.offload == "params" and grad_bytes > 0 else 0.0
+            copy = (mem.offload.gather_copy_s(grad_bytes / group_size) if c.offload == "params" and grad_bytes > 0
+                    else 0.0)
             host_step = mem.offload.step_s(local / shards, c.offload)
             if c.offload == "params" and tail.gathers_per_step == 0:  # one rank: FSDP copies without collectives
                 host_step += (2 * c.num_microbatches + 1) * copy
@@ -140,8 +152,7 @@ class CostModel:
                 time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),
                 compute_s=(compute_s + hooks,) * len(MODES),
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
-                act_bytes=mem.activation_bytes(ri, c.tp, sp, mbs),
-                state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, c.dp, c.ep, c.offload),
+                act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
                 backward_s=tail.hidden_s(grad_bytes, compute_s - t.backward_s, t.backward_s, gather, copy)
                 if overlaps else 0.0,

@@ -164,12 +164,13 @@ class MemoryCosts:
     def offload_summary(self, c: Candidate, *, overlapped: bool) -> OffloadSummary:
         """Where a device's states live under c.offload and what moving them costs (stages taken as even)."""
         params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
-        stepped = params / (c.dp if c.zero_stage >= 1 else 1)
+        stepped = params / (c.shard_group if c.zero_stage >= 1 else 1)
         gathers = c.num_microbatches * (2 if c.zero_stage == 3 else 1)
         return self.offload.summary(
-            mode=c.offload, device_state_bytes=self.model_states(params, c.zero_stage, c.dp, c.offload).total_bytes,
+            mode=c.offload,
+            device_state_bytes=self.model_states(params, c.zero_stage, c.shard_group, c.offload).total_bytes,
             host_bytes_per_node=self.host_fits(c)[1], stepped_params=stepped,
-            shard_bytes=params * self.elem / c.dp, gathers_per_step=gathers, overlapped=overlapped)
+            shard_bytes=params * self.elem / c.shard_group, gathers_per_step=gathers, overlapped=overlapped)
 
     def host_fits(self, c: Candidate) -> tuple[bool, float]:
         """(whether the node's host holds every rank's host states, those bytes per node), stages taken as
@@ -177,7 +178,7 @@ class MemoryCosts:
         if c.offload == "none":
             return True, 0.0
         params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
-        per_node = self.offload.devices_per_node * self.host_state_bytes(params, c.zero_stage, c.dp, c.offload)
+        per_node = self.offload.devices_per_node * self.host_state_bytes(params, c.zero_stage, c.shard_group, c.offload)
         return per_node <= self.offload.host_capacity_bytes, per_node
 
     def shared_duplicate_states(self, tp: int, zero_stage: int, dp: int, offload: str = "none"
@@ -220,12 +221,12 @@ class MemoryCosts:
         return self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
-        return self._ranks(c.tp, c.pp, c.dp, c.zero_stage, c.schedule, c.num_microbatches, c.virtual_stages,
-                           c.micro_batch_size, c.ep, c.fp8, c.offload)
+        return self._ranks(c.tp, c.pp, c.shard_group, c.zero_stage, c.schedule, c.num_microbatches,
+                           c.virtual_stages, c.micro_batch_size, c.ep, c.fp8, c.offload, c.cp)
 
     def fp8_gathered(self, c: Candidate) -> bool:
         """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
-        return c.fp8 == "tensorwise" and self.fsdp(c.zero_stage, c.dp, c.offload)
+        return c.fp8 == "tensorwise" and self.fsdp(c.zero_stage, c.shard_group, c.offload)
 
     @staticmethod
     def fsdp(zero_stage: int, dp: int, offload: str) -> bool:
@@ -241,7 +242,9 @@ class MemoryCosts:
         return b
 
     def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
-                         mbs: int, ep: int = 1, fp8: str = "none", offload: str = "none") -> tuple[RankMemory, ...]:
+                         mbs: int, ep: int = 1, fp8: str = "none", offload: str = "none",
+                         cp: int = 1) -> tuple[RankMemory, ...]:
+        """dp: the ranks ZeRO shards over (dp·cp); cp: each rank holds 1/cp of every sequence's logits."""
         g = self.graph
         zero3_bytes = 0.0
         if self.fsdp(zero_stage, dp, offload):
@@ -256,7 +259,8 @@ class MemoryCosts:
             # the last rank's last chunk, whose warm-up holds only earlier chunks, so each head forward is
             # followed by its own backward (one in flight), not the rank's average of all its chunks
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
-            logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=g.seq_len, vocab=g.vocab_size,
+            logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=-(-g.seq_len // cp),
+                                                         vocab=g.vocab_size,
                                                          tp=tp, dtype_bytes=self.elem, loss_kernel=self.loss_kernel)
         if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
             zero3_bytes += max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
@@ -272,9 +276,10 @@ class MemoryCosts:
         ranks = self.rank_memory(c)
         out = []
         for q, names in enumerate(layer_names_by_rank):
-            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.dp, c.ep, c.offload) for n in names]
+            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.shard_group, c.ep, c.offload)
+                  for n in names]
             if c.pp == 1:  # held once (see _rank_memory_key)
-                dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.dp, c.offload)
+                dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.shard_group, c.offload)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,
                                     optimizer_bytes=-dup.optimizer_bytes))
             out.append({"weights": int(sum(s.weights_bytes for s in st)), "grads": int(sum(s.grads_bytes for s in st)),

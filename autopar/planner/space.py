@@ -1,6 +1,6 @@
 """The outer search space (docs/design.md §5): every discrete layout choice except stage cuts and recompute.
 
-A `Candidate` fixes tp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages,
+A `Candidate` fixes tp, cp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages,
 sequence parallelism, compiled blocks and the expert-parallel degree ep (a divisor of dp and of every MoE
 layer's expert count; 1 for dense models); the ILP (`autopar.planner.ilp`) then places the cuts and picks
 recompute per layer.
@@ -17,7 +17,15 @@ from autopar.capture.graph import ModelGraph
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
 
-__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees"]
+__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees", "cp_degrees",
+           "MIN_CP_CHUNK"]
+
+# The shortest chunk (tokens) a context-parallel rank holds (it holds two). Llama 3 ran its 131,072-token
+# stage in chunks of 4,096 (cp 16, Dubey et al. 2024 Table 4), the one published CP layout the cost model is
+# checked against (benchmarks/published_runs.py); shorter chunks (small attention blocks, K/V exchanges
+# dominated by latency) are not searched. It also keeps the search within the planner's time limit: with
+# chunks of 128, cp entered every plan of 8K tokens and the llama3-405b problem grew to 46,544 layouts.
+MIN_CP_CHUNK = 4096
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -35,9 +43,24 @@ class Candidate:
     ep: int = 1
     fp8: str = "none"
     offload: str = "none"
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that hold the same weights and average their gradients (ZeRO shards over them): dp·cp."""
+        return self.dp * self.cp
+
+    @property
+    def tokens_share(self) -> float:
+        """Micro-batches' worth of tokens one rank runs per micro-batch: mbs / cp (each sequence split)."""
+        return self.micro_batch_size / self.cp
 
     def config(self, recompute: str) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage,
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, zero_stage=self.zero_stage,
                               micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
                               sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep,
@@ -45,7 +68,7 @@ class Candidate:
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
-        return cls(tp=config.tp, pp=config.pp, dp=config.dp, zero_stage=config.zero_stage,
+        return cls(tp=config.tp, pp=config.pp, dp=config.dp, cp=config.cp, zero_stage=config.zero_stage,
                    micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
                    sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep,
@@ -72,6 +95,15 @@ def ep_degrees(graph: ModelGraph, dp: int) -> list[int]:
     return [e for e in divisors(dp) if all(m.max_degree_ok(e) for m in moes)]
 
 
+def cp_degrees(graph: ModelGraph, ranks: int) -> list[int]:
+    """Context-parallel degrees for a model on `ranks` = world / tp ranks: 1, and for a model with attention
+    over a sequence, each divisor d > 1 of `ranks` whose 2·d chunks hold at least MIN_CP_CHUNK tokens each."""
+    has_attention = any(p.kind == "attention" for la in graph.layers for p in la.tp_patterns)
+    if not (has_attention and graph.seq_len):
+        return [1]
+    return [d for d in divisors(ranks) if d == 1 or graph.seq_len >= 2 * d * MIN_CP_CHUNK]
+
+
 def _pinned(values: list, pin) -> list:
     return [x for x in values if pin is None or x == pin]
 
@@ -86,11 +118,12 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
     out: list[Candidate] = []
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
     schedules = [s for s in SCHEDULES if s not in o.exclude_schedules]
-    for tp in _pinned(tp_degrees(graph, devices_per_node), o.tp):
-        for pp in _pinned(divisors(world_size // tp) if world_size % tp == 0 else [], o.pp):
+    for tp, cp in ((t, c) for t in _pinned(tp_degrees(graph, devices_per_node), o.tp) if world_size % t == 0
+                   for c in _pinned(cp_degrees(graph, world_size // t), o.cp)):
+        for pp in _pinned(divisors(world_size // (tp * cp)) if world_size % (tp * cp) == 0 else [], o.pp):
             if pp > graph.num_layers:
                 continue
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * cp * pp)
             if (o.dp is not None and dp != o.dp) or global_batch_size % dp:
                 continue
             eps = _pinned(ep_degrees(graph, dp), o.ep)
@@ -98,17 +131,17 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                 m = global_batch_size // (dp * mbs)
                 if o.num_microbatches is not None and m != o.num_microbatches:
                     continue
-                for zero in _zero_stages(dp, zeros, o.zero_stage):
+                for zero in _zero_stages(dp * cp, zeros, o.zero_stage):
                     for sched, v in _schedules(pp, m, graph.num_layers, schedules, o):
                         for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
-                            for comp, f8, off in itertools.product(_pinned([False, True], o.compile), fp8s,
-                                                                   offloads):
+                            compiles = _pinned([False, True] if cp == 1 else [False], o.compile)
+                            for comp, f8, off in itertools.product(compiles, fp8s, offloads):
                                 z = 3 if off == "params" else zero
                                 if z != zero and not (dp == 1 and o.zero_stage is None and 3 in zeros):
                                     continue
                                 out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=z, micro_batch_size=mbs,
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
-                                                     sequence_parallel=sp, compile=comp, ep=ep, fp8=f8,
+                                                     sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
                                                      offload=off)
                                            for ep in eps)
     if not out:
@@ -166,6 +199,6 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 
 def _pins(o: PlannerOptions) -> str:
-    names = ("tp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages",
-             "recompute", "sequence_parallel", "compile", "ep", "fp8", "offload")
+    names = ("tp", "cp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
+             "virtual_stages", "recompute", "sequence_parallel", "compile", "ep", "fp8", "offload")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"

@@ -78,7 +78,9 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
     lines = [f"autopar plan: {plan.model_name} on {plan.cluster_name} ({_count(c.world_size, 'device')}), "
              f"global batch {plan.global_batch_size}" + (f" × {plan.seq_len} tokens" if plan.seq_len else ""),
              "", f"chosen layout   {c}",
-             f"                tp={c.tp} (inside a node) × pp={c.pp} × dp={c.dp}, ZeRO-{c.zero_stage}, "
+             f"                tp={c.tp} (inside a node) × "
+             + (f"cp={c.cp} (each sequence split over {c.cp} ranks) × " if c.cp > 1 else "")
+             + f"pp={c.pp} × dp={c.dp}, ZeRO-{c.zero_stage}, "
              f"{_count(c.num_microbatches, 'micro-batch', 'micro-batches')} of {c.micro_batch_size}, {c.schedule}"
              + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else ""),
              f"predicted       {_estimate_line(e)}", "", "time per step"]

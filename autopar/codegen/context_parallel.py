@@ -1,0 +1,318 @@
+"""Context parallelism: every sequence split across the ranks of a cp group, attention exchanged by all-gather.
+
+Layout (docs/design.md §8, load-balanced for causal masks as in Llama 3 and Megatron-LM): a sequence of
+S tokens (padded to a multiple of 2·cp) is cut into 2·cp chunks of c = S/(2·cp) tokens and cp rank r
+holds chunks r and 2·cp−1−r, so under a causal mask every rank has the same attention work.
+
+Attention: each call of `F.scaled_dot_product_attention` inside a stage (the fused path of transformers'
+sdpa attention included) is replaced by `ContextParallel.attend`: the local keys and values (at the key/value head count
+the model hands SDPA, so grouped-query attention exchanges only its kv heads) are all-gathered over the cp
+group in one collective and put in global order; each of the rank's two query chunks then attends only
+the keys up to its own end, causally (chunk g of c tokens: a c × (g+1)·c block, lower-right aligned), so
+a rank computes c²·(2·cp + 1) scores where the causal triangle holds 2·cp·c² per rank, (1 + 1/(2·cp))×
+its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. Backward returns
+the keys' and values' gradients to their owners by a reduce-scatter (a functional collective, so
+selective recompute policies see it as one op). The all-gather is
+what Llama 3 ran (Dubey et al. 2024, §3.3.2): with GQA the K/V bytes are small next to the queries, and
+an all-gather is one collective per layer where a ring takes cp − 1 steps.
+
+The model sees its shard's tokens and their global positions (`position_ids`), so rotary tables and
+position embeddings are those of the global sequence, and, when its forward takes one, an
+`attention_mask` of ones (every token is real: padding is dropped by the loss), so that a model that
+infers packed sequences from jumps in the positions (transformers does) still masks causally. A mask
+the model builds over its shard that is causal inside each chunk is taken for the global causal mask.
+Any other mask (padding, sliding windows, prefix-LM) cannot be sliced this way and is refused, naming
+the module; so are modules whose attention does not go through SDPA (found in the captured graph) and
+local windows shorter than the sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from autopar.capture.graph import ModelGraph
+from autopar.codegen.loss import IGNORE_INDEX
+from autopar.config import CP_RECOMPUTE_MODES
+from autopar.errors import PlanMismatchError
+
+__all__ = ["SequenceShard", "padded_length", "shard_positions", "check_context_parallel",
+           "ContextParallel"]
+
+
+def padded_length(seq_len: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` ≥ seq_len (the sequence is padded at its end to that)."""
+    return -(-seq_len // multiple) * multiple
+
+
+def shard_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions held by cp rank `rank` of a sequence of `seq_len` tokens (a multiple of 2·cp):
+    chunks `rank` and `2·cp − 1 − rank` of c = seq_len / (2·cp) tokens each."""
+    if seq_len % (2 * cp):
+        raise PlanMismatchError(f"sequence length {seq_len} is not a multiple of 2·cp = {2 * cp}; pad it first")
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceShard:
+    """Where this rank sits in its cp group, and the multiple each sequence is padded to."""
+
+    cp: int
+    rank: int
+    multiple: int  # 2·cp, times tp under sequence parallelism (each tp rank then holds 1/tp of the shard)
+
+    def local_positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global positions of a local sequence of `local_len` tokens (two chunks of local_len / 2)."""
+        return shard_positions(local_len * self.cp, self.cp, self.rank).to(device)
+
+    def split(self, t: torch.Tensor, pad_value: int) -> torch.Tensor:
+        """This rank's tokens of `t` [batch, seq, ...]: padded with `pad_value` to a multiple, then its chunks."""
+        seq = t.size(1)
+        total = padded_length(seq, self.multiple)
+        if total != seq:
+            pad = t.new_full((t.size(0), total - seq, *t.shape[2:]), pad_value)
+            t = torch.cat([t, pad], dim=1)
+        return t.index_select(1, shard_positions(total, self.cp, self.rank).to(t.device))
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """A boolean or additive mask as "may attend" booleans, or None if an additive mask carries other values."""
+    if mask.dtype == torch.bool:
+        return mask
+    blocked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min / 2)
+    if not bool(((mask == 0) | blocked).all()):
+        return None  # a bias (ALiBi, soft-capping), not only a mask
+    return ~blocked
+
+
+def _is_shard_causal(mask: torch.Tensor, local_len: int) -> bool:
+    """Whether a model's mask over its shard (two chunks) is causal inside each chunk, blocks the first chunk
+    from the second, and treats the second's view of the first uniformly (all visible or all blocked)."""
+    allowed = _allowed(mask)
+    if allowed is None or allowed.shape[-2:] != (local_len, local_len):
+        return False
+    rows = allowed.reshape(-1, local_len, local_len)
+    if not bool((rows == rows[:1]).all()):
+        return False  # differs by batch or head: a padding mask, not causality
+    a = rows[0]
+    c = local_len // 2
+    tril = torch.ones(c, c, dtype=torch.bool, device=a.device).tril()
+    cross = a[c:, :c]
+    return (bool((a[:c, :c] == tril).all()) and bool((a[c:, c:] == tril).all()) and not bool(a[:c, c:].any())
+            and (bool(cross.all()) or not bool(cross.any())))
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_STATE = threading.local()  # the units being run (innermost last) while a stage's forward is context-parallel
+
+
+class _Attention(TorchFunctionMode):
+    """Replaces every SDPA call of a stage's forward with context-parallel attention (`ContextParallel.attend`),
+    naming the innermost unit running."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = dict(zip(_SDPA_ARGS, args, strict=False), **kwargs)
+        return self.cp.attend(_STATE.units[-1], **call)
+
+
+class ContextParallel:
+    """This rank's context-parallel runtime: sequence splitting, attention, position ids and the loss."""
+
+    def __init__(self, cp_mesh: DeviceMesh, shard: SequenceShard) -> None:
+        self.mesh, self.shard = cp_mesh, shard
+        self.group = cp_mesh.get_group()
+        self._agreed: set[tuple] = set()
+
+    def _agree(self, where: str, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Once per module and shape: the cp ranks exchange K/V of one shape (else a clear error, not a crash)."""
+        mine = (where, tuple(key.shape), tuple(value.shape))
+        if mine in self._agreed:
+            return
+        shapes: list = [None] * self.shard.cp
+        with _disable_current_modes():  # not an op of the model: selective recompute must not record it
+            dist.all_gather_object(shapes, mine, group=self.group)
+        if any(s != mine for s in shapes):
+            raise PlanMismatchError(
+                f"{where}: the context-parallel ranks attend with keys/values of different shapes ({shapes}); the "
+                "model computes attention differently on different sequence shards. Use cp=1 for this model")
+        self._agreed.add(mine)
+
+    # ---- attention ----
+    def attend(self, where: str, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        """Local queries [b, h, s, d] against the keys and values of the whole cp group, globally causal."""
+        s = query.size(-2)
+        if key.size(-2) != s or s % 2:
+            raise PlanMismatchError(
+                f"{where}: attention of {s} queries over {key.size(-2)} keys is not self-attention over this "
+                "rank's sequence shard (e.g. cross-attention or a KV cache); context parallelism cannot split it. "
+                "Use cp=1 for this model")
+        if attn_mask is not None:
+            if not _is_shard_causal(attn_mask, s):
+                raise PlanMismatchError(
+                    f"{where}: its attention mask is not causal over the sequence (a padding mask, a sliding window "
+                    "narrower than a chunk, or a bias), so it cannot be split across context-parallel ranks. Use "
+                    "cp=1, or drop the mask")
+        elif not is_causal:
+            raise PlanMismatchError(
+                f"{where}: bidirectional attention (is_causal=False, no mask); context parallelism here shards "
+                "causal attention only (padding would be attended). Use cp=1 for this model")
+        self._agree(where, key, value)
+        cp, c = self.shard.cp, s // 2
+        d_k = key.size(-1)
+        # a functional collective (autograd: reduce-scatter in backward), which activation checkpointing's
+        # selective policies see as one op, as they see tensor parallelism's
+        kv = all_gather_single_autograd(torch.cat([key, value], dim=-1).contiguous(), 2, self.group)
+        # rank order → global order: position p sits at index order[p] of the gathered sequence
+        gathered = torch.cat([shard_positions(s * cp, cp, r) for r in range(cp)])
+        kv = kv.index_select(2, torch.argsort(gathered).to(kv.device))
+        outs = []
+        for half, chunk in enumerate((self.shard.rank, 2 * cp - 1 - self.shard.rank)):
+            # this query chunk (global chunk `chunk`) sees keys 0 .. (chunk + 1)·c − 1: causal, lower-right aligned
+            n_keys = (chunk + 1) * c
+            q = query[..., half * c:(half + 1) * c, :]
+            keys, values = kv[..., :n_keys, :d_k], kv[..., :n_keys, d_k:]
+            rows = torch.arange(c, device=query.device)[:, None] + (n_keys - c)
+            mask = rows >= torch.arange(n_keys, device=query.device)[None, :]
+            outs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
+                                                       scale=scale, enable_gqa=enable_gqa))
+        return torch.cat(outs, dim=-2)
+
+    def wrap(self, fn: Callable, where: str) -> Callable:
+        """`fn` with every SDPA call inside it context-parallel (the mode entered once, by the outermost)."""
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            units = getattr(_STATE, "units", None)
+            if units:
+                units.append(where)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    units.pop()
+            _STATE.units = [where]
+            try:
+                with _Attention(self):
+                    return fn(*args, **kwargs)
+            finally:
+                _STATE.units = []
+        return run
+
+    def apply(self, part: nn.Module, unit_paths: Iterable[str]) -> None:
+        """Context-parallel attention in `part`'s forward and in each unit's own forward (which activation
+        recompute re-runs in backward, outside the stage's forward). Call before `apply_recompute`."""
+        for path in unit_paths:
+            unit = part.get_submodule(path)
+            unit.forward = self.wrap(unit.forward, path)
+        part.forward = self.wrap(part.forward, type(part).__name__)
+
+    def forward_kwargs(self, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+        """For a call on `inputs` (a shard's micro-batch, any structure): the shard's global `position_ids`
+        [1, s] and, if the model's forward takes one, an `attention_mask` of ones [b, s]."""
+        tokens = _sequence_leaf(inputs)
+        kwargs = {"position_ids": self.position_ids(tokens.size(1), tokens.device)}
+        if "attention_mask" in inspect.signature(type(model).forward).parameters:
+            kwargs["attention_mask"] = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
+        return kwargs
+
+    def with_positions(self, model: nn.Module, forward: Callable) -> Callable:
+        """`forward` of `model` given `forward_kwargs` for each call's inputs (the caller's own win)."""
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            return forward(*args, **{**self.forward_kwargs(model, (args, kwargs)), **kwargs})
+        return run
+
+    # ---- inputs ----
+    def position_ids(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """[1, local_len] global positions for the model's `position_ids`."""
+        return self.shard.local_positions(local_len, device).unsqueeze(0)
+
+    def split(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """This rank's shard of a batch: every tensor [batch, seq, ...] of the inputs and targets (seq the
+        length of the inputs' first such tensor) cut to its two chunks, inputs padded with token 0 and
+        targets with IGNORE_INDEX (never counted); other leaves unchanged."""
+        seq = _sequence_leaf(inputs).size(1)
+
+        def cut(batch: Any, pad: int) -> Any:
+            return tree_map_only(torch.Tensor, lambda t: self.shard.split(t, pad) if t.dim() >= 2 and
+                                 t.size(1) == seq else t, batch)
+        return cut(inputs, 0), cut(targets, IGNORE_INDEX)
+
+    # ---- loss ----
+    def loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+             ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The exact global token mean over the cp group, times cp (gradients are then averaged over dp·cp).
+
+        `loss_fn` returns the mean over this shard's counted tokens (targets ≠ IGNORE_INDEX, as
+        `lm_cross_entropy`); weighted by the shard's count over the group's, the shards' values sum to
+        the mean of the whole sequence.
+        """
+        cp, group = self.shard.cp, self.group
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            counts = torch.stack([(targets != IGNORE_INDEX).sum()]).float()
+            mine = counts.clone()
+            dist.all_reduce(counts, group=group)
+            if mine.item() == 0:
+                return logits.sum() * 0.0  # only padding here: no tokens to count, the graph kept for backward
+            return loss_fn(logits, targets) * (cp * mine[0] / counts[0].clamp(min=1))
+        return loss
+
+
+def _sequence_leaf(batch: Any) -> torch.Tensor:
+    """The first tensor of `batch` with a sequence dimension ([batch, seq, ...]): the token ids."""
+    leaf = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if leaf is None:
+        raise PlanMismatchError("context parallelism splits the inputs' sequence dimension, but no input tensor has "
+                                "one ([batch, seq, ...]); use cp=1 for this model")
+    return leaf
+
+
+def check_context_parallel(model: nn.Module, graph: ModelGraph, seq_len: int,
+                           recompute_modes: Iterable[str] = ()) -> None:
+    """Refuse, naming the module, what context parallelism cannot run sharded."""
+    bad = sorted(set(recompute_modes) - set(CP_RECOMPUTE_MODES))
+    if bad:
+        raise PlanMismatchError(f"recompute {bad} with cp > 1 is not supported (selective checkpointing replays the "
+                                f"K/V all-gather); re-plan with recompute in {CP_RECOMPUTE_MODES} (the planner does)")
+    if "position_ids" not in inspect.signature(type(model).forward).parameters:
+        raise PlanMismatchError(
+            f"{type(model).__name__}.forward takes no position_ids; under context parallelism each rank holds two "
+            "non-adjacent chunks of the sequence and the model must be told their positions. Add a position_ids "
+            "argument (as transformers' models have) or use cp=1")
+    for layer in graph.layers:
+        eager = [k for k in layer.kernels_forward.kernels if k.kind == "attention" and k.mnk is not None]
+        if eager:
+            raise PlanMismatchError(
+                f"layer {layer.name}: its attention multiplies queries and keys itself (no "
+                "scaled_dot_product_attention), which context parallelism cannot split; use SDPA attention "
+                "(transformers: attn_implementation='sdpa') or cp=1")
+    for name, module in model.named_modules():  # a module's own window, or its config's (transformers)
+        window = getattr(module, "sliding_window", getattr(getattr(module, "config", None), "sliding_window", None))
+        if isinstance(window, int) and not isinstance(window, bool) and 0 < window < seq_len:
+            raise PlanMismatchError(
+                f"{name or type(model).__name__}: a sliding window of {window} tokens over sequences of {seq_len}; a "
+                "window is relative to global positions and cannot be split across context-parallel ranks. Use cp=1")

@@ -1,0 +1,71 @@
+"""Context parallelism's own costs per layer, as codegen/context_parallel.py runs it.
+
+Under cp each rank holds 2 of the 2·cp chunks of every sequence (rank r: chunks r and 2·cp−1−r), so every
+per-token cost of a layer (GEMMs, memory-bound kernels, TP collectives, saved activations, p2p sends,
+logits) is that of mbs/cp samples (`Candidate.tokens_share`), and causal attention, balanced by the mirrored
+chunks, is 1/cp of the layer's too. On top of that, per layer with attention and micro-batch:
+
+  K/V exchange   one all-gather of the layer's keys and values over the cp group in forward (their
+                 full-sequence bytes, 2·b·s·(kv_heads/t)·head_dim elements, leave the group's ranks as
+                 their sum) and one reduce-scatter of their gradients in backward, each priced as the
+                 collective it is over cp ranks (ranks spaced by tp in the mesh ("pp","dp","cp","tp"):
+                 inside a node when tp·cp ≤ devices per node, else across nodes, bounded by the slowest
+                 link). Codegen issues them blocking (attention needs the keys), so nothing hides them; a
+                 recompute mode that runs the forward again (full) gathers again. All-gather rather than
+                 a ring: one collective per layer where a ring takes cp − 1 steps each exposed unless
+                 overlapped with a block of attention, and with grouped-query attention the K/V bytes are
+                 small (Llama 3 ran it so, Dubey et al. 2024 §3.3.2).
+  causal blocks  each query chunk attends the keys up to its own end, a c × (g+1)·c block for chunk g:
+                 a rank computes c²·(2·cp + 1) scores where its causal share is 2·cp·c², so the attention
+                 kernels take (1 + 1/(2·cp))× their share.
+  memory         the gathered K/V stay saved for backward: (1 − 1/cp) of the full-sequence K/V beyond what
+                 the layer's own SDPA saves at the shard's length, in every mode that keeps the attention's
+                 inputs (none; full recompute keeps only the layer input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.capture.graph import LayerSpec, ModelGraph
+
+__all__ = ["CPLayerCosts", "kv_exchange_bytes", "cp_ranks_per_node", "cp_layer_costs"]
+
+
+def kv_exchange_bytes(graph: ModelGraph, layer: LayerSpec, *, tp: int, micro_batch: float, elem: int) -> float:
+    """Bytes of a layer's keys and values over the whole sequence on one tensor-parallel rank (what the
+    all-gather returns), for `micro_batch` samples."""
+    total = 0.0
+    for p in layer.tp_patterns:
+        if p.kind == "attention" and graph.seq_len:
+            head_dim = p.head_dim or (graph.hidden_size or 0) // p.num_heads
+            total += 2.0 * micro_batch * graph.seq_len * (p.num_kv_heads or p.num_heads) / tp * head_dim * elem
+    return total
+
+
+def cp_ranks_per_node(*, tp: int, cp: int, devices_per_node: int) -> int:
+    """Ranks of one cp group on a node: cp ranks spaced tp apart, so all of them when tp·cp fits a node."""
+    return cp if tp * cp <= devices_per_node else max(1, devices_per_node // tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPLayerCosts:
+    """Context parallelism's additions to one layer, per micro-batch."""
+
+    forward_s: float  # the K/V all-gather
+    backward_s: float  # the reduce-scatter of their gradients
+    attention_extra_s: float  # the causal blocks' rectangles beyond the causal share
+    saved_kv_bytes: float  # gathered K/V kept for backward (modes that keep the attention's inputs)
+
+
+def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, micro_batch: int, elem: int,
+                   attention_s: float, collective_s, devices_per_node: int) -> CPLayerCosts:
+    """`attention_s`: the layer's attention kernels (forward + backward) at the shard's share of tokens;
+    `collective_s(op, n_bytes, group_size, ranks_per_node)` prices one collective."""
+    if cp == 1:
+        return CPLayerCosts(forward_s=0.0, backward_s=0.0, attention_extra_s=0.0, saved_kv_bytes=0.0)
+    n = kv_exchange_bytes(graph, layer, tp=tp, micro_batch=micro_batch, elem=elem)
+    rpn = cp_ranks_per_node(tp=tp, cp=cp, devices_per_node=devices_per_node)
+    return CPLayerCosts(forward_s=collective_s("all_gather", n, cp, rpn),
+                        backward_s=collective_s("reduce_scatter", n, cp, rpn),
+                        attention_extra_s=attention_s / (2 * cp), saved_kv_bytes=n * (1 - 1 / cp))
