@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autopar.capture.graph import ModelGraph
 from autopar.capture.meta import swap_tensors
+from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
 from autopar.codegen.model_loss import stage_loss
@@ -230,7 +231,7 @@ def dry_run_stage(stage: nn.Module, flow: DataFlow, io: StageIO, feed: MicroBatc
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     index = torch.zeros(1)  # a real tensor: the stage reads its value
     try:
-        with fake, swap_tensors(stage, fake.from_tensor):
+        with fake, swap_tensors(stage, fake.from_tensor), grouped_mm_any_dtype():  # MoE experts in any dtype
             feed.inputs = [tree_map_only(torch.Tensor, fake.from_tensor, call)]
             received = [torch.zeros(leaf.shape, dtype=leaf.dtype) for key in io.receives
                         for leaf in flow.calls[key].leaves if isinstance(leaf, LeafMeta)]
