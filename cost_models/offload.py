@@ -4,10 +4,11 @@ Sources:
 - The split and its traffic: Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training",
   USENIX ATC 2021, §4: gradients go to the host once per step, updated 16-bit parameters come back once;
   fp32 master weights and Adam moments (12 bytes per parameter) live in host memory.
-- A fused Adam step streams each fp32 parameter, gradient and both moments once and writes the parameter
-  and the moments once: 16 + 12 = 28 bytes per parameter (ZeRO-Offload §4.3's CPU-Adam; PyTorch's
-  `AdamW(fused=True)` on CPU is the same single pass). Host memory bandwidth bounds it (memory-bound: ~1
-  FLOP per byte), as it bounds the casts between 16-bit device copies and fp32 host copies.
+- An Adam step is memory-bound (~1 FLOP per byte): host memory bandwidth bounds it, as it bounds the casts
+  between 16-bit device copies and fp32 host copies. Its bytes per parameter are the caller's: PyTorch's
+  AdamW streams ~80 (autopar.planner.compute_costs.ADAM_BYTES_PER_PARAM), a fused step (ZeRO-Offload
+  §4.3's CPU-Adam, `torch.optim.AdamW(fused=True)` on CPU) reads each fp32 parameter, gradient and both
+  moments once and writes the parameter and the moments once: FUSED_ADAM_BYTES_PER_PARAM = 16 + 12 = 28.
 - HOST_STREAM_EFFICIENCY: the fraction of a server's theoretical DRAM bandwidth a streaming kernel reaches.
 Every function returns seconds or bytes; bandwidths are bytes per second.
 """
@@ -29,12 +30,12 @@ def _stream_Bps(host: HostSpec) -> float:
     return host.memory_bandwidth_Bps * HOST_STREAM_EFFICIENCY
 
 
-def host_adam_s(params_per_node: float, host: HostSpec) -> float:
-    """One fused Adam step over the fp32 states of `params_per_node` parameters (every rank's share on the
-    node steps at once, so they share its DRAM bandwidth)."""
-    if params_per_node < 0:
-        raise ValueError(f"params_per_node={params_per_node} is negative")
-    return params_per_node * FUSED_ADAM_BYTES_PER_PARAM / _stream_Bps(host)
+def host_adam_s(params_per_node: float, host: HostSpec, bytes_per_param: float) -> float:
+    """One Adam step over the fp32 states of `params_per_node` parameters, streaming `bytes_per_param` each
+    (every rank's share on the node steps at once, so they share its DRAM bandwidth)."""
+    if params_per_node < 0 or bytes_per_param <= 0:
+        raise ValueError(f"params_per_node={params_per_node} must be ≥ 0 and bytes_per_param={bytes_per_param} > 0")
+    return params_per_node * bytes_per_param / _stream_Bps(host)
 
 
 def host_cast_s(elements_per_node: float, from_bytes: float, to_bytes: float, host: HostSpec) -> float:

@@ -14,6 +14,7 @@ from autopar.cli.main import main
 from autopar.codegen.float8 import float8_linear_names
 from autopar.codegen.offload import HostOptimizer
 from autopar.errors import ClusterSpecError, InfeasiblePlanError
+from autopar.planner.compute_costs import ADAM_BYTES_PER_PARAM
 from autopar.planner.costs import CostModel
 from autopar.planner.fp8_costs import cast_work, fp8_param_share
 from cost_models import offload
@@ -100,7 +101,7 @@ def test_offload_time_is_the_host_step_and_its_copies():
     off = autopar.estimate(graph, cluster, dataclasses.replace(cfg, offload="optimizer"))
     stepped = graph.num_params / 8  # ZeRO-1: each rank steps an eighth
     host = cluster.host
-    adam = offload.host_adam_s(graph.num_params, host)
+    adam = offload.host_adam_s(graph.num_params, host, ADAM_BYTES_PER_PARAM)  # torch's AdamW, on the host
     copies = 2 * offload.host_copy_s(stepped * 2, 8, host)
     casts = 2 * offload.host_cast_s(graph.num_params, 2, 4, host)
     assert off.breakdown["optimizer"] == pytest.approx(adam + copies + casts, rel=0.02)

@@ -31,7 +31,7 @@ from functools import lru_cache
 from autopar.capture.graph import ModelGraph
 from autopar.config import ParallelConfig
 from autopar.planner.comm_costs import CommCosts
-from autopar.planner.compute_costs import ComputeCosts
+from autopar.planner.compute_costs import ADAM_BYTES_PER_PARAM, ComputeCosts
 from autopar.planner.cp_costs import cp_layer_costs
 from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.offload_costs import OffloadSummary
@@ -67,7 +67,8 @@ class CostModel:
         host_floor_s = profile.host_overhead_floor_s if cpu_cores and profile is not None else 0.0
         self.memory = MemoryCosts(graph, memory_bytes=device.memory_bytes,
                                   memory_reserve_fraction=memory_reserve_fraction, host=host,
-                                  devices_per_node=devices_per_node, loss_kernel=loss_kernel)
+                                  devices_per_node=devices_per_node, loss_kernel=loss_kernel,
+                                  host_adam_bytes_per_param=ADAM_BYTES_PER_PARAM)
         # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
         straggler = fleet.straggler_factor(devices_per_node * nodes) if device.kind == "gpu" else 1.0
         self.compute = ComputeCosts(graph, self.memory, compute=ComputeModel(device, profile),

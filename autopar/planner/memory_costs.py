@@ -76,12 +76,15 @@ class MemoryCosts:
 
     def __init__(self, graph: ModelGraph, *, memory_bytes: float,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
-                 devices_per_node: int = 1, loss_kernel: str = "fp32_logits") -> None:
+                 devices_per_node: int = 1, loss_kernel: str = "fp32_logits",
+                 host_adam_bytes_per_param: float) -> None:
+        """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
         self.graph = graph
         self.loss_kernel = loss_kernel  # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.elem = DTYPE_BYTES.get(graph.dtype, 2)  # bytes of one weight, gradient or activation element
-        self.offload = OffloadCosts(host, devices_per_node=devices_per_node, elem_bytes=self.elem)
+        self.offload = OffloadCosts(host, devices_per_node=devices_per_node, elem_bytes=self.elem,
+                                    adam_bytes_per_param=host_adam_bytes_per_param)
         self.runs = group_runs(graph.layers)
         self._local_run = lru_cache(maxsize=None)(lambda ri, tp, ep=1: self.local_params(self.runs[ri][0], tp, ep))
         self._state_run = lru_cache(maxsize=None)(self._run_states)

@@ -11,8 +11,9 @@
              first copies the layer's shard to the device (in FSDP's copy-in, beside compute like the
              gather), every reduce-scatter's shard goes back, and Adam steps on the CPU
 Copies run at the node's host link per device and share the node's DRAM (cost_models.offload.host_copy_s);
-Adam streams 28 bytes per parameter at the host's DRAM bandwidth for all ranks of the node at once
-(cost_models.offload.host_adam_s: a fused CPU Adam, torch.optim.AdamW(fused=True) or DeepSpeed's CPU-Adam).
+the step is the user's optimizer run on the host, priced as on the device (PyTorch's AdamW streaming
+compute_costs.ADAM_BYTES_PER_PARAM per parameter) at the host's DRAM bandwidth, all ranks of the node at
+once (cost_models.offload.host_adam_s).
 Host memory per node must hold every rank's host states: candidates that do not fit are not planned.
 """
 
@@ -38,10 +39,12 @@ HOST_RESERVE_FRACTION = 0.10
 class OffloadCosts:
     """Device and host bytes and host time of one layer's parameters under an offload mode."""
 
-    def __init__(self, host: HostSpec | None, *, devices_per_node: int, elem_bytes: float) -> None:
+    def __init__(self, host: HostSpec | None, *, devices_per_node: int, elem_bytes: float,
+                 adam_bytes_per_param: float) -> None:
         self.host = host
         self.devices_per_node = devices_per_node
         self.elem = elem_bytes  # bytes of one weight / gradient element on the device
+        self.adam_bytes = adam_bytes_per_param  # what the optimizer step streams per parameter
 
     def check(self, mode: str) -> None:
         if mode != "none" and self.host is None:
@@ -80,7 +83,7 @@ class OffloadCosts:
             return 0.0
         host = self._host()
         node_params = stepped_params * self.devices_per_node
-        adam = offload.host_adam_s(node_params, host)
+        adam = offload.host_adam_s(node_params, host, self.adam_bytes)
         if mode == "params":
             return adam
         copies = 2 * offload.host_copy_s(stepped_params * self.elem, self.devices_per_node, host)
@@ -103,7 +106,8 @@ class OffloadCosts:
             copy = (gathers_per_step + 1) * offload.host_copy_s(shard_bytes, self.devices_per_node, host)
         return OffloadSummary(mode=mode, device_state_bytes=device_state_bytes, host_bytes_per_node=host_bytes_per_node,
                               host_capacity_bytes=self.host_capacity_bytes, copy_s=copy,
-                              adam_s=offload.host_adam_s(stepped_params * self.devices_per_node, host),
+                              adam_s=offload.host_adam_s(stepped_params * self.devices_per_node, host,
+                                                         self.adam_bytes),
                               overlapped=overlapped and mode == "params")
 
     def _host(self) -> HostSpec:

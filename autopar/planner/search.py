@@ -83,11 +83,13 @@ def _fp8_choices(costs: CostModel, options: PlannerOptions) -> tuple[str, ...]:
 
 
 def _offload_choices(costs: CostModel, options: PlannerOptions) -> tuple[str, ...]:
-    """The offload modes to consider: the pinned one (refused without a host), else every mode the host allows."""
+    """The offload modes to consider: the pinned one (refused without a host), else every mode the host allows.
+    On CPU devices the host is the device's own memory, so offload frees nothing: only pinned there (to run the
+    mechanics), never chosen."""
     if options.offload is not None:
         costs.memory.offload.check(options.offload)
         return (options.offload,)
-    return OFFLOAD_MODES if costs.memory.offload.host is not None else ("none",)
+    return OFFLOAD_MODES if costs.memory.offload.host is not None and costs.device.kind != "cpu" else ("none",)
 
 
 def _host_fitting(costs: CostModel, cands: list[Candidate]) -> list[Candidate]:
