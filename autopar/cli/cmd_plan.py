@@ -64,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="compile each block with torch.compile: --compile (on), off (eager, the default) or "
                         "auto (the planner prices both and picks)")
     p.add_argument("--fp8", default="none", choices=(*FP8_RECIPES, "auto"),
-                   help="FP8 GEMMs through torchao float8 training: none (the default: it changes numerics), "
-                        "tensorwise or rowwise scaling, or auto (the planner prices each and picks)")
+                   help="FP8 GEMMs through float8 training (autopar.codegen.float8): none (the default: it changes "
+                        "numerics), tensorwise or rowwise scaling, or auto (the planner prices each and picks)")
     p.add_argument("--offload", default="auto", choices=(*OFFLOAD_MODES, "auto"),
                    help="model states in host memory: none, optimizer (fp32 masters and moments, the step on the "
                         "CPU), params (FSDP2 CPU offload of everything), or auto (the default: the planner takes "

@@ -99,19 +99,20 @@ def convert_float8(model: nn.Module, names: Iterable[str], recipe: str, *, devic
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as e:  # pragma: no cover - torchao is a dependency of FP8 plans only
-        raise PlanMismatchError("the plan trains with FP8 (torchao float8 training) but torchao is not installed; "
-                                "pip install torchao, or re-plan with --fp8 none") from e
+        raise PlanMismatchError(f"the plan trains with FP8 (float8 training) but {e.name} is not installed; "
+                                f"pip install {e.name}, or re-plan with --fp8 none") from e
     config = _config(recipe, emulate=not float8_supported(device), fsdp_float8_all_gather=fsdp_float8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in wanted)
     converted = sum(1 for n, m in model.named_modules() if n in wanted and is_float8_linear(m))
     if converted != len(wanted):
-        raise PlanMismatchError(f"torchao converted {converted} of the {len(wanted)} linears the plan prices in FP8")
+        raise PlanMismatchError(f"the float8 conversion converted {converted} of the {len(wanted)} linears the plan "
+                                "prices in FP8")
     return converted
 
 
 def is_float8_linear(module: nn.Module) -> bool:
     """A torchao `Float8Linear` (checked by class name, so that callers need not import torchao)."""
-    return any(c.__name__ == "Float8Linear" and c.__module__.startswith("torchao.") for c in type(module).__mro__)
+    return any(c.__name__ == "Float8Linear" for c in type(module).__mro__)
 
 
 def tp_style(module: nn.Module, style: str, **kwargs):
