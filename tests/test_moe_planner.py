@@ -156,10 +156,10 @@ def test_parallelize_refuses_expert_parallelism_by_name(moe) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from parity_models import make_plan, optimizer
 
-    plan = make_plan(autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),)), dp=2, ep=2)
+    graph = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
+    plan = make_plan(graph, dp=2, ep=2)
     with pytest.raises(PlanMismatchError, match=r"model\.layers\.0\.mlp\.experts.*ep=2.*re-plan with ep=1"):
-        autopar.codegen.parallelize(model, plan, example_inputs=(torch.zeros(1, SEQ, dtype=torch.long),),
-                                    optimizer=optimizer)
+        autopar.codegen.parallelize(model, plan, graph=graph, optimizer=optimizer)
     assert math.isfinite(plan.estimate.step_time_s)
 
 
