@@ -137,16 +137,18 @@ def _checkpoint_across_layouts(root: str) -> dict:
 
     from parity_models import batches, build_model, graph_of, make_plan, optimizer, train_reference
 
-    from autopar.codegen import parallelize
+    from autopar.codegen import lm_cross_entropy, parallelize
 
     data = batches(3, seq=SEQ)
     model = build_model("llama")
     graph = graph_of("llama", model, SEQ)
     ref_losses, ref_state, _ = train_reference(copy.deepcopy(model), data)
-    pm = parallelize(model, make_plan(graph, cp=2, zero_stage=3), graph=graph, optimizer=optimizer)
+    pm = parallelize(model, make_plan(graph, cp=2, zero_stage=3), graph=graph, optimizer=optimizer,
+                     loss_fn=lm_cross_entropy)
     losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data[:2]]
     pm.save(root)
-    other = parallelize(build_model("llama", seed=1), make_plan(graph, tp=2), graph=graph, optimizer=optimizer)
+    other = parallelize(build_model("llama", seed=1), make_plan(graph, tp=2), graph=graph, optimizer=optimizer,
+                        loss_fn=lm_cross_entropy)
     other.load(root)
     losses += [other.train_step(other.local_batch(x), other.local_batch(t)) for x, t in data[2:]]
     full = other.full_state_dict()
