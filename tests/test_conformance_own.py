@@ -2,12 +2,13 @@
 
 Five models in the styles people write outside transformers — nanoGPT (ModuleDict, fused q|k|v, tied head,
 `(logits, loss)`), Meta's Llama (complex rotary tables, grouped-query attention, export-only), hand-written
-softmax attention with a cached mask buffer, lambdas and partials held in modules with a label-shifting `.loss`,
-and a scalar loss under `target_arg="y"` — each under tp2, pp2 (1F1B) and dp2 with ZeRO-3 (one gloo job for the
-fifteen cases), and nanoGPT under tp2×pp2×dp2 with ZeRO-3 on 8 ranks. Models with their own loss train on it
-(`loss_fn` omitted), with targets partly `ignore_index` so that ranks and micro-batches average over different
-token counts. Each is compared with the same initial model trained on one process on the whole batch: losses at
-every step, final weights and last gradients within rtol 1e-4 / atol 1e-5 after 3 AdamW steps.
+softmax attention with a cached mask buffer, lambdas and partials held in modules with a label-shifting
+`.loss`, and a scalar loss under `target_arg="y"` — each under tp2, pp2 (1F1B) and dp2 with ZeRO-3 (one gloo
+job for the fifteen cases), and nanoGPT under tp2×pp2×dp2 with ZeRO-3 on 8 ranks (tests/test_eight_ranks.py).
+Models with their own loss train on it (`loss_fn` omitted), with targets partly `ignore_index` so that ranks
+and micro-batches average over different token counts. Each is compared with the same initial model trained on
+one process on the whole batch: losses at every step, final weights and last gradients within rtol 1e-4 / atol
+1e-5 after 3 AdamW steps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,3 @@ def _run(cases: list, world_size: int) -> None:
 def test_own_models_under_tp2_pp2_and_zero3():
     _run([(name, layout) for name in MODELS for layout in LAYOUTS], 2)
 
-
-def test_own_gpt_with_its_own_loss_under_tp2_pp2_dp2_zero3_on_eight_ranks():
-    _run([("nanogpt", dict(tp=2, pp=2, dp=2, zero_stage=3, num_microbatches=2))], 8)
