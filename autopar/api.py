@@ -23,7 +23,10 @@ from autopar.planner.search import price, search
 __all__ = ["plan", "estimate", "parallelize"]
 
 
-def _graph(model: Any, example_inputs: tuple | None, example_kwargs: dict[str, Any] | None = None) -> ModelGraph:
+def _graph(model: Any, example_inputs: tuple | None, example_kwargs: dict[str, Any] | None = None, *,
+           loss_fn: Any = None, target_arg: str | None = None) -> ModelGraph:
+    """The model's graph as `parallelize(..., loss_fn=, target_arg=)` trains it, so that plan, estimate and
+    parallelize price and check the same program (a model's own loss is captured with its targets)."""
     if isinstance(model, ModelGraph):
         return model
     from torch import nn
@@ -37,7 +40,10 @@ def _graph(model: Any, example_inputs: tuple | None, example_kwargs: dict[str, A
                            "autopar.capture(model, x)")
     from autopar.capture import capture  # torch-heavy; only needed for modules
 
-    return capture(model, example_inputs, example_kwargs)
+    if loss_fn is not None and target_arg is not None:
+        raise PlanMismatchError(f"pass loss_fn or target_arg={target_arg!r}, not both: target_arg trains on the "
+                                "model's own loss, loss_fn on a loss of its logits")
+    return capture(model, example_inputs, example_kwargs, own_loss=loss_fn is None, target_arg=target_arg)
 
 
 def _cluster(cluster: Any, *, or_plan: bool = False) -> Any:
@@ -65,14 +71,16 @@ def _check_stages(stages: Any, config: ParallelConfig, graph: ModelGraph) -> lis
 
 
 def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, example_kwargs: dict[str, Any] | None = None,
-         global_batch_size: int, profile: Any = None, options: PlannerOptions | None = None) -> Plan:
+         global_batch_size: int, profile: Any = None, options: PlannerOptions | None = None, loss_fn: Any = None,
+         target_arg: str | None = None) -> Plan:
     """The fastest layout of `model` (an nn.Module with example_inputs and/or example_kwargs, as its forward
     takes them, or a ModelGraph) on `cluster` that fits memory: the exact optimum of the modelled step
-    time, with runner-ups and solver status."""
+    time, with runner-ups and solver status. loss_fn / target_arg: as `parallelize` will get them (a model
+    whose forward takes its targets is planned training on its own loss unless a loss_fn is given)."""
     check_positive_int("global_batch_size", global_batch_size, bound=MAX_GLOBAL_BATCH, error=AutoparError)
     options = check_options(options)
     cluster = _cluster(cluster)
-    graph = _graph(model, example_inputs, example_kwargs)
+    graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     cluster.check_trains(graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel)
@@ -83,8 +91,9 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
 
 def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs: tuple | None = None,
              example_kwargs: dict[str, Any] | None = None, global_batch_size: int | None = None, profile: Any = None,
-             options: PlannerOptions | None = None, stages: tuple[StagePlan, ...] | None = None) -> Estimate:
-    """Price one given layout with exactly the planner's objective.
+             options: PlannerOptions | None = None, stages: tuple[StagePlan, ...] | None = None,
+             loss_fn: Any = None, target_arg: str | None = None) -> Estimate:
+    """Price one given layout with exactly the planner's objective (loss_fn / target_arg: as for `plan`).
 
     Without `stages`: the layout's best stage cuts (an ILP) with `config.recompute` on every stage.
     With `stages` (a plan's own `plan.stages`): exactly those cuts and per-layer recompute modes, so
@@ -103,7 +112,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
                            f"{global_batch_size}; adjust micro_batch_size or num_microbatches")
     options = check_options(options)
     cluster = _cluster(cluster)
-    graph = _graph(model, example_inputs, example_kwargs)
+    graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     cluster.check_trains(graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel)
@@ -149,16 +158,8 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
     """
     from autopar import codegen
     from autopar.codegen.mesh import init_distributed, resolve_device
-    from autopar.codegen.model_loss import example_targets, target_parameter
 
-    target_name = target_parameter(model, target_arg) if loss_fn is None and not isinstance(model, ModelGraph) \
-        else None
-    if target_name is not None:  # a model that computes its own loss is captured as it trains: with its targets
-        example_kwargs = {**(example_kwargs or {}),
-                          target_name: example_targets((tuple(example_inputs or ()), example_kwargs or {}))}
-    graph = _graph(model, example_inputs, example_kwargs)
-    if target_name is not None:
-        example_kwargs = {k: v for k, v in example_kwargs.items() if k != target_name}
+    graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     if isinstance(plan_or_cluster, Plan):
         the_plan = plan_or_cluster
     else:

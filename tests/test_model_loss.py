@@ -4,6 +4,8 @@ patterns found at any nesting with a tied weight split alike on every side."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,8 @@ from own_models import VOCAB, FunctionalLM, NanoGPT, TargetArgLM, build_own
 from torch import nn
 
 import autopar
-from autopar.codegen.model_loss import LossWatch, check_model_loss, loss_of, target_parameter
+from autopar.capture.targets import target_parameter
+from autopar.codegen.model_loss import LossWatch, check_model_loss, loss_of
 from autopar.errors import PlanMismatchError
 
 X = (torch.randint(0, VOCAB, (2, 16)),)
@@ -117,3 +120,51 @@ def test_default_loss_on_logits_that_do_not_match_the_targets_says_to_pass_a_los
     logits, _ = build_own("nanogpt")(X[0])  # without targets nanoGPT returns only the last position's logits
     with pytest.raises(PlanMismatchError, match=r"shape \(2, 1, 128\) for targets of shape \(2, 16\).*loss_fn"):
         lm_cross_entropy(logits, X[0])
+
+
+def _head_forward_flops(graph) -> float:
+    return graph.layers[-1].forward_flops
+
+
+def test_plan_estimate_and_parallelize_capture_the_program_that_trains():
+    """nanoGPT computes its head over every position only when given targets; without a loss_fn it trains on
+    its own loss, so plan and estimate price that program (the head's matmul over all 16 positions, 2·d·V
+    FLOPs per token) and make the graph parallelize checks the plan against; with a loss_fn, the one
+    without targets."""
+    model = build_own("nanogpt")
+    seq, dim = X[0].shape[1], model.lm_head.in_features
+    cluster = autopar.Cluster.local(nproc=2)
+    plan = autopar.plan(model, cluster, example_inputs=X, global_batch_size=4)
+    trains = autopar.capture(model, X, own_loss=True)
+    assert plan.graph_fingerprint == trains.fingerprint
+    assert _head_forward_flops(trains) >= 2 * dim * VOCAB * seq  # logits for every position (+ the loss)
+    outer = autopar.capture(model, X)  # as called: the last position's logits only
+    assert _head_forward_flops(outer) < 2 * dim * VOCAB * 2
+    assert autopar.plan(model, cluster, example_inputs=X, global_batch_size=4,
+                        loss_fn=F.cross_entropy).graph_fingerprint == outer.fingerprint
+    est = autopar.estimate(model, cluster, plan.config, example_inputs=X)
+    assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
+
+
+def test_cli_plans_and_captures_a_model_with_its_own_loss(tmp_path, capsys):
+    from autopar.cli.main import main
+
+    factory = tmp_path / "nano.py"
+    factory.write_text("import sys, torch\n"
+                       f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                       "from own_models import VOCAB, build_own\n\n"
+                       "def build(seq_len=16):\n"
+                       "    return build_own('nanogpt'), (torch.randint(0, VOCAB, (2, seq_len)),)\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"{factory}:build", "--cluster", "local", "--nproc", "2", "--global-batch-size", "4",
+                 "--out", str(out)]) == 0
+    plan = autopar.Plan.load(out)
+    assert plan.graph_fingerprint == autopar.capture(build_own("nanogpt"), X, own_loss=True).fingerprint
+    assert main(["plan", f"{factory}:build", "--cluster", "local", "--nproc", "2", "--global-batch-size", "4",
+                 "--external-loss", "--out", str(out)]) == 0
+    external = autopar.Plan.load(out)
+    assert external.graph_fingerprint == autopar.capture(build_own("nanogpt"), X).fingerprint
+    # explain recaptures MODEL and finds the capture the plan was made from
+    assert main(["explain", str(out), "--model", f"{factory}:build", "--config", str(external.config)]) == 0
+    assert main(["capture", f"{factory}:build", "--target-arg", "idx", "--external-loss"]) == 1
+    assert "not both" in capsys.readouterr().err

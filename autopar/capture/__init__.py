@@ -34,6 +34,7 @@ from autopar.capture.meta import on_meta, swap_tensors, to_meta
 from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.capture.probe import ModelState, measure_call
 from autopar.capture.record import record
+from autopar.capture.targets import with_example_targets
 from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
 from autopar.capture.units import discover_units, structure_signature
 from autopar.errors import CaptureError
@@ -82,11 +83,15 @@ def _sequence_length(first: torch.Tensor, rec: Any, units: tuple[Any, ...]) -> i
     return None
 
 
-def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None) -> ModelGraph:
+def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None, *,
+            own_loss: bool = False, target_arg: str | None = None) -> ModelGraph:
     """Trace and measure `model` called as `model(*example_inputs, **example_kwargs)`, in training mode.
 
     example_inputs: a tensor or a tuple of positional inputs (None where the model takes None);
     example_kwargs: keyword inputs (an attention mask, decoder ids). Tensors may nest in tuples and dicts.
+    own_loss: capture it as it trains without a `loss_fn`: a forward that takes its targets (`targets`,
+    `labels`, or `target_arg`) gets example targets (token ids shaped like the first input, unless
+    example_kwargs holds them), so the loss it computes is priced as the one that trains.
     Runs on meta tensors whatever the model's device (real weights are swapped for meta stand-ins and
     restored), so no weight is allocated. Numbers are per sample: dim 0 of the first tensor is the batch.
     """
@@ -94,6 +99,7 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
         raise CaptureError(f"capture() needs an nn.Module, got {type(model).__name__}")
     start = time.perf_counter()
     inputs, forward_kwargs = _normalise_inputs(example_inputs, example_kwargs)
+    forward_kwargs, _ = with_example_targets(model, inputs, forward_kwargs, own_loss=own_loss, target_arg=target_arg)
     first = _first_tensor(inputs, forward_kwargs)
     batch = int(first.shape[0])
     if "use_cache" in inspect.signature(model.forward).parameters:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from autopar.capture import capture
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
-from autopar.models import resolve_model
-from autopar.zoo import parse_overrides
+from autopar.cli.cmd_plan import _graph, add_loss_args
 
 __all__ = ["register", "run", "format_table"]
 
@@ -23,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (zoo default: min(context, 2048))")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="zoo config field, e.g. dropout=0 (repeatable; as examples/train_gpt.py takes it)")
+    add_loss_args(p)
     p.add_argument("--all-layers", action="store_true", help="one row per layer; default folds identical runs")
     p.add_argument("--json", action="store_true", help="print the ModelGraph as JSON")
     p.set_defaults(func=run)
@@ -97,7 +96,7 @@ def format_table(graph: ModelGraph, fold: bool = True) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    graph = capture(*resolve_model(args.model, seq_len=args.seq_len, overrides=parse_overrides(args.override)))
+    graph = _graph(args.model, args.seq_len, overrides=args.override, args=args)
     if args.json:
         print(json.dumps({**graph.to_dict(), "fingerprint": graph.fingerprint}, indent=1))
     else:

@@ -46,7 +46,7 @@ def _estimate(args: argparse.Namespace) -> int:
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
         cluster.check_trains(dtype)
-    est = autopar.estimate(_graph(args.model, args.seq_len, dtype), cluster, config)
+    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args=args), cluster, config)
     if args.json:
         print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))
     else:

@@ -33,6 +33,17 @@ def add_model_and_cluster(p: argparse.ArgumentParser, *, example: str) -> None:
     p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
     p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
     p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
+    add_loss_args(p)
+
+
+def add_loss_args(p: argparse.ArgumentParser) -> None:
+    """Which loss MODEL trains on, as `parallelize` will be told (it decides what is captured and priced)."""
+    p.add_argument("--target-arg", default=None, metavar="NAME",
+                   help="the forward argument that takes the targets (default: `targets` or `labels` when the "
+                        "forward takes one; the model then trains on the loss it returns)")
+    p.add_argument("--external-loss", action="store_true",
+                   help="the model will train on a loss_fn given to parallelize, not on its own loss: capture it "
+                        "without targets")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -149,15 +160,19 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ...] | list[str] = (), *,
-           seq_len_optional: bool = False):
-    """The captured MODEL; seq_len_optional: seq_len comes from a plan, not from --seq-len (a factory
-    without a seq_len parameter then ignores it instead of refusing it)."""
+           seq_len_optional: bool = False, args: argparse.Namespace | None = None):
+    """The captured MODEL, as it trains (`args`: --external-loss, --target-arg); seq_len_optional: seq_len
+    comes from a plan, not from --seq-len (a factory without a seq_len parameter then ignores it)."""
     from autopar.capture import capture
     from autopar.models import resolve_model
     from autopar.zoo import parse_overrides
 
+    if args is not None and args.external_loss and args.target_arg is not None:
+        raise AutoparError(f"pass --external-loss or --target-arg {args.target_arg}, not both: --target-arg trains "
+                           "on the model's own loss")
     return capture(*resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides),
-                                  seq_len_optional=seq_len_optional))
+                                  seq_len_optional=seq_len_optional),
+                   own_loss=args is None or not args.external_loss, target_arg=args and args.target_arg)
 
 
 _COMPILE = {"on": True, "off": False, "auto": None}  # --compile → PlannerOptions.compile
@@ -178,7 +193,7 @@ def _plan(args: argparse.Namespace) -> int:
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model trains in `dtype`: refuse before capturing it (a factory: after)
         cluster.check_trains(dtype)
-    graph = _graph(args.model, args.seq_len, dtype, args.override)
+    graph = _graph(args.model, args.seq_len, dtype, args.override, args=args)
     plan = autopar.plan(graph, cluster, global_batch_size=args.global_batch_size,
                         options=opts)
     if args.out:
@@ -249,6 +264,9 @@ def _explain(args: argparse.Namespace) -> int:
     cluster = _cluster(spec, nodes, nproc, None)
     dtype = training_dtype("local" if plan.cluster_name == "local" else "cluster")
     graph = _graph(args.model or plan.model_name, plan.seq_len, dtype, seq_len_optional=True)
+    if graph.fingerprint != plan.graph_fingerprint:  # a plan made with --external-loss: captured without targets
+        graph = _graph(args.model or plan.model_name, plan.seq_len, dtype, seq_len_optional=True,
+                       args=argparse.Namespace(external_loss=True, target_arg=None))
     if graph.fingerprint != plan.graph_fingerprint:
         raise PlanMismatchError(
             f"{args.plan} was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}), "

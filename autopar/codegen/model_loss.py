@@ -27,36 +27,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from autopar.capture.meta import swap_tensors
+from autopar.capture.targets import example_targets
 from autopar.errors import PlanMismatchError
 
-__all__ = ["TARGET_NAMES", "LossWatch", "target_parameter", "loss_of", "stage_loss", "check_model_loss",
-           "example_targets"]
+__all__ = ["LossWatch", "loss_of", "stage_loss", "check_model_loss"]
 
-TARGET_NAMES = ("targets", "labels")
 _LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
-
-
-def target_parameter(model: nn.Module, target_arg: str | None) -> str | None:
-    """The forward parameter that takes the targets: `target_arg` (checked), else `targets` or `labels`."""
-    params = inspect.signature(model.forward).parameters
-    if target_arg is not None:
-        if target_arg not in params:
-            raise PlanMismatchError(
-                f"target_arg={target_arg!r}, but {type(model).__name__}.forward takes no such argument (it takes "
-                f"{', '.join(params)}); name the argument its targets go to, or pass loss_fn=(logits, targets) -> loss")
-        return target_arg
-    return next((name for name in TARGET_NAMES if name in params), None)
-
-
-def example_targets(example_inputs: Any) -> torch.Tensor:
-    """Targets shaped like the first input tensor (token ids: a language model's targets are token ids too)."""
-    first = next((t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-    if first is None:
-        raise PlanMismatchError("the model's own loss needs example inputs with a tensor (the token ids)")
-    return torch.zeros(first.shape, dtype=torch.long, device=first.device)
 
 
 def loss_of(out: Any) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autopar.capture.graph import ModelGraph
+from autopar.capture.targets import example_targets, target_parameter
 from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
@@ -27,7 +28,7 @@ from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
 from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
-from autopar.codegen.model_loss import check_model_loss, example_targets, target_parameter
+from autopar.codegen.model_loss import check_model_loss
 from autopar.codegen.offload import HostOptimizer, host_optimizer_factory
 from autopar.codegen.pipeline import (
     build_schedule,
@@ -49,17 +50,15 @@ __all__ = ["parallelize"]
 
 
 def _graph_of(model: nn.Module, example_inputs: Sequence[Any] | None,
-              example_kwargs: Mapping[str, Any] | None, target_name: str | None = None) -> ModelGraph:
+              example_kwargs: Mapping[str, Any] | None, own_loss: bool, target_arg: str | None) -> ModelGraph:
     try:
         from autopar.capture import capture  # owned by the capture module; imported late on purpose
     except ImportError as e:
         raise PlanMismatchError("parallelize needs the model's graph: pass graph=autopar.capture(model, x)") from e
     if example_inputs is None:
         raise PlanMismatchError("parallelize needs example_inputs (or graph=) to check the plan against the model")
-    if target_name is not None:  # captured as it trains: with its targets, and its loss's kernels
-        example_kwargs = {**(example_kwargs or {}),
-                          target_name: example_targets((tuple(example_inputs), example_kwargs or {}))}
-    return capture(model, tuple(example_inputs), example_kwargs)
+    # captured as it trains: a model's own loss with its targets, and its loss's kernels
+    return capture(model, tuple(example_inputs), dict(example_kwargs or {}), own_loss=own_loss, target_arg=target_arg)
 
 
 @torch.no_grad()
@@ -154,7 +153,8 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                                 "model's own loss, loss_fn on a loss of its logits")
     target_name = target_parameter(model, target_arg) if loss_fn is None else None
     loss_fn = loss_fn or lm_cross_entropy
-    graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs, target_name)
+    graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs, target_name is not None,
+                                                      target_arg)
     check_plan_for_graph(plan, graph)  # stages cover the layers once, in order; tp splits them; numbers sane
     cfg = plan.config
     _refuse_expert_parallelism(plan, graph)
