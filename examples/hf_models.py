@@ -28,14 +28,15 @@ def _on_meta(config_cls, model_cls, **config):
 def vit_h14():
     model = _on_meta(hf.ViTConfig, hf.ViTForImageClassification, hidden_size=1280, num_hidden_layers=32,
                      num_attention_heads=16, intermediate_size=5120, image_size=224, patch_size=14, num_labels=1000)
-    return model, (), {"pixel_values": torch.zeros(1, 3, 224, 224, dtype=torch.bfloat16)}
+    return model, (), {"pixel_values": torch.zeros(1, 3, 224, 224, dtype=torch.bfloat16),
+                       "labels": torch.zeros(1, dtype=torch.long)}  # it trains on its own loss: one class per image
 
 
 def bert_large(seq_len: int = 512):
     model = _on_meta(hf.BertConfig, hf.BertForMaskedLM, vocab_size=30522, hidden_size=1024, num_hidden_layers=24,
                      num_attention_heads=16, intermediate_size=4096, max_position_embeddings=512)
     ids = torch.zeros(1, seq_len, dtype=torch.long)
-    return model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def t5_3b(seq_len: int = 512, target_len: int = 128):
@@ -43,4 +44,5 @@ def t5_3b(seq_len: int = 512, target_len: int = 128):
                      d_ff=16384, num_layers=24, num_decoder_layers=24, num_heads=32, decoder_start_token_id=0)
     ids = torch.zeros(1, seq_len, dtype=torch.long)
     return model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                       "decoder_input_ids": torch.zeros(1, target_len, dtype=torch.long)}
+                       "decoder_input_ids": torch.zeros(1, target_len, dtype=torch.long),
+                       "labels": torch.zeros(1, target_len, dtype=torch.long)}  # the decoder's targets

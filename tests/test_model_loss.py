@@ -168,3 +168,28 @@ def test_cli_plans_and_captures_a_model_with_its_own_loss(tmp_path, capsys):
     assert main(["explain", str(out), "--model", f"{factory}:build", "--config", str(external.config)]) == 0
     assert main(["capture", f"{factory}:build", "--target-arg", "idx", "--external-loss"]) == 1
     assert "not both" in capsys.readouterr().err
+
+
+class _Classifier(nn.Module):
+    """Its own loss over one class label per sample: targets not shaped like its token input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, labels=None):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        logits = self.head(h.mean(1))
+        return logits if labels is None else F.cross_entropy(logits, labels)
+
+
+def test_targets_not_shaped_like_the_input_are_asked_for():
+    with pytest.raises(autopar.CaptureError, match=r"example labels= token ids of shape \[2, 16\].*example_kwargs="
+                                                   r"\{'labels': \.\.\.\}.*--external-loss"):
+        autopar.capture(_Classifier(), X, own_loss=True)
+    given = autopar.capture(_Classifier(), X, {"labels": torch.zeros(2, dtype=torch.long)}, own_loss=True)
+    assert given.fingerprint != autopar.capture(_Classifier(), X).fingerprint  # the loss is part of what trains

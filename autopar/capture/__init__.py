@@ -97,9 +97,25 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture() needs an nn.Module, got {type(model).__name__}")
-    start = time.perf_counter()
     inputs, forward_kwargs = _normalise_inputs(example_inputs, example_kwargs)
-    forward_kwargs, _ = with_example_targets(model, inputs, forward_kwargs, own_loss=own_loss, target_arg=target_arg)
+    given = set(forward_kwargs)
+    forward_kwargs, target_name = with_example_targets(model, inputs, forward_kwargs, own_loss=own_loss,
+                                                       target_arg=target_arg)
+    if target_name is not None and target_name not in given:
+        try:
+            return _capture(model, inputs, forward_kwargs)
+        except Exception as e:  # the example targets may not fit the model: say so, and how to give real ones
+            shape = list(forward_kwargs[target_name].shape)
+            raise CaptureError(
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n(captured as {type(model).__name__} trains without a loss_fn, on its own loss, with example "
+                f"{target_name}= token ids of shape {shape}, like its first input; if its targets are shaped "
+                f"otherwise (class labels, a decoder's tokens) put them in example_kwargs={{{target_name!r}: ...}}, "
+                "or pass loss_fn= to plan/estimate/parallelize (CLI: --external-loss))") from e
+    return _capture(model, inputs, forward_kwargs)
+
+
+def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) -> ModelGraph:
+    start = time.perf_counter()
     first = _first_tensor(inputs, forward_kwargs)
     batch = int(first.shape[0])
     if "use_cache" in inspect.signature(model.forward).parameters:
