@@ -106,8 +106,10 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
             return _capture(model, inputs, forward_kwargs)
         except Exception as e:  # the example targets may not fit the model: say so, and how to give real ones
             shape = list(forward_kwargs[target_name].shape)
+            first_line = str(e).splitlines()[0] if str(e) else ""
             raise CaptureError(
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n(captured as {type(model).__name__} trains without a loss_fn, on its own loss, with example "
+                f"{type(e).__name__}: {first_line}\n(captured as {type(model).__name__} trains without a loss_fn, "
+                f"on its own loss, with example "
                 f"{target_name}= token ids of shape {shape}, like its first input; if its targets are shaped "
                 f"otherwise (class labels, a decoder's tokens) put them in example_kwargs={{{target_name!r}: ...}}, "
                 "or pass loss_fn= to plan/estimate/parallelize (CLI: --external-loss))") from e
