@@ -43,6 +43,10 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         model, _ = autopar.zoo.build("gpt-tiny", seq_len=SEQ, device="cpu", dropout=0.0, n_layers=LAYERS,
                                      hidden_size=HIDDEN, n_heads=HEADS, vocab_size=VOCAB)
         return model
+    if kind == "llama_zoo":
+        model, _ = autopar.zoo.build("llama-tiny", seq_len=SEQ, device="cpu", n_layers=LAYERS, hidden_size=HIDDEN,
+                                     n_heads=HEADS, n_kv_heads=HEADS // 2, vocab_size=VOCAB)
+        return model
     if kind == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -4,7 +4,8 @@ Parity: five transformers families (Llama, Qwen3, Gemma 3, GPT-NeoX, Phi-3) trai
 cp2×tp2, cp2×pp2 (1F1B) and cp2×dp2 with ZeRO-3 on 4 gloo ranks, and under cp2 (also with full
 recompute) on 2, at a sequence of 14 tokens (not a multiple of 2·cp = 4: padded to 16, the padding
 never counted), compared with the same model trained on one process on the whole batch: losses,
-final weights and last gradients within rtol 1e-4 / atol 1e-5 (tests/test_parity.py's checks).
+final weights and last gradients within rtol 1e-4 / atol 1e-5 (tests/test_parity.py's checks). autopar's
+own GPT and Llama (positions through `position_ids`) run under cp2, and the Llama under cp2×pp2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError, PlanMismatchError
 
 CP_FAMILIES = ("llama", "qwen3", "gemma3", "gpt_neox", "phi3")
+ZOO = ("gpt", "llama_zoo")  # autopar's own models: positions through position_ids, like transformers'
 SEQ = 14  # not a multiple of 4·cp
 
 
@@ -86,13 +88,12 @@ def test_refuses_models_it_cannot_shard_by_sequence():
     from hf_families import build_family
     from parity_models import handmade_graph
 
-    import autopar
 
     graph = handmade_graph("hf_llama")  # layers and patterns only: the checks below read the model
-    gpt, _ = autopar.zoo.build("gpt-tiny", seq_len=16, device="cpu", n_layers=1, hidden_size=32, n_heads=2,
-                               vocab_size=64)
-    with pytest.raises(PlanMismatchError, match="position_ids"):
-        check_context_parallel(gpt, graph, 16)
+    from own_models import build_own
+
+    with pytest.raises(PlanMismatchError, match="NanoGPT.forward takes no position_ids"):
+        check_context_parallel(build_own("nanogpt"), graph, 16)
     cfg = hf.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, sliding_window=4)
     cfg._attn_implementation = "sdpa"
@@ -123,12 +124,13 @@ def _run(cases, world_size: int) -> None:
 @pytest.mark.multiproc
 def test_cp2_with_tp2_pp2_and_zero3_dp2_on_four_ranks():
     layouts = (dict(cp=2, tp=2), dict(cp=2, pp=2, num_microbatches=2), dict(cp=2, dp=2, zero_stage=3))
-    _run([(f, layout) for f in CP_FAMILIES for layout in layouts], 4)
+    _run([*[(f, layout) for f in CP_FAMILIES for layout in layouts], ("llama_zoo", layouts[1])], 4)
 
 
 @pytest.mark.multiproc
 def test_cp2_alone_and_with_full_recompute_on_two_ranks():
-    _run([*[(f, dict(cp=2)) for f in CP_FAMILIES], ("llama", dict(cp=2, recompute="full", num_microbatches=2))], 2)
+    _run([*[(f, dict(cp=2)) for f in (*CP_FAMILIES, *ZOO)],
+          ("llama", dict(cp=2, recompute="full", num_microbatches=2))], 2)
 
 
 def _checkpoint_across_layouts(root: str) -> dict:

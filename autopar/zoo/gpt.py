@@ -101,13 +101,14 @@ class GPTEmbedding(nn.Module):
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(input_ids.size(1), device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(input_ids.size(1), device=input_ids.device) if position_ids is None else position_ids
         return self.drop(self.wte(input_ids) + self.wpe(pos))
 
 
 class GPT(nn.Module):
-    """input_ids [b, s] (int64) → logits [b, s, vocab]."""
+    """input_ids [b, s] (int64) → logits [b, s, vocab]; position_ids [1 or b, s]: the tokens' positions
+    (default 0..s−1; a context-parallel shard's are not contiguous)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -117,8 +118,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) if position_ids is None else self.embed(input_ids, position_ids)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -55,7 +55,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, d]; cos, sin: [s, d]."""
+    """x: [b, heads, s, d]; cos, sin: [s, d], or [1 or b, 1, s, d] for positions given per token."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -107,16 +107,20 @@ class LlamaBlock(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.size(1)
-        cos = self.rope_cos.narrow(0, 0, s).to(x.dtype)
-        sin = self.rope_sin.narrow(0, 0, s).to(x.dtype)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:  # positions 0..s−1
+            s = x.size(1)
+            cos, sin = self.rope_cos.narrow(0, 0, s).to(x.dtype), self.rope_sin.narrow(0, 0, s).to(x.dtype)
+        else:  # the tables' rows at each token's position: [1 or b, 1 (heads), s, d]
+            cos = self.rope_cos[position_ids].unsqueeze(1).to(x.dtype)
+            sin = self.rope_sin[position_ids].unsqueeze(1).to(x.dtype)
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    """input_ids [b, s] (int64) → logits [b, s, vocab]."""
+    """input_ids [b, s] (int64) → logits [b, s, vocab]; position_ids [1 or b, s]: the tokens' positions
+    (default 0..s−1; a context-parallel shard's are not contiguous)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -126,10 +130,10 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok_embeddings(input_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if position_ids is None else layer(x, position_ids)
         return self.output(self.norm(x))
 
     @torch.no_grad()
