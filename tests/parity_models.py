@@ -193,7 +193,11 @@ def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS, seq: int 
     weight_excess, weight_key = excess(full, ref_state)
     grad_excess, grad_key = excess(grads, ref_grads)
     float8 = sorted({n for m in pm.modules for n, sub in m.named_modules() if is_float8_linear(sub)})
+    # expert parallelism: each bank's experts on this rank (its DTensor's local rows over "ep")
+    experts = {name: (pm.experts.rank, pm.experts.local_experts[name]) for name in pm.experts.banks} \
+        if pm.experts is not None else {}
     return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses, "float8_linears": float8,
+            "experts": experts,
             "weight_excess": weight_excess, "weight_key": weight_key,
             "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
@@ -201,3 +205,15 @@ def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS, seq: int 
 
 def parity_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS, seq: int = SEQ) -> list[dict[str, Any]]:
     return [parity_case(kind, cfg, steps, seq) for kind, cfg in cases]
+
+
+def check_experts_split(results: list[dict], ep: int) -> None:
+    """Under ep > 1 every bank a rank holds has E / ep = 4 / ep experts (hf_families: 4 experts), and each bank's
+    EP ranks together hold all of them; a pipeline stage of dense layers only holds none."""
+    held = [r.get("experts", {}) for r in results]
+    if ep == 1:
+        assert not any(held), held
+        return
+    assert any(held) and all(local == 4 // ep for h in held for _, local in h.values()), (results[0]["case"], held)
+    for bank in {b for h in held for b in h}:
+        assert {h[bank][0] for h in held if bank in h} == set(range(ep)), (results[0]["case"], bank, held)

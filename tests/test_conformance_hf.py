@@ -24,10 +24,12 @@ PP = dict(pp=2, num_microbatches=2, schedule="1f1b")
 
 
 def _run(cases: list, world_size: int, timeout_s: float = 600.0) -> None:
-    from parity_models import parity_cases
+    from parity_models import check_experts_split, parity_cases
 
     per_rank = run_distributed(parity_cases, world_size, cases, STEPS, timeout_s=timeout_s)
     _check(per_rank[0])
+    for i, (_, config) in enumerate(cases):
+        check_experts_split([r[i] for r in per_rank], config.get("ep", 1))
     for other in per_rank[1:]:  # the reported loss is the global mean on every rank
         assert [r["losses"] for r in other] == [r["losses"] for r in per_rank[0]]
 
@@ -50,9 +52,17 @@ def test_families_pipeline_1f1b(half):
 def test_tp2_dp2_on_four_ranks():
     """The layouts the bug reports named: GPT-2 (position embedding added beside the token embedding, head
     tied to it) and Gemma (scaled, tied embedding) under tp2 × dp2; Phi-3 (grouped-query attention in one
-    fused q|k|v projection of unequal blocks, 4 query and 2 key/value heads) under tp2 × pp2."""
+    fused q|k|v projection of unequal blocks, 4 query and 2 key/value heads) under tp2 × pp2.
+    Then expert parallelism (autopar.codegen.experts) on the MoE families: ep2 × edp2 (dp4; ZeRO-1 for
+    Mixtral and Qwen3-MoE, expert states owned within the ranks holding them), ep2 under tp2 (the bank
+    replicated over tp; GPT-OSS's attention sinks are refused under tp) and under pp2 1F1B."""
+    from hf_families import MOE_FAMILIES
+
+    moe = MOE_FAMILIES[:4]
     _run([("gpt2", dict(tp=2, dp=2)), ("gemma", dict(tp=2, dp=2, zero_stage=1)),
-          ("phi3", dict(tp=2, pp=2, num_microbatches=2, schedule="1f1b"))], 4)
+          ("phi3", dict(tp=2, pp=2, num_microbatches=2, schedule="1f1b"))]
+         + [(f, dict(dp=4, ep=2, zero_stage=1 if f in moe[:2] else 0)) for f in moe]
+         + [(f, dict(tp=2, dp=2, ep=2)) for f in moe if f != "gpt_oss"] + [(f, dict(PP, dp=2, ep=2)) for f in moe], 4)
 
 
 def test_own_model_with_skip_connection_tied_head_and_root_parameter():
@@ -69,10 +79,11 @@ def test_moe_families_dp_tp_pp():
     """Mixture-of-experts families (tests/hf_families.py MOE_FAMILIES: Mixtral, Qwen3-MoE, DeepSeek-V3 with
     multi-head latent attention, a shared expert and a dense first layer, GPT-OSS with biased, transposed
     experts) under dp2, tp2 (experts replicated over the TP group; GPT-OSS's attention sinks mix all heads and
-    are refused under tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the router and the
-    permutation run as the model's own code on every layout."""
+    are refused under tp), pp2 1F1B and ep2 (the experts split over the two ranks, tokens moved by all-to-all;
+    tests/test_expert_parallel.py has the larger EP layouts), in one gloo job: the grouped-GEMM experts, the
+    router and the permutation run as the model's own code on every layout."""
     from hf_families import MOE_FAMILIES
 
     families = MOE_FAMILIES[:4]
     _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families if f != "gpt_oss"]
-         + [(f, PP) for f in families], 2)
+         + [(f, PP) for f in families] + [(f, dict(dp=2, ep=2)) for f in families], 2)

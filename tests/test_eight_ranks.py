@@ -8,7 +8,7 @@ and last gradients within rtol 1e-4 / atol 1e-5 of the same model trained on one
 
 Cases: the zoo GPT and transformers' Llama (with sequence parallelism) for 5 steps, Gemma (tied,
 scaled embedding) and the self-written nanoGPT (ModuleDict, tied head, its own `(logits, loss)`)
-for 3 steps.
+for 3 steps; DeepSeek-V3 under expert parallelism (ep2 × pp2 × edp2, ZeRO-3) for 3 steps.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from dist_harness import run_distributed
+from parity_models import check_experts_split
 from test_parity import _check
 
 pytestmark = pytest.mark.multiproc
@@ -32,6 +33,9 @@ CASES = [
     ("parity", "hf_llama", dict(THREE_D, sequence_parallel=True), 5),
     ("parity", "gemma", THREE_D, 3),
     ("own", "nanogpt", THREE_D, 3),
+    # expert parallelism: DeepSeek-V3 (dense first layer, shared expert, MLA) under ep2 × pp2 × edp2, its banks
+    # `fully_shard`ed over the ranks holding their experts, the dense layers over all four data-parallel ranks
+    ("parity", "deepseek_v3", dict(pp=2, dp=4, ep=2, zero_stage=3, num_microbatches=2, schedule="1f1b"), 3),
 ]
 
 
@@ -47,5 +51,7 @@ def suite_cases(cases: list[tuple[str, str, dict[str, Any], int]]) -> list[dict[
 def test_three_d_zero3_on_eight_ranks():
     per_rank = run_distributed(suite_cases, 8, CASES, timeout_s=900.0)
     _check(per_rank[0])
+    for i, (_, _, layout, _) in enumerate(CASES):
+        check_experts_split([r[i] for r in per_rank], layout.get("ep", 1))
     for other in per_rank[1:]:  # the reported loss is the global mean on every rank
         assert [r["losses"] for r in other] == [r["losses"] for r in per_rank[0]]

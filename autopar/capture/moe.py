@@ -28,7 +28,8 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from autopar.capture.graph import MoESpec
 
-__all__ = ["GROUPED_MM_OPS", "grouped_mm_any_dtype", "grouped_mm_groups", "find_moe", "DEFAULT_LOAD_IMBALANCE"]
+__all__ = ["GROUPED_MM_OPS", "grouped_mm_any_dtype", "grouped_mm_groups", "find_moe", "bank_width",
+           "DEFAULT_LOAD_IMBALANCE"]
 
 aten = torch.ops.aten
 GROUPED_MM_OPS = frozenset({aten._grouped_mm}) if hasattr(aten, "_grouped_mm") else frozenset()
@@ -152,7 +153,7 @@ def find_moe(module: nn.Module, prefix: str, topks: tuple[tuple[int, int], ...],
         block = module.get_submodule(owner) if owner else module
         router_module = module.get_submodule(router) if router is not None else None
         exclude = ids | ({id(p) for p in router_module.parameters()} if router_module is not None else set())
-        hidden = int(router_module.weight.shape[1]) if router_module is not None else _hidden(params, width)
+        hidden = int(router_module.weight.shape[1]) if router_module is not None else bank_width(params, width)
         return MoESpec(
             experts=_join(prefix, bank), router=_join(prefix, router) if router is not None else None,
             block=_join(prefix, owner), num_experts=width, top_k=k,
@@ -171,7 +172,7 @@ def _expert_matrices(params: list[nn.Parameter], experts: int) -> list[tuple[int
     return stacked or [tuple(p.shape) for p in params[: len(params) // experts] if p.dim() == 2]
 
 
-def _hidden(params: list[nn.Parameter], experts: int) -> int:
+def bank_width(params: list[nn.Parameter], experts: int) -> int:
     """The model width when no router weight shows it: the dimension every expert matrix shares."""
     mats = _expert_matrices(params, experts)
     common = set(mats[0]).intersection(*map(set, mats[1:])) if mats else set()

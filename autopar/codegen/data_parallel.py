@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "ShardedOptimizer", "param_groups_by_kind", "local"]
+__all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "reduce_gradients", "ShardedOptimizer",
+           "param_groups_by_kind", "local"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25 (torch.nn.parallel.DistributedDataParallel)
 
@@ -35,26 +36,39 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_fsdp(part: nn.Module, layer_paths: Sequence[str], dp_mesh: DeviceMesh, *, zero_stage: int,
-               offload_params: bool = False) -> None:
+               offload_params: bool = False, ignored_params: set[nn.Parameter] | None = None) -> None:
     """`fully_shard` each layer of `part`, then `part` itself (for the parameters outside layers).
 
-    offload_params: the shards in host memory (pinned when the device is a GPU, so copies run async)."""
+    offload_params: the shards in host memory (pinned when the device is a GPU, so copies run async).
+    ignored_params: left unsharded, their gradients not reduced (expert parameters no other rank holds)."""
     reshard = zero_stage == 3
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     for path in layer_paths:
         sub = part.get_submodule(path)
         if any(True for _ in sub.parameters()):
-            fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+            fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy,
+                        ignored_params=ignored_params)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy,
+                ignored_params=ignored_params)
 
 
 @torch.no_grad()
 def average_gradients(params: Iterable[nn.Parameter], dp_mesh: DeviceMesh) -> None:
     """Average gradients over the data-parallel group in ~BUCKET_BYTES flat buckets (ZeRO-0/1)."""
-    if dp_mesh.size() == 1:
-        return
-    group = dp_mesh.get_group()
+    reduce_gradients(params, dp_mesh, divisor=dp_mesh.size())
+
+
+@torch.no_grad()
+def reduce_gradients(params: Iterable[nn.Parameter], mesh: DeviceMesh, *, divisor: int) -> None:
+    """Sum gradients over `mesh`'s group in ~BUCKET_BYTES flat buckets, then divide them by `divisor` (the
+    group's size for an average; expert parallelism divides by more ranks than hold the experts)."""
     grads = [local(p.grad) for p in params if p.grad is not None]
+    if mesh.size() == 1:
+        if divisor != 1:
+            for g in grads:
+                g.div_(divisor)
+        return
+    group = mesh.get_group()
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -68,7 +82,7 @@ def average_gradients(params: Iterable[nn.Parameter], dp_mesh: DeviceMesh) -> No
             if bucket and (g is None or size >= BUCKET_BYTES):
                 flat = torch.cat([b.reshape(-1) for b in bucket])
                 dist.all_reduce(flat, group=group)
-                flat /= dp_mesh.size()
+                flat /= divisor
                 offset = 0
                 for b in bucket:
                     b.copy_(flat[offset:offset + b.numel()].view_as(b))
@@ -87,25 +101,38 @@ class ShardedOptimizer:
     """ZeRO-1: this rank's optimizer holds state only for the parameters it owns.
 
     `step()` expects averaged gradients; it updates the owned parameters and broadcasts every
-    parameter from its owner so all data-parallel replicas stay identical.
+    parameter from its owner so all data-parallel replicas stay identical. Expert parameters
+    (`autopar.codegen.experts`) differ between the ranks of an EP group: they are owned and broadcast
+    within `expert_mesh`, the ranks holding the same experts.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer],
-                 dp_mesh: DeviceMesh) -> None:
+                 dp_mesh: DeviceMesh, *, expert_params: Sequence[nn.Parameter] = (),
+                 expert_mesh: DeviceMesh | None = None) -> None:
+        experts = {id(p) for p in expert_params}
         self.params = [p for p in params if p.requires_grad]
         self.dp_mesh = dp_mesh
-        size = dp_mesh.size()
-        # Assignment in a deterministic order every rank agrees on (largest first, ties to lowest rank).
+        parts = [([p for p in self.params if id(p) not in experts], dp_mesh)]
+        if experts:
+            if expert_mesh is None:
+                raise ValueError("ShardedOptimizer: expert_params need their expert_mesh")
+            parts.append(([p for p in self.params if id(p) in experts], expert_mesh))
+        # (parameters, mesh, owner of each) per partition; owners in a deterministic order every rank of the
+        # mesh agrees on (largest first, ties to lowest rank)
+        self.partitions = [(ps, mesh, self._owners(ps, mesh.size())) for ps, mesh in parts]
+        self.owned = [p for ps, mesh, owners in self.partitions for p, r in zip(ps, owners, strict=True)
+                      if r == mesh.get_local_rank()]
+        self.optimizer = make_optimizer(param_groups_by_kind(self.owned)) if self.owned else None
+
+    @staticmethod
+    def _owners(params: Sequence[nn.Parameter], size: int) -> list[int]:
         load = [0] * size
         owner_of: dict[int, int] = {}
-        for i in sorted(range(len(self.params)), key=lambda i: (-local(self.params[i]).numel(), i)):
+        for i in sorted(range(len(params)), key=lambda i: (-local(params[i]).numel(), i)):
             r = min(range(size), key=lambda k: (load[k], k))
-            load[r] += local(self.params[i]).numel()
+            load[r] += local(params[i]).numel()
             owner_of[i] = r
-        self.owner = [owner_of[i] for i in range(len(self.params))]
-        me = dp_mesh.get_local_rank()
-        self.owned = [p for p, r in zip(self.params, self.owner, strict=True) if r == me]
-        self.optimizer = make_optimizer(param_groups_by_kind(self.owned)) if self.owned else None
+        return [owner_of[i] for i in range(len(params))]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -124,12 +151,18 @@ class ShardedOptimizer:
         """
         if self.optimizer is not None:
             self.optimizer.step()
-        group = self.dp_mesh.get_group()
+        for params, mesh, owners in self.partitions:
+            if mesh.size() > 1:
+                self._broadcast(params, mesh, owners)
+
+    @staticmethod
+    def _broadcast(params: Sequence[nn.Parameter], mesh: DeviceMesh, owners: Sequence[int]) -> None:
+        group = mesh.get_group()
         ranks = dist.get_process_group_ranks(group)
-        me = self.dp_mesh.get_local_rank()
-        for r in range(self.dp_mesh.size()):
+        me = mesh.get_local_rank()
+        for r in range(mesh.size()):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p, owner in zip(self.params, self.owner, strict=True):
+            for p, owner in zip(params, owners, strict=True):
                 if owner == r:
                     by_dtype.setdefault(local(p).dtype, []).append(local(p))
             for tensors in by_dtype.values():

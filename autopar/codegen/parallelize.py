@@ -25,6 +25,7 @@ from autopar.codegen.compile import apply_compile
 from autopar.codegen.context_parallel import ContextParallel, SequenceShard, check_context_parallel, padded_length
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
+from autopar.codegen.experts import ExpertParallel
 from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
@@ -121,19 +122,6 @@ def _agree(failure: BaseException | None) -> None:
         raise PlanMismatchError(f"rank {rank} could not build its part of the plan ({msg}); every rank stops")
 
 
-def _refuse_expert_parallelism(plan: Plan, graph: ModelGraph) -> None:
-    """ep > 1 is captured, priced and planned, but the runtime does not yet split experts over ranks with an
-    all-to-all dispatch: refuse it by name before any process group is touched (never run it half)."""
-    if plan.config.ep == 1:
-        return
-    banks = [la.moe.experts for la in graph.layers if la.moe is not None]
-    shown = ", ".join(banks[:3]) + (f" and {len(banks) - 3} more" if len(banks) > 3 else "")
-    raise PlanMismatchError(
-        f"the plan splits the experts of {shown} over ep={plan.config.ep} ranks, and autopar's runtime does not run "
-        "expert parallelism yet (the planner prices it; codegen has no all-to-all token dispatch): re-plan with "
-        "ep=1 (PlannerOptions(ep=1), --ep 1), which trains these layers with their experts on every rank")
-
-
 def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
                 example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
@@ -157,7 +145,6 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                                                       target_arg)
     check_plan_for_graph(plan, graph)  # stages cover the layers once, in order; tp splits them; numbers sane
     cfg = plan.config
-    _refuse_expert_parallelism(plan, graph)
     dev = resolve_device(device)
     init_distributed(cfg, dev)
     check_stage_placement(plan)
@@ -197,6 +184,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                              mesh.mesh.reshape(cfg.pp, cfg.dp * cfg.cp, cfg.tp), cfg.pp)
     pp_rank = mesh["pp"].get_local_rank()
     span = sequence_span(graph) if cfg.sequence_parallel else None
+    experts = ExpertParallel(cfg, mesh) if cfg.ep > 1 else None
     parts: list[tuple[int, nn.Module]] = []
     failure: BaseException | None = None
     try:
@@ -211,6 +199,8 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                 apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span,
                                       logits_as_dtensor=target_name is not None)
                 retie(part, ties)
+            if experts is not None:
+                experts.apply(part, layers)
             if context is not None:  # before recompute, which re-runs the units' forwards in backward
                 if len(plan.stages) == 1:
                     part.forward = context.with_positions(model, part.forward)
@@ -222,9 +212,11 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                         if cfg.compile:
                             apply_compile(part.get_submodule(path))
             if fsdp:
+                ignored = (experts.shard_states(zero_stage=cfg.zero_stage, offload_params=cfg.offload == "params")
+                           if experts is not None else None)
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
                 apply_fsdp(part, _fsdp_paths(part, paths), grad_mesh, zero_stage=cfg.zero_stage,
-                           offload_params=cfg.offload == "params")
+                           offload_params=cfg.offload == "params", ignored_params=ignored)
             parts.append((stage.index, part))
     except Exception as e:  # held until every rank has reported, so no rank waits for a failed peer
         failure = e
@@ -233,7 +225,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     params = list({id(p): p for _, part in parts for p in part.parameters()}.values())
     make = host_optimizer_factory(optimizer) if cfg.offload == "optimizer" else optimizer
     if cfg.zero_stage == 1 and cfg.dp * cfg.cp > 1:
-        opt: torch.optim.Optimizer | ShardedOptimizer | HostOptimizer = ShardedOptimizer(params, make, grad_mesh)
+        opt: torch.optim.Optimizer | ShardedOptimizer | HostOptimizer = ShardedOptimizer(
+            params, make, grad_mesh, expert_params=experts.parameters() if experts is not None else (),
+            expert_mesh=experts.grad_mesh if experts is not None else None)
     else:
         opt = make(param_groups_by_kind(params))
     vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
@@ -247,6 +241,6 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     pm = ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
                        loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
                        shared_gradients=shared, float8_fsdp_scales=float8_gather, target_name=target_name,
-                       context=context, grad_mesh=grad_mesh)
+                       context=context, grad_mesh=grad_mesh, experts=experts)
     own.append(pm)
     return pm

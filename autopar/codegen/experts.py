@@ -1,0 +1,271 @@
+"""Expert parallelism: each MoE layer's expert bank split over the EP ranks, tokens moved by all-to-all.
+
+The experts fold over a stage's data-parallel ranks (docs/design.md §8; Megatron-Core's Parallel Folding,
+Liu et al. 2025, arXiv:2504.14960): the dense mesh ("pp", "dp", "cp", "tp") is viewed as
+("pp", "edp", "ep", "cp", "tp") with dp = edp · ep, ep innermost of the dp axis, so the ep ranks of one
+group are consecutive data-parallel ranks. EP rank r holds experts [r·E/ep, (r+1)·E/ep) of every bank of
+its stage, as a DTensor sharded on dim 0 over "ep" (state dicts, full gathers and DCP see global tensors).
+
+The bank is found by capture (`MoESpec.experts`, from the data flow and the module structure), and the
+model's own bank code still computes the experts: a bank is called with the tokens [T, H], the expert
+each token's k slots chose [T, k] (integers) and their weights [T, k]; its output is, per token, the sum
+over its slots of weight × expert(token) (checked on the real weights at `parallelize`). Under EP the bank
+call becomes (Lepikhin et al. 2021, GShard §2.2; dropless, as Gale et al. 2023, MegaBlocks):
+
+1. dispatch: every (token, slot) pair goes to the rank holding its expert, sorted by that rank, by one
+   all-to-all of the token copies and one of their weights (uneven splits; the counts exchanged first);
+2. the bank's own forward runs on the received rows, each a one-slot token routed to a local expert
+   (attributes that count the experts — `num_experts` — read E / ep while it runs);
+3. combine: the outputs return by the reverse all-to-all and each token sums its slots.
+
+The all-to-all is an autograd function whose backward is the reverse all-to-all, so gradients of the
+tokens, the routing weights and the experts flow as in one process. An expert's gradient sums what every
+rank of its EP group routed to it; the ranks holding the same experts (the edp · cp group, and tp under
+sequence parallelism, whose ranks hold other tokens) sum theirs, and the sum is divided by dp · cp, the
+replicas the loss is averaged over (`ExpertParallel.sync_gradients`; FSDP's divide factor under ZeRO-2/3).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from autopar.capture.graph import LayerSpec, MoESpec
+from autopar.capture.moe import bank_width
+from autopar.codegen.data_parallel import reduce_gradients
+from autopar.config import ParallelConfig
+from autopar.errors import PlanMismatchError
+
+__all__ = ["EXPERT_AXES", "ExpertParallel", "expert_mesh", "all_to_all", "check_bank"]
+
+EXPERT_AXES = ("pp", "edp", "ep", "cp", "tp")
+EXPERT_GRAD_AXIS = "edp_cp"  # the ranks holding the same experts (sequence parallelism adds tp)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` split `send` ways to the group's ranks, rows from each received; backward sends the
+    gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (recv, send), group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        recv, send = ctx.splits
+        back = grad.new_empty((sum(send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), send, recv, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, recv: Sequence[int], send: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-to-all of rows with uneven splits (gloo and NCCL both run all_to_all_single)."""
+    return _AllToAll.apply(x, list(recv), list(send), group)
+
+
+def expert_mesh(mesh: DeviceMesh, config: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
+    """The experts' view of the dense mesh, ("pp", "edp", "ep", "cp", "tp"), and the flattened group of the
+    ranks that hold the same experts (edp · cp, and tp under sequence parallelism)."""
+    view = mesh._unflatten("dp", (config.edp, config.ep), ("edp", "ep"))
+    axes = ("edp", "cp", "tp") if config.sequence_parallel and config.tp > 1 else ("edp", "cp")
+    return view, view[axes]._flatten(EXPERT_GRAD_AXIS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """Which of a bank call's tensors are the tokens, the chosen experts and their weights."""
+
+    hidden: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+
+
+def _routing_call(name: str, args: tuple, kwargs: dict) -> _Call:
+    """Find the tokens [T, H], the expert indices [T, k] (the one integer tensor) and their weights [T, k]."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    ints = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+    floats = [t for t in tensors if t.is_floating_point()]
+    index = ints[0] if len(ints) == 1 and ints[0].dim() == 2 else None
+    weights = [t for t in floats if index is not None and t.shape == index.shape]
+    hidden = [t for t in floats if index is not None and t.dim() == 2 and t.shape[0] == index.shape[0]
+              and all(t is not w for w in weights)]
+    if index is None or len(weights) != 1 or len(hidden) != 1:
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
+        raise PlanMismatchError(
+            f"expert bank {name!r} is called with tensors {shapes}; expert parallelism needs the bank called with "
+            "the tokens [T, hidden], the chosen experts [T, k] (one integer tensor) and their weights [T, k], to "
+            "send each (token, expert) pair to the rank holding the expert. Re-plan with ep=1 for this model")
+    return _Call(hidden=hidden[0], index=index, weights=weights[0])
+
+
+def _expert_params(bank: nn.Module, experts: int) -> list[str]:
+    """Names of the bank's own parameters stacked per expert (leading dim E)."""
+    return [n for n, p in bank.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == experts]
+
+
+@torch.no_grad()
+def check_bank(bank: nn.Module, spec: MoESpec, ep: int) -> None:
+    """Refuse a bank expert parallelism cannot split, before anything is sharded: a list of expert modules
+    (a block that loops over them itself), parameters not all stacked per expert, E not divisible by ep, or a
+    call whose output is not the sum of its slots' (token, expert) outputs (tried on the real weights)."""
+    name, experts = spec.experts, spec.num_experts
+    if experts % ep:
+        raise PlanMismatchError(f"expert bank {name!r} holds {experts} experts, which ep={ep} does not divide; "
+                                "re-plan with an ep that divides the expert count")
+    stacked = _expert_params(bank, experts)
+    others = [n for n, _ in bank.named_parameters() if n not in stacked]
+    if not stacked or others:
+        what = "a list of expert modules" if not stacked else f"parameters {others} not stacked per expert"
+        raise PlanMismatchError(
+            f"expert bank {name!r} ({type(bank).__name__}) holds {what}; expert parallelism splits a bank whose "
+            "own parameters stack the E experts (leading dim E) and that is called with the routing. Re-plan with "
+            "ep=1 for this model")
+    p = getattr(bank, stacked[0])
+    hidden = bank_width([getattr(bank, n) for n in stacked], experts)
+    tokens, k = 4, spec.top_k
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(p.device, p.dtype)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]).to(p.device)
+    w = torch.rand(tokens, k, generator=gen).to(p.device, p.dtype)
+    try:
+        whole = bank(x, index, w)
+        parts = sum(bank(x, index[:, j:j + 1], w[:, j:j + 1]) for j in range(k))
+    except Exception as e:
+        raise PlanMismatchError(
+            f"expert bank {name!r} ({type(bank).__name__}) cannot be called as bank(tokens [T, H], experts [T, k], "
+            f"weights [T, k]) ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); expert "
+            "parallelism calls it so on each rank's received tokens. Re-plan with ep=1 for this model") from e
+    if not isinstance(whole, torch.Tensor) or not torch.allclose(whole, parts, rtol=1e-3, atol=1e-5):
+        raise PlanMismatchError(
+            f"expert bank {name!r}: its output for k experts per token is not the sum of the one-expert outputs, "
+            "so its tokens cannot be split between the ranks holding their experts. Re-plan with ep=1")
+
+
+class ExpertParallel:
+    """The expert banks of this rank's stages, split over the EP group, and their gradient reduction."""
+
+    def __init__(self, config: ParallelConfig, mesh: DeviceMesh) -> None:
+        self.config = config
+        self.mesh, self.grad_mesh = expert_mesh(mesh, config)
+        self.ep_mesh = self.mesh["ep"]
+        self.group = self.ep_mesh.get_group()
+        self.rank = self.ep_mesh.get_local_rank()
+        self.banks: dict[str, nn.Module] = {}
+        self.local_experts: dict[str, int] = {}  # experts of each bank this rank holds (E / ep)
+        self.fsdp = False  # the banks' gradients reduced by FSDP (shard_states)
+
+    @property
+    def divisor(self) -> int:
+        """The loss's data-parallel replicas: what an expert's summed gradient is divided by."""
+        return self.config.dp * self.config.cp
+
+    def apply(self, part: nn.Module, layers: Iterable[LayerSpec]) -> None:
+        """Split the experts of every MoE layer of `layers` held by `part` (a model or one pipeline stage)."""
+        for layer in layers:
+            if layer.moe is None:
+                continue
+            try:
+                bank = part.get_submodule(layer.moe.experts)
+            except AttributeError:
+                continue
+            check_bank(bank, layer.moe, self.config.ep)
+            self._shard(layer.moe.experts, bank, layer.moe.num_experts)
+
+    def _shard(self, name: str, bank: nn.Module, experts: int) -> None:
+        local = experts // self.config.ep
+        lo = self.rank * local
+        names = _expert_params(bank, experts)
+        for n in names:
+            p = bank._parameters[n]
+            shard = p.detach()[lo:lo + local].clone()
+            bank._parameters[n] = nn.Parameter(DTensor.from_local(shard, self.ep_mesh, [Shard(0)], run_check=False),
+                                               requires_grad=p.requires_grad)
+        counts = [a for a, v in vars(bank).items() if type(v) is int and v == experts]
+        bank.forward = self._dispatching(name, bank, bank.forward, names, counts, local, lo)
+        self.banks[name] = bank
+        self.local_experts[name] = local
+
+    def _dispatching(self, name: str, bank: nn.Module, forward, names: list[str], counts: list[str], local: int,
+                     lo: int):
+        group, ep = self.group, self.config.ep
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            call = _routing_call(name, args, kwargs)
+            x, index, weights = call.hidden, call.index, call.weights
+            tokens, k = index.shape
+            expert = index.reshape(-1)
+            dest = torch.div(expert, local, rounding_mode="floor")
+            order = torch.argsort(dest, stable=True)
+            send = torch.bincount(dest, minlength=ep)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+            send_n, recv_n = send.tolist(), recv.tolist()
+            token = torch.div(order, k, rounding_mode="floor")
+            rows = all_to_all(x[token], recv_n, send_n, group)
+            row_w = all_to_all(weights.reshape(-1)[order].unsqueeze(1), recv_n, send_n, group)
+            with torch.no_grad():
+                row_e = all_to_all((expert[order] % local).unsqueeze(1), recv_n, send_n, group)
+            held = {n: bank._parameters[n] for n in names}
+            saved = {a: getattr(bank, a) for a in counts}
+            try:
+                for n, p in held.items():  # the bank's code sees its local experts as plain tensors
+                    bank._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
+                for a in counts:
+                    setattr(bank, a, local)
+                out = forward(rows, row_e.to(index.dtype), row_w)
+                # every rank runs every all-to-all's backward, and every expert gets a gradient, even with no rows
+                anchor = rows.sum() + row_w.sum() + sum(bank._parameters[n].reshape(-1)[:1].sum() for n in held)
+                out = out + anchor.to(out.dtype) * 0
+            finally:
+                bank._parameters.update(held)
+                for a, v in saved.items():
+                    setattr(bank, a, v)
+            back = all_to_all(out, send_n, recv_n, group)
+            combined = torch.zeros((tokens, *back.shape[1:]), dtype=back.dtype, device=back.device)
+            return combined.index_add(0, token, back).to(x.dtype)
+
+        return run
+
+    def shard_states(self, *, zero_stage: int, offload_params: bool = False) -> set[nn.Parameter]:
+        """ZeRO-2/3 for the experts: each bank `fully_shard`ed over the ranks holding its experts (edp · cp),
+        its reduce-scatter dividing by dp · cp; done before the dense layers are, which then skip these
+        parameters. With no other rank holding them, returns them for the dense FSDP groups to ignore (their
+        gradients are then divided by `sync_gradients`)."""
+        if self.grad_mesh.size() == 1:
+            return set(self.parameters())
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
+        for bank in self.banks.values():
+            fully_shard(bank, mesh=self.grad_mesh, reshard_after_forward=zero_stage == 3, offload_policy=policy)
+            bank.set_gradient_divide_factor(float(self.divisor))
+            if dist.get_backend(self.grad_mesh.get_group()) == "gloo":  # gloo has no PREMUL_SUM: sum, then divide
+                bank.set_force_sum_reduction_for_comms(True)
+        self.fsdp = True
+        return set()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The expert parameters of this rank's banks (their local shards under FSDP)."""
+        return list({id(p): p for bank in self.banks.values() for p in bank.parameters()}.values())
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """After backward (ZeRO-0/1, or experts no other rank holds): each expert's gradient summed over the
+        ranks holding it, divided by dp · cp. Nothing to do when FSDP reduced them."""
+        if self.fsdp:
+            return
+        params = self.parameters()
+        for p in params:  # an expert bank that received no token this step still takes part
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        reduce_gradients(params, self.grad_mesh, divisor=self.divisor)

@@ -1,0 +1,75 @@
+"""Expert parallelism (autopar.codegen.experts): banks the runtime cannot split are refused by name, before
+anything is sharded.
+
+Its parity runs in the shared gloo jobs of tests/test_conformance_hf.py (transformers' Mixtral, Qwen3-MoE,
+DeepSeek-V3 with multi-head latent attention and a shared expert, GPT-OSS with biased, transposed experts):
+ep2 on 2 ranks; ep2 × edp2 (dp4), ep2 under tp2 and under pp2 on 4 ranks; ep2 × pp2 × edp2 with ZeRO-3 on 8
+ranks; 3 AdamW steps against one process, losses, weights and gradients within rtol 1e-4, each bank's experts
+split E / ep per rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_families import build_family
+from torch import nn
+
+from autopar.capture.graph import MoESpec
+from autopar.codegen.experts import check_bank
+from autopar.errors import PlanMismatchError
+
+# ---- refusals, before anything is sharded (one process) ----
+
+def _spec(bank: str, experts: int = 4, top_k: int = 2) -> MoESpec:
+    return MoESpec(experts=bank, router=None, block="", num_experts=experts, top_k=top_k, expert_params=0,
+                   expert_param_bytes=0)
+
+
+def test_bank_refused_when_ep_does_not_divide_the_experts():
+    model = build_family("mixtral")
+    bank = model.model.layers[0].mlp.experts
+    with pytest.raises(PlanMismatchError, match=r"'model.layers.0.mlp.experts' holds 4 experts, which ep=3"):
+        check_bank(bank, _spec("model.layers.0.mlp.experts"), 3)
+    check_bank(bank, _spec("model.layers.0.mlp.experts"), 2)  # the real bank passes
+
+
+class _LoopedExperts(nn.Module):
+    """Experts as a list of modules the block loops over itself (no bank call with the routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+
+class _NormalisingBank(nn.Module):
+    """A bank that renormalises the routing weights over the slots it is given: one slot's output is then not
+    that slot's share of the whole call (the tokens cannot be split by expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        weights = weights / weights.sum(-1, keepdim=True)
+        return sum(torch.einsum("th,tho->to", x, self.w[index[:, j]]) * weights[:, j:j + 1]
+                   for j in range(index.shape[1]))
+
+
+class _OtherSignature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w[0]
+
+
+@pytest.mark.parametrize(("bank", "message"), [
+    (_LoopedExperts().experts, r"'blk.experts' \(ModuleList\) holds a list of expert modules.*ep=1"),
+    (_NormalisingBank(), r"'blk.experts'.*not the sum of the one-expert outputs.*ep=1"),
+    (_OtherSignature(), r"'blk.experts' \(_OtherSignature\) cannot be called as bank\(tokens.*ep=1"),
+])
+def test_bank_refused_by_name(bank, message):
+    with pytest.raises(PlanMismatchError, match=message):
+        check_bank(bank, _spec("blk.experts"), 2)
