@@ -19,17 +19,13 @@ from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_
 from autopar.errors import AutoparError, ConfigError
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
 
-__all__ = ["ParallelConfig", "PlannerOptions", "CP_RECOMPUTE_MODES", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
+__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
            "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # "fastest": the layout of least modelled step time; "pessimistic": of least step time at the slow end of its
 # error band (cost_models.error_band), so a layout wins only by more than the model's own uncertainty
 OBJECTIVES = ("fastest", "pessimistic")
-# Recompute modes that run with context-parallel attention (cp > 1): the selective policies (selective,
-# op_sac) replay the K/V all-gather's functional collective from their cache, and checkpointing then counts
-# one saved tensor fewer in recompute than in forward (torch 2.13); codegen refuses them, the planner skips them.
-CP_RECOMPUTE_MODES = ("none", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 # torchao float8 training recipes (autopar.codegen.float8): scales per tensor, or per row of each GEMM operand
 FP8_RECIPES = ("none", "tensorwise", "rowwise")

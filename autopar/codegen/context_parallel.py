@@ -11,8 +11,8 @@ group in one collective and put in global order; each of the rank's two query ch
 the keys up to its own end, causally (chunk g of c tokens: a c × (g+1)·c block, lower-right aligned), so
 a rank computes c²·(2·cp + 1) scores where the causal triangle holds 2·cp·c² per rank, (1 + 1/(2·cp))×
 its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. Backward returns
-the keys' and values' gradients to their owners by a reduce-scatter (a functional collective, so
-selective recompute policies see it as one op). The all-gather is
+the keys' and values' gradients to their owners by a reduce-scatter. Every recompute mode runs the
+all-gather again when it reruns the forward in backward (selective policies do not see it). The all-gather is
 what Llama 3 ran (Dubey et al. 2024, §3.3.2): with GQA the K/V bytes are small next to the queries, and
 an all-gather is one collective per layer where a ring takes cp − 1 steps.
 
@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
@@ -47,11 +46,35 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autopar.capture.graph import ModelGraph
 from autopar.codegen.loss import IGNORE_INDEX
-from autopar.config import CP_RECOMPUTE_MODES
 from autopar.errors import PlanMismatchError
 
 __all__ = ["SequenceShard", "padded_length", "shard_positions", "check_context_parallel",
            "ContextParallel"]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim (2) over the cp group; backward reduce-scatters (sums) the gradient.
+
+    A c10d collective issued with dispatch modes off: activation checkpointing's selective policies neither
+    cache it nor see it, so a recompute runs it again like the rest of the forward (the planner prices that
+    second gather), and the count of tensors saved in forward and in recompute stays the same (the
+    functional collective's cached output breaks that count in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+        ctx.group, ctx.cp = group, cp
+        with _disable_current_modes():
+            out = x.new_empty((cp * x.size(0), *x.shape[1:]))  # ranks' tensors stacked along dim 0
+            dist.all_gather_single(out, x.contiguous(), group=group)
+        return torch.cat(out.chunk(cp, dim=0), dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with _disable_current_modes():
+            parts = torch.cat(grad.chunk(ctx.cp, dim=2), dim=0).contiguous()  # rank r's part: r-th along dim 0
+            mine = parts.new_empty((parts.size(0) // ctx.cp, *parts.shape[1:]))
+            dist.reduce_scatter_single(mine, parts, group=ctx.group)
+        return mine, None, None
 
 
 def padded_length(seq_len: int, multiple: int) -> int:
@@ -184,9 +207,7 @@ class ContextParallel:
         self._agree(where, key, value)
         cp, c = self.shard.cp, s // 2
         d_k = key.size(-1)
-        # a functional collective (autograd: reduce-scatter in backward), which activation checkpointing's
-        # selective policies see as one op, as they see tensor parallelism's
-        kv = all_gather_single_autograd(torch.cat([key, value], dim=-1).contiguous(), 2, self.group)
+        kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), self.group, cp)
         # rank order → global order: position p sits at index order[p] of the gathered sequence
         gathered = torch.cat([shard_positions(s * cp, cp, r) for r in range(cp)])
         kv = kv.index_select(2, torch.argsort(gathered).to(kv.device))
@@ -291,13 +312,8 @@ def _sequence_leaf(batch: Any) -> torch.Tensor:
     return leaf
 
 
-def check_context_parallel(model: nn.Module, graph: ModelGraph, seq_len: int,
-                           recompute_modes: Iterable[str] = ()) -> None:
+def check_context_parallel(model: nn.Module, graph: ModelGraph, seq_len: int) -> None:
     """Refuse, naming the module, what context parallelism cannot run sharded."""
-    bad = sorted(set(recompute_modes) - set(CP_RECOMPUTE_MODES))
-    if bad:
-        raise PlanMismatchError(f"recompute {bad} with cp > 1 is not supported (selective checkpointing replays the "
-                                f"K/V all-gather); re-plan with recompute in {CP_RECOMPUTE_MODES} (the planner does)")
     if "position_ids" not in inspect.signature(type(model).forward).parameters:
         raise PlanMismatchError(
             f"{type(model).__name__}.forward takes no position_ids; under context parallelism each rank holds two "

@@ -88,8 +88,7 @@ def _context_parallel(model: nn.Module, graph: ModelGraph, plan: Plan, mesh) -> 
     if cfg.cp == 1:
         return None
     multiple = 2 * cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
-    modes = {st.recompute_of(name) for st in plan.stages for name in st.layers}
-    check_context_parallel(model, graph, padded_length(graph.seq_len or multiple, multiple), modes)
+    check_context_parallel(model, graph, padded_length(graph.seq_len or multiple, multiple))
     return ContextParallel(mesh["cp"], SequenceShard(cp=cfg.cp, rank=mesh["cp"].get_local_rank(), multiple=multiple))
 
 

@@ -131,8 +131,10 @@ class CostModel:
             # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
             tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd + cp.forward_s
             tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd + cp.backward_s
-            # a mode that runs the forward again runs its TP collectives (and K/V all-gather) again
-            rec = tuple(r + tp_fwd if again else r for r, again in zip(t.recompute_s, t.recompute_tp, strict=True))
+            # a mode that runs the forward again runs its TP collectives (and K/V all-gather) again; every
+            # recompute mode gathers K/V again (selective policies do not see the gather: cp_costs)
+            rec = tuple(r + tp_fwd if again else r + cp.forward_s if k != "none" else r
+                        for r, again, k in zip(t.recompute_s, t.recompute_tp, MODES, strict=True))
             compute_s = t.compute_s + cp.attention_extra_s
             acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
                          for a, k in zip(mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size), MODES, strict=True))

@@ -26,7 +26,7 @@ import heapq
 import time
 from dataclasses import dataclass
 
-from autopar.config import CP_RECOMPUTE_MODES, OFFLOAD_MODES, ParallelConfig, PlannerOptions
+from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
 from autopar.planner.band import pessimism
 from autopar.planner.bound import Bound, lower_bound, tight_bound
@@ -112,9 +112,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
                                  fp8s=_fp8_choices(costs, options), offloads=_offload_choices(costs, options))
     cands = _host_fitting(costs, cands)
     modes = _modes(options)
-    cp_modes = tuple(k for k in modes if k in CP_RECOMPUTE_MODES)  # what codegen runs under cp > 1
-    cands = [c for c in cands if c.cp == 1 or cp_modes]
-    problems = [costs.problem(c, modes if c.cp == 1 else cp_modes, options.recompute_per_layer) for c in cands]
+    problems = [costs.problem(c, modes, options.recompute_per_layer) for c in cands]
     # the objective's factor per candidate: 1 for the fastest layout, the band's slow end for the pessimistic one
     scale = [pessimism(costs, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage) if options.objective == "pessimistic"
              else 1.0 for c in cands]
@@ -238,9 +236,6 @@ def _check_layout(costs: CostModel, c: ParallelConfig) -> None:
         raise InfeasiblePlanError(f"tp={c.tp} is not possible for {g.model_name} on {costs.devices_per_node} "
                                   f"devices per node (it must divide the node size and every head count and "
                                   f"vocabulary); possible tp: {tps}")
-    if c.cp > 1 and c.recompute not in CP_RECOMPUTE_MODES:
-        raise InfeasiblePlanError(f"recompute={c.recompute} with cp={c.cp} does not run (selective checkpointing "
-                                  f"replays the K/V all-gather); use recompute in {CP_RECOMPUTE_MODES}")
     if c.pp * c.virtual_stages > g.num_layers:
         raise InfeasiblePlanError(f"pp·v = {c.pp * c.virtual_stages} stages exceed the {g.num_layers} layers of "
                                   f"{g.model_name}; lower pp or virtual_stages")
