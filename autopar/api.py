@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from autopar.capture.graph import ModelGraph
@@ -166,9 +165,7 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
         cluster = _cluster(plan_or_cluster, or_plan=True)
         probe = ParallelConfig(dp=cluster.world_size)  # only its world size matters for the launch check
         init_distributed(probe, resolve_device(device))
-        # the runtime does not run expert parallelism yet (codegen refuses ep > 1): plan what it runs
         opts = check_options(options)
-        opts = dataclasses.replace(opts, ep=1) if opts.ep is None else opts
         the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, opts)
     return codegen.parallelize(model, the_plan, graph=graph, example_inputs=example_inputs,
                                example_kwargs=example_kwargs or None, optimizer=optimizer, device=device,

@@ -44,7 +44,8 @@ from autopar.codegen.data_parallel import reduce_gradients
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
-__all__ = ["EXPERT_AXES", "ExpertParallel", "expert_mesh", "all_to_all", "check_bank"]
+__all__ = ["EXPERT_AXES", "ExpertParallel", "expert_mesh", "all_to_all", "check_bank", "sequence_sharded_moe_params",
+           "TokenShardGradients"]
 
 EXPERT_AXES = ("pp", "edp", "ep", "cp", "tp")
 EXPERT_GRAD_AXIS = "edp_cp"  # the ranks holding the same experts (sequence parallelism adds tp)
@@ -269,3 +270,38 @@ class ExpertParallel:
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         reduce_gradients(params, self.grad_mesh, divisor=self.divisor)
+
+
+def sequence_sharded_moe_params(part: nn.Module, layers: Iterable[LayerSpec], span_layers: Iterable[str]) -> list[str]:
+    """Names (in `part`) of the plain parameters of MoE blocks that run on sequence shards under sequence
+    parallelism: the router, a shared expert's gate, the experts when not split. Each tp rank's gradient of
+    them covers its own tokens only (the block is no TP pattern: its input is not gathered), so they are
+    summed over tp after backward (`TokenShardGradients`). DTensor parameters (TP-sharded shared experts,
+    norms made sequence-parallel, expert-parallel banks) are reduced by their own placements."""
+    sharded = set(span_layers)
+    names: list[str] = []
+    for layer in layers:
+        if layer.moe is None or layer.name not in sharded:
+            continue
+        try:
+            block = part.get_submodule(layer.moe.block)
+        except AttributeError:
+            continue
+        names += [f"{layer.moe.block}.{n}" for n, p in block.named_parameters()
+                  if not isinstance(p, DTensor) and p.requires_grad]
+    return names
+
+
+class TokenShardGradients:
+    """Sums, over the tp group, the gradients of parameters each tp rank computed on its own sequence shard."""
+
+    def __init__(self, params: Sequence[nn.Parameter], tp_mesh: DeviceMesh) -> None:
+        self.params = list(params)
+        self.tp_mesh = tp_mesh
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for p in self.params:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        reduce_gradients(self.params, self.tp_mesh, divisor=1)

@@ -25,7 +25,7 @@ from autopar.codegen.compile import apply_compile
 from autopar.codegen.context_parallel import ContextParallel, SequenceShard, check_context_parallel, padded_length
 from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
 from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
-from autopar.codegen.experts import ExpertParallel
+from autopar.codegen.experts import ExpertParallel, TokenShardGradients, sequence_sharded_moe_params
 from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
 from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
@@ -185,6 +185,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     span = sequence_span(graph) if cfg.sequence_parallel else None
     experts = ExpertParallel(cfg, mesh) if cfg.ep > 1 else None
     parts: list[tuple[int, nn.Module]] = []
+    token_shard: list[nn.Parameter] = []  # MoE blocks' parameters whose tp ranks saw other tokens (SP)
     failure: BaseException | None = None
     try:
         for stage in (s for s in plan.stages if s.pp_rank == pp_rank):
@@ -200,6 +201,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                 retie(part, ties)
             if experts is not None:
                 experts.apply(part, layers)
+            moe_sp = sequence_sharded_moe_params(part, layers, span.sharded_layers) if span and cfg.tp > 1 else []
             if context is not None:  # before recompute, which re-runs the units' forwards in backward
                 if len(plan.stages) == 1:
                     part.forward = context.with_positions(model, part.forward)
@@ -216,6 +218,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
                 apply_fsdp(part, _fsdp_paths(part, paths), grad_mesh, zero_stage=cfg.zero_stage,
                            offload_params=cfg.offload == "params", ignored_params=ignored)
+            token_shard += [part.get_parameter(n) for n in moe_sp]  # after FSDP: its sharded parameters
             parts.append((stage.index, part))
     except Exception as e:  # held until every rank has reported, so no rank waits for a failed peer
         failure = e
@@ -240,6 +243,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     pm = ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
                        loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
                        shared_gradients=shared, float8_fsdp_scales=float8_gather, target_name=target_name,
-                       context=context, grad_mesh=grad_mesh, experts=experts)
+                       context=context, grad_mesh=grad_mesh, experts=experts,
+                       token_shard_gradients=TokenShardGradients(token_shard, mesh["tp"]) if token_shard else None)
     own.append(pm)
     return pm

@@ -24,7 +24,7 @@ from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
 from autopar.codegen.context_parallel import ContextParallel
 from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
-from autopar.codegen.experts import ExpertParallel
+from autopar.codegen.experts import ExpertParallel, TokenShardGradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
 from autopar.codegen.loss import gather_vocab
@@ -50,7 +50,8 @@ class ParallelModel:
                  device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None,
                  float8_fsdp_scales: bool = False, target_name: str | None = None,
                  context: ContextParallel | None = None, grad_mesh: DeviceMesh | None = None,
-                 experts: ExpertParallel | None = None) -> None:
+                 experts: ExpertParallel | None = None,
+                 token_shard_gradients: TokenShardGradients | None = None) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -68,6 +69,7 @@ class ParallelModel:
         self.grad_mesh = grad_mesh if grad_mesh is not None else mesh["dp"]  # ("dp", "cp") flattened
         self.timer: StepTimer | None = None
         self.experts = experts  # expert banks split over EP ranks: their gradients reduced on their own
+        self.token_shard_gradients = token_shard_gradients  # MoE blocks on sequence shards: summed over tp
         # the model's own loss (autopar.codegen.model_loss): targets go to forward(..., target_name=targets)
         self.target_name = target_name
         self._watch = LossWatch() if target_name else None
@@ -260,6 +262,8 @@ class ParallelModel:
                     average_gradients([p for p in self._parameters() if id(p) not in expert_ids], self.grad_mesh)
                 if self.experts is not None:
                     self.experts.sync_gradients()
+                if self.token_shard_gradients is not None:
+                    self.token_shard_gradients.sync()
                 if self.shared_gradients is not None:
                     self.shared_gradients.sync(self.modules)
                 if self.target_name is not None:  # gradients are dp-averaged sums over tokens: make them the mean
