@@ -44,8 +44,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             dist.destroy_process_group()
 
 
+_PORT_TAKEN = "EADDRINUSE"  # the free port was taken by another job between free_port() and the store's bind
+_PORT_TRIES = 3
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """`fn(*args)` on `world_size` gloo ranks; `fn` must be importable (module level) and return picklables."""
+    """`fn(*args)` on `world_size` gloo ranks; `fn` must be importable (module level) and return picklables.
+
+    A job whose store could not bind its port (another job took it first: CI runs jobs side by side) is
+    started again on a new port, up to three times; any other failure fails the caller."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            return _run_once(fn, world_size, args, timeout_s)
+        except AssertionError as e:
+            if _PORT_TAKEN not in str(e) or attempt == _PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
