@@ -32,7 +32,8 @@ def test_bank_refused_when_ep_does_not_divide_the_experts():
     bank = model.model.layers[0].mlp.experts
     with pytest.raises(PlanMismatchError, match=r"'model.layers.0.mlp.experts' holds 4 experts, which ep=3"):
         check_bank(bank, _spec("model.layers.0.mlp.experts"), 3)
-    check_bank(bank, _spec("model.layers.0.mlp.experts"), 2)  # the real bank passes
+    check_bank(bank, _spec("model.layers.0.mlp.experts"), 2)  # the real bank passes, in fp32 and in bf16
+    check_bank(bank.to(torch.bfloat16), _spec("model.layers.0.mlp.experts"), 2)
 
 
 class _LoopedExperts(nn.Module):

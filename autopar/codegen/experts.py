@@ -147,7 +147,10 @@ def check_bank(bank: nn.Module, spec: MoESpec, ep: int) -> None:
             f"expert bank {name!r} ({type(bank).__name__}) cannot be called as bank(tokens [T, H], experts [T, k], "
             f"weights [T, k]) ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); expert "
             "parallelism calls it so on each rank's received tokens. Re-plan with ep=1 for this model") from e
-    if not isinstance(whole, torch.Tensor) or not torch.allclose(whole, parts, rtol=1e-3, atol=1e-5):
+    # rounding of the dtype the bank runs in (a bf16 bank sums its slots in bf16): far below a real mismatch
+    ok = isinstance(whole, torch.Tensor) and whole.shape == parts.shape
+    tol = max(1e-4, 16 * torch.finfo(p.dtype).eps) * (float(whole.abs().max()) if ok else 1.0)
+    if not ok or float((whole - parts).abs().max()) > tol:
         raise PlanMismatchError(
             f"expert bank {name!r}: its output for k experts per token is not the sum of the one-expert outputs, "
             "so its tokens cannot be split between the ranks holding their experts. Re-plan with ep=1")
