@@ -7,7 +7,10 @@ One gloo job of 2 ranks runs every case (each family is captured once per job): 
 norm synchronised over the ranks per micro-batch, compared with one process on the same micro-batches),
 pp2 with 1F1B (a ViT whose later stage reads the patch embedding's dtype; T5 cut between its encoder and
 decoder stacks, decoder ids read on the decoder's stage; a conv net's batch-norm statistics through the
-runtime's shape inference) and tp2. Losses at every step, final weights and buffers (running statistics)
+runtime's shape inference) and tp2 (every attention split by head: BERT's post-norm encoder attention, T5's
+bias-free self- and cross-attention with its relative position bias cut to each rank's heads, its tied
+`shared`/`embed_tokens`/`lm_head` vocab-parallel; Swin v2's window attention beside its position-bias MLP);
+a conv net under tp2 is refused (nothing to split). Losses at every step, final weights and buffers (running statistics)
 and last gradients within rtol 1e-4 / atol 1e-5 (tests/test_parity.py's checks). The other families of
 each kind ran the same layouts by hand (README, "What each model kind gets").
 """
@@ -24,8 +27,8 @@ ZERO3 = dict(dp=2, zero_stage=3, num_microbatches=2)
 PP = dict(pp=2, num_microbatches=2, schedule="1f1b")
 CASES = [("resnet", ZERO3), ("t5", ZERO3), ("swin", ZERO3),
          ("vit", PP), ("t5", PP), ("regnet", PP),
-         ("deit", dict(tp=2)), ("bert", dict(tp=2))]
-REFUSED = ()
+         ("deit", dict(tp=2)), ("bert", dict(tp=2)), ("t5", dict(tp=2)), ("swinv2", dict(tp=2))]
+REFUSED = (("resnet", dict(tp=2)),)
 
 
 def test_model_kinds_train_as_one_process():

@@ -157,14 +157,16 @@ def _weight_split(pattern: TPPattern, module: str) -> str:
     return "rows" if module in pattern.column else ""
 
 
-def _reconcile_ties(sums: list[_Sums], shared: tuple[SharedParam, ...]) -> list[str]:
+def _reconcile_ties(sums: list[_Sums], shared: tuple[SharedParam, ...], called: set[str]) -> list[str]:
     """A weight that several modules share is split alike by all of them or by none: where the patterns found
     split it differently (or on one side only), those patterns are dropped, so the planner prices the weight
-    replicated and codegen never meets a tie it would refuse. Returns the modules whose patterns were dropped."""
+    replicated and codegen never meets a tie it would refuse. A module the forward never calls (T5's `shared`,
+    whose aliases `encoder.embed_tokens` and `decoder.embed_tokens` do the lookups) splits nothing: it holds
+    the weight as its called aliases split it. Returns the modules whose patterns were dropped."""
     dropped: list[str] = []
     patterns = [p for s in sums for p in s.patterns.values()]
     for sp in shared:
-        modules = {name.rsplit(".", 1)[0] for name in sp.names if "." in name}
+        modules = {name.rsplit(".", 1)[0] for name in sp.names if "." in name} & called
         if len(modules) < 2:
             continue
         splits = {m: {_weight_split(p, m) for p in patterns} - {""} for m in modules}
@@ -247,8 +249,12 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     for name, p in model.named_parameters(remove_duplicate=False):
         tie_groups.setdefault(id(p), set()).add(name.rsplit(".", 1)[0] if "." in name else "")
     replicated_ties: list[str] = []
+    # the linears and embeddings the forward calls: a tied weight's other holders (T5's never-called `shared`,
+    # BERT's prediction head keeping an alias of its decoder's bias) hold it as these split it
+    called = {f"{c.unit}.{rel}" if c.unit and rel else c.unit or rel
+              for c in rec.calls for rel, _, _, _ in stats[c.signature].linear_io}
     for modules in tie_groups.values():  # a tied weight is vocab-parallel on every side or on none
-        if len({m in vocab_modules for m in modules}) > 1:
+        if len({m in vocab_modules for m in modules & called}) > 1:
             for m in modules:
                 vocab_modules.pop(m, None)
             replicated_ties.extend(sorted(modules))
@@ -318,7 +324,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     top_level = [p for p in model.parameters() if id(p) not in holders]
     params[0].extend(top_level)
     shared = _shared_params(model, groups, holders, {id(p) for p in top_level})
-    replicated_ties += _reconcile_ties(sums, shared)
+    replicated_ties += _reconcile_ties(sums, shared, called)
     if replicated_ties:
         metadata = {**metadata, "tied_weights_replicated": replicated_ties}
 

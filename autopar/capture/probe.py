@@ -34,6 +34,7 @@ from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups
 from autopar.capture.tp_pairs import tensor_parallel_pairs
+from autopar.capture.units import is_norm
 from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
@@ -294,6 +295,16 @@ class _Tracker(TorchDispatchMode):
         self.steps = StepLog()  # one per op in self.ops, for the fused kernels of a compiled block
         self.saved_ids: set[int] = set()  # StepLog names of the tensors saved for backward
         self.topks: list[tuple[int, int]] = []  # (k, width) of each top-k over a last dimension
+        # storages computed from the call's inputs; the rest derive from parameters, buffers and fresh
+        # constants (position tables, a position-bias MLP over fixed coordinates)
+        self.from_call: set[int] = set()
+
+    def mark_from_call(self, t: torch.Tensor) -> None:
+        self.from_call.add(storage_key(t))
+        self.keep.append(t)
+
+    def is_from_call(self, t: torch.Tensor) -> bool:
+        return storage_key(t) in self.from_call
 
     def tag(self, t: torch.Tensor) -> Tag:
         return self.tags.get(storage_key(t), _CONSTANT)
@@ -323,11 +334,9 @@ class _Tracker(TorchDispatchMode):
         self.bytes_read += rec.bytes_read  # what its kernel reads and writes: 0 for views and metadata queries
         self.bytes_written += rec.bytes_written
         in_tags = [self.tag(t) for t in ins]
-        src: frozenset[str] | None = frozenset()
-        for s, _ in in_tags:
-            src = None if s is None or src is None else src | s
         packet = func.overloadpacket
         any_core = any(core for _, core in in_tags)
+        src = _merge_sources(in_tags, bias_ok=any_core or packet in SDPA_OPS)
         active = [t for t, (s, _) in zip(ins, in_tags, strict=True) if s is None or s]
         head_dim = None
         if packet in SDPA_OPS:
@@ -341,6 +350,9 @@ class _Tracker(TorchDispatchMode):
             out_tags = [(src, core)] * len(outs)
         for t, tag in zip(outs, out_tags, strict=True):
             self.set_tag(t, tag)
+        if any(self.is_from_call(t) for t in ins):
+            for t in outs:
+                self.mark_from_call(t)
         linear = self.linear_stack[-1] if self.linear_stack else None
         kind = _op_kind(packet, rec, len(active))
         groups = grouped_mm_groups(args, kwargs) if packet in GROUPED_MM_OPS else 0
@@ -357,6 +369,22 @@ class _Tracker(TorchDispatchMode):
                             sac_saved_bytes=sac, groups=groups))
         self.steps.record(kind, _storages(ins), _storages(outs))
         return out
+
+
+def _merge_sources(in_tags: list[Tag], *, bias_ok: bool) -> frozenset[str] | None:
+    """The source linears of an op's output: the union of its inputs', None (replicated) when one input is.
+
+    bias_ok (an op on the attention core, or a fused attention kernel): a replicated input there is a
+    bias or mask added to the scores per head (T5's relative position bias, passed from block to block;
+    Swin's window bias), not the residual stream: the output keeps the core's sources, and codegen gives
+    each rank its heads of the bias (autopar.codegen.head_bias)."""
+    src: frozenset[str] | None = frozenset()
+    sources = [s for s, _ in in_tags]
+    if bias_ok and any(s for s in sources):
+        sources = [s for s in sources if s is not None]
+    for s in sources:
+        src = None if s is None or src is None else src | s
+    return src
 
 
 def _storages(tensors: Any) -> list[tuple[int, int]]:
@@ -382,6 +410,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor):
             tracker.set_tag(t, _REPLICATED if t.requires_grad else _CONSTANT)
+            tracker.mark_from_call(t)
     candidates: list[tuple[str, frozenset[str]]] = []
     io: dict[str, tuple[int, int]] = {}
     linears = {name: m for name, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -390,7 +419,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         def hook(mod: nn.Module, inputs: tuple) -> None:
             if isinstance(mod, nn.Linear):
                 src = tracker.tag(inputs[0])[0]
-                if src:
+                if src and tracker.is_from_call(inputs[0]):
                     candidates.append((name, src))
                 tracker.linear_stack.append(name)
         return hook
@@ -400,20 +429,35 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
             io[name] = (tensor_bytes(inputs), tensor_bytes(output))
             if isinstance(mod, nn.Linear):
                 tracker.linear_stack.pop()
+            if not tracker.is_from_call(inputs[0]):
+                # over parameters and constants only (Swin v2's position-bias MLP over fixed coordinates, T5's
+                # bucketed position table): a constant like them, never part of a TP pair
+                tracker.set_tag(output, _CONSTANT)
+            elif isinstance(mod, nn.Linear):
                 tracker.set_tag(output, (frozenset({name}), False))
-            else:  # an embedding lookup starts the residual stream
+            else:  # an embedding lookup of the call's ids starts the residual stream
                 tracker.set_tag(output, _REPLICATED)
+        return hook
+
+    norm_sources: dict[str, frozenset[str] | None] = {}
+
+    def norm_hook(name: str) -> Any:
+        def hook(mod: nn.Module, inputs: tuple) -> None:
+            x = next((t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+            if x is not None:
+                norm_sources[name] = tracker.tag(x)[0]
         return hook
 
     handles = []
     for name, m in linears.items():
         handles.append(m.register_forward_pre_hook(pre_hook(name)))
         handles.append(m.register_forward_hook(post_hook(name)))
+    handles.extend(m.register_forward_pre_hook(norm_hook(name)) for name, m in module.named_modules() if is_norm(m))
     try:
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
         forward_flops = counter.get_total_flops()
-        pairs = tensor_parallel_pairs(module, linears, candidates)
+        pairs = tensor_parallel_pairs(module, linears, candidates, norm_sources)
         column_sets = [cols for _, cols in pairs]
         tp_linears = {row for row, _ in pairs}.union(*column_sets) if pairs else set()
 

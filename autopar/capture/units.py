@@ -17,13 +17,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Unit", "discover_units", "structure_signature", "call_signature", "common_parent"]
+__all__ = ["Unit", "discover_units", "structure_signature", "call_signature", "common_parent", "is_norm"]
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 # Attributes that number a block inside its stack (HF `layer_idx`, Megatron `layer_number`) differ
 # between otherwise identical blocks; they are left out of the signature so those blocks dedupe.
 _POSITION_ATTR = re.compile(r"(idx|index|_id|_number)$")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and look-alikes (class names ending in "Norm"): per-token ops that tensor
+    parallelism keeps replicated."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -198,7 +198,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
             if cfg.tp > 1:
                 apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span,
                                       logits_as_dtensor=target_name is not None)
-                retie(part, ties)
+                retie(part, ties, {m for la in graph.layers for p in la.tp_patterns for m in (*p.column, *p.row)})
             if experts is not None:
                 experts.apply(part, layers)
             moe_sp = sequence_sharded_moe_params(part, layers, span.sharded_layers) if span and cfg.tp > 1 else []

@@ -45,17 +45,23 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str] | None:
     return (owner, leaf) if leaf in owner._parameters else None
 
 
-def retie(part: nn.Module, groups: Iterable[tuple[str, ...]]) -> None:
-    """Make every name of each alias group that `part` holds point at one parameter again."""
+def retie(part: nn.Module, groups: Iterable[tuple[str, ...]], split: set[str]) -> None:
+    """Make every name of each alias group that `part` holds point at one parameter again.
+
+    split: the modules the plan's TP patterns shard. An alias outside them whose weight stayed whole, beside
+    a sharded one, is a module the forward never calls (capture splits a tie alike wherever it is used): it
+    holds the sharded weight too."""
     for names in groups:
         owners = [o for o in (_owner(part, n) for n in names) if o is not None]
         params = [o._parameters[leaf] for o, leaf in owners]
         if len({id(p) for p in params}) <= 1:
             continue
-        first = params[0]
-        for (owner, leaf), p in zip(owners, params, strict=True):
-            same = (isinstance(p, DTensor) == isinstance(first, DTensor) and p.shape == first.shape
-                    and (not isinstance(p, DTensor) or tuple(p.placements) == tuple(first.placements)))
+        first = next((p for p in params if isinstance(p, DTensor)), params[0])
+        for name, (owner, leaf), p in zip([n for n in names if _owner(part, n) is not None], owners, params,
+                                          strict=True):
+            unused = not isinstance(p, DTensor) and name.rpartition(".")[0] not in split
+            same = unused or (isinstance(p, DTensor) == isinstance(first, DTensor) and p.shape == first.shape
+                              and (not isinstance(p, DTensor) or tuple(p.placements) == tuple(first.placements)))
             if not same:
                 raise PlanMismatchError(
                     f"parameters {names} are one tied weight, but tensor parallelism shards them differently "

@@ -33,8 +33,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopar.capture.graph import LayerSpec, SequenceSpan, TPPattern, sequence_span
-from autopar.capture.units import common_parent
+from autopar.capture.units import common_parent, is_norm
 from autopar.codegen.float8 import tp_style
+from autopar.codegen.head_bias import HEAD_AXIS, cut_head_outputs, slice_rank_blocks
 from autopar.errors import PlanMismatchError
 
 __all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
@@ -44,11 +45,6 @@ HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "n_
                     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_kv_heads")
 # Attribute names for the concatenated width of the heads (BART-style attention reshapes with them).
 HEAD_WIDTH_ATTRS = ("embed_dim", "all_head_size", "inner_dim", "kv_dim")
-
-
-def is_norm(module: nn.Module) -> bool:
-    """LayerNorm, RMSNorm and look-alikes (class names ending in "Norm"): replicated, per-token ops."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
 def _first_tensor_slot(args: tuple, kwargs: dict) -> tuple[str, object]:
@@ -110,17 +106,22 @@ def _scatter_input_hook(tp_mesh: DeviceMesh):
     return hook
 
 
-def _rewrite_head_counts(module: nn.Module, pattern: TPPattern, tp: int) -> None:
+def _rewrite_head_counts(owner: nn.Module, pattern: TPPattern, tp: int) -> None:
+    """On the pattern's owner and the modules under it (BERT keeps its head count on the attention's
+    `self` child), except the sharded linears themselves."""
     counts = {pattern.num_heads, pattern.num_kv_heads or pattern.num_heads}
     widths = {c * pattern.head_dim for c in counts} if pattern.head_dim else set()
-    for attr in HEAD_COUNT_ATTRS:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value in counts:
-            setattr(module, attr, value // tp)
-    for attr in HEAD_WIDTH_ATTRS:  # the heads' concatenated width, used to reshape their output
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value in widths:
-            setattr(module, attr, value // tp)
+    for module in owner.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        for attr in HEAD_COUNT_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value in counts:
+                setattr(module, attr, value // tp)
+        for attr in HEAD_WIDTH_ATTRS:  # the heads' concatenated width, used to reshape their output
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value in widths:
+                setattr(module, attr, value // tp)
 
 
 def _explain_failures(name: str):
@@ -166,7 +167,8 @@ def _width_check(name: str, width: int):
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-        if x is not None and not isinstance(x, DTensor) and x.dim() and x.size(-1) != width:
+        if x is not None and not isinstance(x, DTensor) and x.is_floating_point() and x.dim() \
+                and x.size(-1) != width:
             raise PlanMismatchError(
                 f"module {name!r} ({type(module).__name__}) normalises or projects {width} features, but under "
                 f"tensor parallelism it receives one rank's {x.size(-1)}: it mixes all heads (or all hidden "
@@ -188,15 +190,18 @@ def _replicate_inner_params(module: nn.Module, owner: str, pattern: TPPattern, t
     gradients over the TP group. Any other such module must see full-width inputs (a norm of the
     block's input, when the projections sit in the block itself): checked on every call, refused
     when it would run on a shard. A module of head width or scalar parameters that cannot be placed
-    is refused outright.
+    is refused outright. Parameters indexed by all heads (position-bias tables and MLPs, per-head
+    logit scales) stay whole: their outputs are cut to a rank's heads where they meet its scores
+    (autopar.codegen.head_bias).
     """
     projections = {*pattern.column, *pattern.row}
     head_dim = pattern.head_dim if pattern.kind == "attention" else None
+    heads = pattern.num_heads if pattern.kind == "attention" else None
     for name, sub in module.get_submodule(owner).named_modules(prefix=owner):
         if name in projections or any(name.startswith(p + ".") for p in projections):
             continue
         own = [p for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)]
-        if not own:
+        if not own or heads and any(heads in p.shape for p in own):
             continue
         width = own[0].size(-1) if own[0].dim() else 1
         per_head = head_dim and width == head_dim and is_norm(sub)
@@ -234,11 +239,12 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
             _check_divisible(layer, pattern, tp)
             if pattern.kind in ("mlp", "attention"):
                 owner = common_parent((*pattern.column, *pattern.row))
-                # The pattern's input becomes one DTensor at its owner when the owner is a sub-module
-                # (attention, MLP) that feeds it straight to the column linears; when the linears sit
-                # in the block itself, whose residuals and norms run on plain tensors, each column
+                # The pattern's input becomes one DTensor at the columns' parent when that is a sub-module
+                # (attention, MLP, BERT's attention.self) that feeds it straight to them; when the linears
+                # sit in the block itself, whose residuals and norms run on plain tensors, each column
                 # linear converts its own input (one more all-reduce of the input gradient per column).
-                shared_input = owner not in layer.modules and owner != layer.name
+                inlet = common_parent(pattern.column)
+                shared_input = inlet not in layer.modules and inlet != layer.name
                 col_in = Shard(1) if sp else Replicate()
                 # a float8 linear gets torchao's float8 style (tp_style), which casts its input before gathering
                 plan: dict[str, object] = {
@@ -254,9 +260,14 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 owner_module = module.get_submodule(owner)
                 _replicate_inner_params(module, owner, pattern, tp_mesh, tight=shared_input)
                 if shared_input:
-                    owner_module.register_forward_pre_hook(_shared_input_hook(tp_mesh, sp), with_kwargs=True)
+                    module.get_submodule(inlet).register_forward_pre_hook(_shared_input_hook(tp_mesh, sp),
+                                                                          with_kwargs=True)
                 if pattern.kind == "attention":
                     _rewrite_head_counts(owner_module, pattern, tp)
+                    cut_head_outputs(owner_module, {module.get_submodule(n) for n in (*pattern.column, *pattern.row)},
+                                     tp_mesh, pattern.num_heads)
+                    owner_module.forward = slice_rank_blocks(owner_module.forward, tp_mesh, axis=HEAD_AXIS,
+                                                             whole=pattern.num_heads)
                 owner_module.forward = _explain_failures(owner)(owner_module.forward)
             elif pattern.kind == "embedding":
                 parallelize_module(module, tp_mesh, {name: RowwiseParallel(input_layouts=Replicate(),
@@ -269,6 +280,9 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 parallelize_module(module, tp_mesh, {name: ColwiseParallel(
                     input_layouts=Shard(1) if shards_in else Replicate(), output_layouts=Shard(-1),
                     use_local_output=not logits_as_dtensor) for name in pattern.column})
+                if not logits_as_dtensor and pattern.vocab_size:  # a per-vocabulary bias the model adds to
+                    # the logits (BART's final_logits_bias) meets this rank's share of them
+                    module.forward = slice_rank_blocks(module.forward, tp_mesh, axis=-1, whole=pattern.vocab_size)
         if span is not None and layer.name in span.sharded_layers:
             for name, sub in _layer_module(module, layer).named_modules(prefix=layer.name):
                 if is_norm(sub) and any(not isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
