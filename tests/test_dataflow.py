@@ -194,3 +194,34 @@ def test_a_rank_failing_mid_step_is_named_by_its_peers():
     messages = run_distributed(_one_rank_raises_mid_step, 2, timeout_s=180)
     assert messages[1] == "ValueError: boom in the last block"
     assert messages[0].startswith("PeerFailedError: rank 1 failed during train_step (ValueError: boom")
+
+
+
+def _one_rank_raises_in_eval() -> str:
+    """Rank 1's stage raises inside eval_loss and its process ends; rank 0 is then blocked receiving from it."""
+    import torch.distributed as dist
+    from parity_models import batches, build_model, graph_of, make_plan, optimizer
+
+    from autopar.codegen import parallelize
+
+    model = build_model("gpt")
+    graph = graph_of("gpt", model)
+    pm = parallelize(model, make_plan(graph, pp=2, num_microbatches=2), graph=graph, optimizer=optimizer)
+    if dist.get_rank() == 1:
+        pm.modules[0].get_submodule("blocks.1").register_forward_pre_hook(
+            lambda module, args: (_ for _ in ()).throw(ValueError("boom in eval")))
+    x, t = batches(1)[0]
+    try:
+        pm.eval_loss(pm.local_batch(x), pm.local_batch(t))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "evaluated"
+
+
+@pytest.mark.multiproc
+def test_a_rank_failing_in_eval_is_named_by_its_peers():
+    from dist_harness import run_distributed
+
+    messages = run_distributed(_one_rank_raises_in_eval, 2, timeout_s=180)
+    assert messages[1] == "ValueError: boom in eval"
+    assert messages[0].startswith("PeerFailedError: rank 1 failed during eval_loss (ValueError: boom in eval")

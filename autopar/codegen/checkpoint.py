@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.codegen import state as state_io
+from autopar.codegen.failures import named_failures
 from autopar.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -145,6 +146,10 @@ class Checkpointer:
     # ---- save ----
     def save(self, step: int, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint the state after `step` (collective). `extra`: JSON values kept in the manifest."""
+        with named_failures("checkpoint save"):
+            self._save(step, extra)
+
+    def _save(self, step: int, extra: dict[str, Any] | None) -> None:
         self.wait()
         partial = self.root / f"step_{step:08d}.partial"
         if dist.get_rank() == 0:

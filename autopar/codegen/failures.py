@@ -1,6 +1,7 @@
 """When one rank of a job fails, the others say which rank failed and why, instead of a bare socket error.
 
-A rank that raises inside a training step writes its error to the job's key-value store (the
+A rank that raises inside a collective entry point (a training step, an evaluation, a checkpoint save or
+load) writes its error to the job's key-value store (the
 rendezvous store torchrun and `init_process_group` already run) before the exception leaves it.
 Its peers are then stopped by the collective they were blocked in: at once when the failing
 process exits (gloo and NCCL see the closed connection), at the process group's timeout otherwise.

@@ -294,8 +294,9 @@ class ParallelModel:
     def eval_loss(self, inputs: Any, targets: Any) -> float:
         """The global mean loss on this rank's local batch (as `train_step` takes it), updating nothing."""
         self.eval()
-        local = self._run(inputs, targets, backward=False)
-        return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
+        with named_failures("eval_loss"):
+            local = self._run(inputs, targets, backward=False)
+            return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> torch.Tensor:
@@ -326,10 +327,12 @@ class ParallelModel:
 
     def save(self, path: str) -> None:
         """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""
-        state_io.save(path, self.modules, self._inner_optimizer)
+        with named_failures("save"):
+            state_io.save(path, self.modules, self._inner_optimizer)
 
     def load(self, path: str) -> None:
         """Load a checkpoint saved by `save` under any layout (tp, pp, dp, ZeRO stage, world size), resharded
         by parameter name (collective). For atomic, verified, resumable checkpoints use
         `autopar.codegen.checkpoint.Checkpointer`."""
-        state_io.load(path, self.modules, self._inner_optimizer)
+        with named_failures("load"):
+            state_io.load(path, self.modules, self._inner_optimizer)
