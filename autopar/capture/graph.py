@@ -365,6 +365,15 @@ class ModelGraph:
                        if la.moe is not None else la for la in self.layers)
         return dataclasses.replace(self, layers=layers)
 
+    def no_tensor_parallelism(self) -> str | None:
+        """Why tensor parallelism would do nothing for this model (no TP pattern in any layer), else None."""
+        if any(la.tp_patterns for la in self.layers):
+            return None
+        return (f"no layer of {self.model_name} has anything tensor parallelism can split: capture found no "
+                "column→row linear pair (attention heads, an MLP), no vocabulary-parallel embedding and no LM head "
+                "(convolutions, norms and linears over constants are not split), so tp ranks would only repeat "
+                "each other's work")
+
     def layer(self, name: str) -> LayerSpec:
         for layer in self.layers:
             if layer.name == name:

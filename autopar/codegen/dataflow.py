@@ -8,8 +8,10 @@ shape, tags every tensor with the *unit calls* it was computed from (its taint):
   only its own call;
 - every other op (top-level glue: adding a position embedding, scaling, building masks,
   rotary tables, slicing) propagates the union of its inputs' taints;
-- a parameter-free unit whose outputs carry no unit taint (a rotary-table module, which reads
-  only positions) is *replicated*: it runs again on every stage that calls it;
+- a parameter-free unit (a rotary-table module; a dropout the model calls at several depths, T5's
+  after its embedding and again after its final norm) is *replicated*: it belongs to each place it is
+  called and runs on every stage that calls it, its outputs carrying the union of its inputs' taints
+  as glue's do;
 - the model inputs carry a taint of their own and never cross a cut: every rank reads its own
   micro-batches (ids, masks, decoder ids), so each stage computes from the inputs what it needs.
 
@@ -82,7 +84,7 @@ class DataFlow:
 
     order: tuple[CallKey, ...]  # non-replicated unit calls, in call order
     calls: Mapping[CallKey, CallRecord]
-    replicated: frozenset[str]  # parameter-free units that read no unit output: run on every stage
+    replicated: frozenset[str]  # parameter-free units: run on every stage that calls them
     output_taint: frozenset[CallKey]
     random_glue: tuple[str, ...]  # random ops outside units (recomputing them would draw new numbers)
 
@@ -228,9 +230,8 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
         def hook(module, args, kwargs, out):
             mode.depth -= 1
             inputs_taint = pending[name].pop()
-            internal = mode.tag(out)
-            if not with_params and not any(k != INPUT for k in internal):
-                replicated.add(name)  # reads no unit output: recomputed wherever it is called
+            if not with_params:
+                replicated.add(name)  # glue in a module: runs wherever it is called, its taint propagated inside
                 return None
             key = (name, counts.get(name, 0))
             counts[name] = key[1] + 1
@@ -266,6 +267,5 @@ def trace_dataflow(model: nn.Module, units: Sequence[str], example_inputs: Seque
     finally:
         for h in handles:
             h.remove()
-    replicated -= {k[0] for k in order}  # a unit that once read a unit output is never replicated
     return DataFlow(order=tuple(order), calls=records, replicated=frozenset(replicated), output_taint=output_taint,
                     random_glue=tuple(dict.fromkeys(mode.random_glue)))

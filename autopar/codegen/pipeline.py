@@ -186,8 +186,10 @@ class _StageRunner:
                 raise PlanMismatchError(f"pipeline stage {self.index} never produced the output of {key[0]!r} "
                                         "that a later stage reads; re-plan with `autopar plan`")
             leaves, _ = tree_flatten(value)
-            # a value passed through unchanged leaves as a view, so backward sees an op of this stage
-            out.extend(t.view_as(t) if key in self.received else t for t in leaves if isinstance(t, torch.Tensor))
+            # a value passed through unchanged leaves as a view, so backward sees an op of this stage; a produced
+            # one in one block of memory, as send needs (T5's position bias leaves its block permuted)
+            out.extend(t.view_as(t) if key in self.received else t.contiguous() for t in leaves
+                       if isinstance(t, torch.Tensor))
         return tuple(out)
 
 

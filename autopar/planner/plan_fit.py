@@ -15,7 +15,7 @@ from autopar.checks import close
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan, StagePlan, plan_error
 
-__all__ = ["check_plan_for_graph", "check_stages_for_graph", "no_tensor_parallelism"]
+__all__ = ["check_plan_for_graph", "check_stages_for_graph"]
 
 
 def check_plan_for_graph(plan: Plan, graph: ModelGraph, *, where: str = "plan") -> None:
@@ -28,8 +28,8 @@ def check_plan_for_graph(plan: Plan, graph: ModelGraph, *, where: str = "plan") 
             f"this model is {graph.model_name!r} (fingerprint {graph.fingerprint}); make a plan for this model "
             "with `autopar plan` or autopar.plan(model, cluster, ...)")
     check_stages_for_graph(plan.stages, graph, where=where)
-    if plan.config.tp > 1 and not any(la.tp_patterns for la in graph.layers):
-        raise plan_error(where, f"tp={plan.config.tp} but {no_tensor_parallelism(graph)}; re-plan with tp=1")
+    if plan.config.tp > 1 and (nothing := graph.no_tensor_parallelism()):
+        raise plan_error(where, f"tp={plan.config.tp} but {nothing}; re-plan with tp=1")
     for layer in graph.layers:
         for pattern in layer.tp_patterns:
             if not pattern.max_degree_ok(plan.config.tp):
@@ -67,14 +67,6 @@ def check_stages_for_graph(stages: Sequence[StagePlan], graph: ModelGraph, *, wh
         first = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
         raise plan_error(where, f"stages hold the layers out of order: position {first} is {got[first]!r} but the "
                          f"model runs {expected[first]!r} there; stages must follow the model's layer order")
-
-
-def no_tensor_parallelism(graph: ModelGraph) -> str:
-    """Why tensor parallelism does nothing for `graph` (one without a single TP pattern)."""
-    return (f"no layer of {graph.model_name} has anything tensor parallelism can split: capture found no "
-            "column→row linear pair (attention heads, an MLP), no vocabulary-parallel embedding and no LM head "
-            "(convolutions, norms and linears over constants are not split), so tp ranks would only repeat "
-            "each other's work")
 
 
 def _names(names: list[str]) -> str:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from autopar.capture.graph import ModelGraph
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
-from autopar.planner.plan_fit import no_tensor_parallelism
 
 __all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees", "cp_degrees",
            "MIN_CP_CHUNK"]
@@ -184,8 +183,8 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
     if o.ep is not None and any(not m.max_degree_ok(o.ep) for m in moes):
         counts = sorted({m.num_experts for m in moes})
         return f"ep={o.ep} does not divide the expert count of {graph.model_name} ({counts}); pick a divisor of it"
-    if o.tp is not None and o.tp > 1 and not any(la.tp_patterns for la in graph.layers):
-        return f"tp={o.tp} is not possible: {no_tensor_parallelism(graph)}; leave tp unset or 1"
+    if o.tp is not None and o.tp > 1 and (nothing := graph.no_tensor_parallelism()):
+        return f"tp={o.tp} is not possible: {nothing}; leave tp unset or 1"
     if o.tp is not None and o.tp not in tps:
         return (f"tp={o.tp} is not possible: tensor parallelism must divide devices_per_node={devices_per_node} "
                 f"and every head count and vocabulary of {graph.model_name}; possible tp: {tps}")
