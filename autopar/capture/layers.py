@@ -69,8 +69,8 @@ def _unit_sources(flow: list[FlowNode], param_units: frozenset[str], num_layers:
     """Boundary bytes as codegen sends them: the outputs of unit calls, not the glue computed from them.
 
     Each value carries the set of units it was computed from (its taint): a unit with parameters is a
-    source; top-level glue propagates its inputs' taints; a parameter-free unit is a source when it
-    reads a tainted value, else it reads only the inputs and every stage recomputes it. A source of
+    source; top-level glue and parameter-free units (run on every stage that calls them: a dropout called
+    at several depths) propagate their inputs' taints. A source of
     layer i read by a unit of layer j > i (or by the model's output) crosses the cuts i..j-1 — the
     same rule `autopar/codegen/dataflow.py` applies to the model's eager forward.
     """
@@ -88,16 +88,15 @@ def _unit_sources(flow: list[FlowNode], param_units: frozenset[str], num_layers:
         if node.is_input:
             taint.append(frozenset())
             continue
-        if node.unit is not None and node.unit in layer_of_unit:
+        if node.unit is not None and node.unit in layer_of_unit and node.unit not in param_units:
+            taint.append(frozenset().union(*(taint[p] for p in producers[i])) if producers[i] else frozenset())
+        elif node.unit is not None and node.unit in layer_of_unit:
             here = layer_of_unit[node.unit]
             for src in read:
                 if layer_of_unit[src] < here:
                     last_use[src] = max(last_use.get(src, -1), here)
-            inside = frozenset().union(*(taint[p] for p in producers[i] if p not in outside)) \
-                if len(outside) < len(producers[i]) else frozenset()
-            is_source = node.unit in param_units or bool(read - {node.unit}) or node.unit in inside
-            taint.append(frozenset({node.unit}) if is_source else frozenset())
-            if is_source and any(flow[u].unit != node.unit for u in node.users):
+            taint.append(frozenset({node.unit}))
+            if any(flow[u].unit != node.unit for u in node.users):
                 source_bytes[node.unit] = source_bytes.get(node.unit, 0) + node.nbytes
         elif node.is_output:
             for src in read:
