@@ -80,9 +80,9 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     options = check_options(options)
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
-    cluster.check_trains(graph.dtype)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
-                                  options.loss_kernel)
+                                  options.loss_kernel, precision=options.precision)
+    cluster.check_precision(costs.precision.name)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
                       global_batch_size=global_batch_size)
@@ -112,9 +112,9 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     options = check_options(options)
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
-    cluster.check_trains(graph.dtype)
+    cluster.check_precision(config.precision)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
-                                  options.loss_kernel)
+                                  options.loss_kernel, precision=config.precision)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)
@@ -156,7 +156,8 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
     averaged over the global batch's tokens as one process averages it.
     """
     from autopar import codegen
-    from autopar.codegen.mesh import init_distributed, resolve_device
+    from autopar.codegen.device import resolve_device
+    from autopar.codegen.mesh import init_distributed
 
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     if isinstance(plan_or_cluster, Plan):

@@ -150,6 +150,17 @@ class Cluster:
                                    f"{self.name!r} has no {name} throughput in the catalog; train in "
                                    f"{' or '.join(runs)} (CLI: --dtype)") from None
 
+    def check_precision(self, precision: str) -> None:
+        """Refuse a precision policy whose compute dtype the device lists no throughput for (V100: no bf16)."""
+        from cost_models.precision import PRECISIONS, policy
+
+        name = policy(precision).compute_dtype
+        if name not in self.device.peak_flops:
+            ok = [p for p in PRECISIONS if policy(p).compute_dtype in self.device.peak_flops]
+            raise ClusterSpecError(f"precision {precision} computes in {name}, but device {self.device.name} of "
+                                   f"cluster {self.name!r} has no {name} throughput in the catalog; use precision "
+                                   f"{' or '.join(ok)} (CLI: --precision)")
+
     def __repr__(self) -> str:
         prof = ", profiled" if self.profile else ""
         return (f"Cluster({self.name}: {self.nodes}x{self.devices_per_node} {self.device.name}, "

@@ -18,9 +18,10 @@ from typing import Any
 from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
 from autopar.errors import AutoparError, ConfigError
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
+from cost_models.precision import PRECISIONS
 
 __all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
-           "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "check_options"]
+           "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "PRECISIONS", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # "fastest": the layout of least modelled step time; "pessimistic": of least step time at the slow end of its
@@ -59,6 +60,9 @@ class ParallelConfig:
     # expert parallelism: each MoE layer's experts split over ep of the dp ranks (E / ep each), tokens moved by
     # all-to-all; ZeRO shards expert states over the edp = dp / ep ranks holding the same experts
     ep: int = 1
+    # training precision policy (cost_models.precision): "bf16"/"fp16" compute in 16 bits over fp32 master
+    # weights, optimizer states and gradient reductions; "fp32" computes on the masters
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
@@ -78,6 +82,8 @@ class ParallelConfig:
         if self.offload == "params" and self.zero_stage != 3:
             raise ConfigError(f"offload='params' is FSDP2's CPU offload of sharded parameters and needs zero_stage=3 "
                               f"(got {self.zero_stage}); set zero_stage=3 or offload='optimizer'")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"ParallelConfig.precision={self.precision!r}; expected one of {PRECISIONS}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("ParallelConfig.sequence_parallel=True needs tp > 1; set sequence_parallel=False")
         if self.schedule == "interleaved_1f1b":
@@ -133,7 +139,7 @@ class ParallelConfig:
             s += f",offload={self.offload}"
         if self.ep > 1:
             s += f",ep={self.ep}"
-        return s
+        return s + f",precision={self.precision}"
 
     _ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches",
                 "v": "virtual_stages", "sp": "sequence_parallel"}
@@ -158,7 +164,7 @@ class ParallelConfig:
             if key in values:
                 alias = f" (as {key})" if given != key else ""
                 raise ConfigError(f"config key {given!r} is given twice in {text!r}{alias}; give each key once")
-            if key in ("schedule", "recompute", "fp8", "offload"):
+            if key in ("schedule", "recompute", "fp8", "offload", "precision"):
                 values[key] = raw
             elif key in ("sequence_parallel", "compile"):
                 values[key] = raw.lower() in ("1", "true", "yes", "on")
@@ -192,6 +198,9 @@ class PlannerOptions:
     fp8: str | None = "none"
     # None: the planner prices every offload mode and takes one where nothing else fits or it is faster
     offload: str | None = None
+    # None: the device's practitioner default (cost_models.precision.default_precision: bf16 on GPUs with
+    # bf16 tensor throughput, fp32 on CPU); a value pins it
+    precision: str | None = None
     exclude_schedules: tuple[str, ...] = ()
     exclude_zero_stages: tuple[int, ...] = ()
     exclude_recompute: tuple[str, ...] = ()  # recompute modes no layer may use (e.g. to compare spaces)
@@ -238,6 +247,8 @@ class PlannerOptions:
         if self.offload is not None and self.offload not in OFFLOAD_MODES:
             raise ConfigError(f"PlannerOptions.offload={self.offload!r}; expected one of {OFFLOAD_MODES} "
                               "or None (auto)")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ConfigError(f"PlannerOptions.precision={self.precision!r}; expected one of {PRECISIONS}")
         bad = [s for s in self.exclude_schedules if s not in SCHEDULES]
         if bad:
             raise ConfigError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")

@@ -49,7 +49,7 @@ def main() -> int:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29881")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from autopar.codegen.data_parallel import param_groups_by_kind
+    from autopar.codegen.data_parallel import split_mixed_groups
     from autopar.codegen.tensor_parallel import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
@@ -66,7 +66,8 @@ def main() -> int:
             fully_shard(model, mesh=mesh, reshard_after_forward=kind == "zero3")
         if kind == "tp":
             apply_tensor_parallel(model, graph.layers, mesh["tp"], sequence_parallel=None)
-        opt = torch.optim.AdamW(param_groups_by_kind(model.parameters()), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        split_mixed_groups(opt)
         x = torch.randint(0, 1024, (args.batch, args.seq_len))
 
         def fb(model=model, x=x) -> None:

@@ -65,15 +65,17 @@ ALLOCATOR_FRAGMENTATION = 0.15
 
 @dataclass(frozen=True, kw_only=True)
 class ModelStateBytes:
-    """Per-device bytes of weights, gradients and optimizer states."""
+    """Per-device bytes of weights, gradients and optimizer states, and of the 16-bit compute copies of the
+    weights a step holds from its first forward to its last backward (cost_models.precision)."""
 
     weights_bytes: float
     grads_bytes: float
     optimizer_bytes: float
+    compute_copy_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
-        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.compute_copy_bytes
 
 
 def _check_positive_int(name: str, value: int) -> None:

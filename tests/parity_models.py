@@ -105,6 +105,7 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, 
     """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp);
     `layer_recompute` (layer name → mode) overrides config.recompute for those layers."""
     config.setdefault("micro_batch_size", BATCH // (config.get("dp", 1) * config.get("num_microbatches", 1)))
+    config.setdefault("precision", "fp32")  # parity at rtol 1e-4 is fp32 arithmetic; bf16 has its own tests
     cfg = ParallelConfig(**config)
     n_chunks = cfg.pp * cfg.virtual_stages
     names = [la.name for la in graph.layers]

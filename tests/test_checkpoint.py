@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def single_device_losses() -> dict[int, float]:
     ex = _example()
     torch.manual_seed(0)  # as the script does before building the model
     model, _ = ex.build_model(MODEL, SEQ, "cpu", None, dropout=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    opt = ex.make_optimizer(SimpleNamespace(lr=LR))(list(model.named_parameters()))  # the script's AdamW groups
     vocab = autopar.zoo.config(MODEL).vocab_size
     losses = {}
     for step in range(1, STEPS + 1):
@@ -308,3 +309,34 @@ def test_restart_attempts_are_numbered_alike_by_every_worker():
             t.join()
     assert sorted(got) == [(2, 3), (2, 3), (4, 1), (4, 1), (4, 1), (4, 1), (4, 2), (4, 2), (4, 2), (4, 2)]
     del server
+
+
+@pytest.mark.multiproc
+def test_token_file_run_killed_at_step_6_resumes_on_the_same_tokens(tmp_path):
+    """--data (README.md's bytes as token ids), the fp32 CPU recipe with --max-grad-norm and a cosine LR
+    schedule: rank 1 killed at step 6 and restarted from the step-4 checkpoint reads the same tokens (the
+    data position is in the checkpoint) and reproduces the uninterrupted run's losses bit for bit."""
+    plan = _plan(tmp_path / "dp2.json", 2, dp=2)
+    tokens = tmp_path / "readme.bin"
+    recipe = ["--data", str(tokens), "--max-grad-norm", "1.0", "--lr-schedule", "cosine", "--lr-warmup-steps", "2"]
+
+    def run(name: str, *extra: str, max_restarts: int = 0) -> tuple[dict[int, float], dict[int, str], str]:
+        folder = tmp_path / name
+        log = _torchrun(2, "--plan", str(plan), "--steps", str(STEPS), "--checkpoint-dir", str(folder / "ck"),
+                        "--checkpoint-every", "2", "--record", str(folder / "r.json"), *recipe, *extra,
+                        max_restarts=max_restarts)
+        crc = {}
+        for line in log.splitlines():  # the last time each step ran (a restart runs some again)
+            if "tokens crc32" in line:
+                step = int(line.split(" step ")[1].split("/")[0])
+                crc[step] = line.split("tokens crc32 ")[1].split()[0]
+        return dict(json.loads((folder / "r.json").read_text())["losses"]), crc, log
+
+    first, first_crc, log = run("a", "--tokenize", str(ROOT / "README.md"))
+    assert "byte-level tokens" in log and tokens.stat().st_size == 2 * (ROOT / "README.md").stat().st_size
+    resumed, resumed_crc, log = run("b", "--fail-at-step", "6", max_restarts=1)
+    assert "--fail-at-step 6: SIGKILL" in log and "step_00000004" in log
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert resumed == {s: first[s] for s in resumed}
+    assert {s: resumed_crc[s] for s in resumed} == {s: first_crc[s] for s in resumed}
+    assert len(set(first_crc.values())) == STEPS  # each step read other tokens

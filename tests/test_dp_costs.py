@@ -29,6 +29,11 @@ def coll(op: str, n: float, k: int) -> float:
     return ar if op == "all_reduce" else ar / 2
 
 
+def norm_s(world: int, local_grad: float) -> float:
+    """The global gradient norm: a pass reading the local gradients and an 8-byte all-reduce over all ranks."""
+    return (coll("all_reduce", 8, world) if world > 1 else 0.0) + local_grad / MEM
+
+
 def tail(zero: int, *, dp: int = 4, world: int = 8, m: int = 3, grad: float = 64e6) -> DPTail:
     return DPTail(zero_stage=zero, dp=dp, world=world, microbatches=m, rank_grad_bytes=grad, collective_s=coll,
                   memory_s=lambda n: n / MEM)
@@ -40,8 +45,9 @@ def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero):
     t = tail(zero, dp=dp, world=world, grad=g)
     buckets = math.ceil(g / BUCKET_BYTES)  # 3 buckets of ≤ 25 MiB
     # the buckets' all-reduces, the loss all-reduce over all ranks, and the memory passes, by hand
-    expected = buckets * coll("all_reduce", g / buckets, dp) + coll("all_reduce", 4, world) + 6 * g / MEM
-    count = buckets + 1
+    expected = (buckets * coll("all_reduce", g / buckets, dp) + coll("all_reduce", 4, world) + 6 * g / MEM
+                + norm_s(world, g))
+    count = buckets + 2
     if zero == 1:
         expected += dp * coll("broadcast", g / dp, dp) + 2 * g / MEM
         count += dp
@@ -59,8 +65,8 @@ def test_fsdp_gathers_every_micro_batch_and_reduce_scatters_once(zero):
     expected = gathers * coll("all_gather", p, dp) + coll("reduce_scatter", p, dp) + (gathers + 1) * 2 * p / MEM
     assert t.layer_s(p) == pytest.approx(expected, rel=1e-9)
     assert t.layer_s(0.0) == 0.0
-    assert t.fixed_s == pytest.approx(coll("all_reduce", 4, 8))
-    assert t.collectives_per_step(layers_with_params=5) == 5 * (gathers + 1) + 1
+    assert t.fixed_s == pytest.approx(coll("all_reduce", 4, 8) + norm_s(8, 64e6 / dp))
+    assert t.collectives_per_step(layers_with_params=5) == 5 * (gathers + 1) + 2
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -79,10 +85,10 @@ def test_fsdp_passes_hide_each_micro_batchs_gathers_up_to_their_own_length(zero)
     assert tail(1).hidden_s(p, forward_s=1.0, backward_s=1.0) == 0.0
 
 
-def test_one_rank_has_only_the_loss_reduction_of_its_job():
+def test_one_rank_has_only_the_loss_and_norm_reductions_of_its_job():
     t = tail(0, dp=1, world=4)
-    assert t.layer_s(1e6) == 0.0 and t.fixed_s == pytest.approx(coll("all_reduce", 4, 4))
-    assert tail(0, dp=1, world=1).fixed_s == 0.0
+    assert t.layer_s(1e6) == 0.0 and t.fixed_s == pytest.approx(coll("all_reduce", 4, 4) + norm_s(4, 64e6))
+    assert tail(0, dp=1, world=1).fixed_s == pytest.approx(norm_s(1, 64e6))  # the norm's read, no collective
 
 
 def test_gloo_collectives_slow_down_when_processes_outnumber_cores():
@@ -133,7 +139,7 @@ def test_predicted_collective_count_is_what_the_runtime_issues(tmp_path, options
     costs = CostModel.for_cluster(graph, Cluster.local(nproc=2))
     t = costs.comm.dp_tail(Candidate.of(plan.config))
     units = sum(1 for la in graph.layers if la.num_params > 0)
-    for r in rec.ranks:  # the loss all-reduce runs on the world group ("other"), the rest on "dp"
+    for r in rec.ranks:  # the loss and grad-norm all-reduces run on the world group ("other"), the rest on "dp"
         assert r.calls_per_step.get("dp", 0) + r.calls_per_step.get("other", 0) == t.collectives_per_step(units)
 
 

@@ -8,9 +8,10 @@ import dataclasses
 import json
 
 from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
-from autopar.cli.cmd_plan import add_model_and_cluster
+from autopar.cli.cmd_plan import add_model_and_cluster, add_precision
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
+from cost_models.precision import default_precision
 
 __all__ = ["register"]
 
@@ -26,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="training dtype of a zoo MODEL (default as `autopar plan`)")
     p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
+    add_precision(p, "the layout's precision (or precision= in --config; default: bf16 on GPUs with bf16 tensor "
+                     "throughput, fp32 on CPU)")
     p.add_argument("--json", action="store_true", help="print the layout and its estimate as JSON")
     p.set_defaults(func=_estimate)
 
@@ -38,11 +41,16 @@ def _estimate(args: argparse.Namespace) -> int:
 
     if args.seq_len is not None:
         check_positive_int("--seq-len", args.seq_len, bound=MAX_GLOBAL_BATCH, error=AutoparError)
+    cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     try:
-        config = ParallelConfig.parse(args.config)
+        given = ParallelConfig.parse_fields(args.config).get("precision")
+        if given is not None and args.precision is not None and given != args.precision:
+            raise AutoparError(f"--config {args.config!r} says precision={given} but --precision says "
+                               f"{args.precision}; give it once")
+        precision = given or args.precision or default_precision(cluster.device.kind, cluster.device.peak_flops)
+        config = ParallelConfig.parse(args.config, precision=precision)
     except (ValueError, TypeError) as e:
         raise AutoparError(f"--config {args.config!r}: {e}") from None
-    cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
         cluster.check_trains(dtype)

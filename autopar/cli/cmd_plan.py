@@ -15,6 +15,7 @@ from autopar.config import (
     FP8_RECIPES,
     OBJECTIVES,
     OFFLOAD_MODES,
+    PRECISIONS,
     RECOMPUTE_MODES,
     SCHEDULES,
     ZERO_STAGES,
@@ -24,7 +25,7 @@ from autopar.config import (
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
 
-__all__ = ["register", "add_model_and_cluster"]
+__all__ = ["register", "add_model_and_cluster", "add_precision"]
 
 
 def add_model_and_cluster(p: argparse.ArgumentParser, *, example: str) -> None:
@@ -44,6 +45,13 @@ def add_loss_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--external-loss", action="store_true",
                    help="the model will train on a loss_fn given to parallelize, not on its own loss: capture it "
                         "without targets")
+
+
+def add_precision(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--precision`, as plan, estimate and explain take it (ParallelConfig.precision)."""
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help=f"{help_text}; bf16/fp16: 16-bit compute over fp32 master weights, optimizer states and "
+                        "gradient reduction")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -84,6 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=OBJECTIVES, default="fastest",
                    help="fastest: least modelled step time; pessimistic: least step time at the slow end of the "
                         "error band of published runs like each layout")
+    add_precision(p, "pin the training precision (default: bf16 on GPUs with bf16 tensor throughput, fp32 on CPU)")
     p.add_argument("--timeline", default=None, help="draw one step per rank and memory per stage (png/svg)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -106,6 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--model", default=None, help="MODEL, when it is not a zoo name equal to the plan's model")
     e.add_argument("--cluster", default=None, help="cluster; default: the plan's preset")
     e.add_argument("--nodes", type=int, default=None)
+    add_precision(e, "the alternative's precision (default: the plan's, or precision= in --config)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_explain)
 
@@ -186,7 +196,8 @@ def _plan(args: argparse.Namespace) -> int:
                           ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
                           fp8=None if args.fp8 == "auto" else args.fp8,
                           offload=None if args.offload == "auto" else args.offload,
-                          top_k=args.top, time_limit_s=args.time_limit, objective=args.objective)
+                          top_k=args.top, time_limit_s=args.time_limit, objective=args.objective,
+                          precision=args.precision)
     from autopar.models import training_dtype
 
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
@@ -255,7 +266,7 @@ def _explain(args: argparse.Namespace) -> int:
     from autopar.report.text import render_explain
 
     plan = Plan.load(args.plan)
-    alt = _alternative(plan, args.config)
+    alt = _alternative(plan, args.config, args.precision)
     spec = args.cluster or plan.cluster_name
     from autopar.cluster import Cluster
 
@@ -300,9 +311,12 @@ def _nodes(plan: Plan) -> int:
     return 1
 
 
-def _alternative(plan: Plan, text: str) -> ParallelConfig:
+def _alternative(plan: Plan, text: str, precision: str | None = None) -> ParallelConfig:
     """`text` over the plan's config; unset dp and m follow from the world size and the global batch."""
     given = ParallelConfig.parse_fields(text)
+    if precision is not None and given.get("precision", precision) != precision:
+        raise AutoparError(f"--config {text!r} says precision={given['precision']} but --precision says "
+                           f"{precision}; give it once")
     base = plan.config.to_dict()
     world, batch = plan.world_size, plan.global_batch_size
     tp, pp, cp = given.get("tp", base["tp"]), given.get("pp", base["pp"]), given.get("cp", base.get("cp", 1))
@@ -312,6 +326,8 @@ def _alternative(plan: Plan, text: str) -> ParallelConfig:
         raise AutoparError(f"--config {text!r}: tp·cp·pp·dp must be {world} and dp·mbs must divide the global batch "
                            f"{batch}; got tp={tp}, cp={cp}, pp={pp}, dp={dp}, mbs={mbs}")
     fill = {**base, "dp": dp, "cp": cp, "num_microbatches": batch // (dp * mbs)}
+    if precision is not None:
+        fill["precision"] = precision
     if "virtual_stages" not in given and given.get("schedule") == "interleaved_1f1b":
         fill["virtual_stages"] = max(2, base["virtual_stages"])
     inherited_interleave = "schedule" not in given and base["schedule"] == "interleaved_1f1b"

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.codegen import state as state_io
+from autopar.codegen.device import rng_states, set_rng_states
 from autopar.codegen.failures import named_failures
 from autopar.errors import CheckpointError
 
@@ -106,12 +107,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _rng_states() -> dict[str, torch.Tensor]:
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
-    states = {f"rng.cpu.rank{rank}": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
-    return states
+    return {f"rng.{kind}.rank{rank}": state for kind, state in rng_states(device).items()}
 
 
 def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -157,7 +155,7 @@ class Checkpointer:
             partial.mkdir(parents=True)
         dist.barrier()
         state = {"model": state_io.model_state(self._parts),
-                 "optim": state_io.optimizer_state(self.pm.optimizer, self._parts), **_rng_states()}
+                 "optim": state_io.optimizer_state(self.pm.optimizer, self._parts), **_rng_states(self.pm.device)}
         info = {"step": step, "extra": dict(extra or {})}
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
@@ -287,16 +285,12 @@ class Checkpointer:
 
     def _load(self, info: CheckpointInfo) -> None:
         parts, optimizer = self._parts, self.pm.optimizer
-        state_io.init_optimizer_state(optimizer)
+        state_io.init_optimizer_state(optimizer, self.pm.updates)
         state: dict[str, Any] = {"model": state_io.model_state(parts),
                                  "optim": state_io.optimizer_state(optimizer, parts)}
         same_world = info.manifest.get("world_size") == dist.get_world_size()
-        rng = _rng_states() if same_world else {}
+        rng = _rng_states(self.pm.device) if same_world else {}
         dcp.load({**state, **rng}, checkpoint_id=str(info.path))
         state_io.restore_scalars(state["optim"], optimizer, parts)
-        for key, value in rng.items():
-            if ".cpu." in key:
-                torch.set_rng_state(value)
-            else:
-                torch.cuda.set_rng_state(value)
+        set_rng_states(self.pm.device, {key.split(".")[1]: value for key, value in rng.items()})
 

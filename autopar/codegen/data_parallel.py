@@ -3,7 +3,7 @@
 - ZeRO-0: every rank keeps everything; gradients are averaged by bucketed all-reduce after backward.
 - ZeRO-1: gradients are averaged the same way; each rank keeps optimizer state for, and updates,
   only the parameters it owns (a greedy size-balanced partition), then broadcasts them, packed into
-  one flat buffer per owner.
+  one flat buffer per owner. The optimizer stays the user's own object over every parameter.
   Written here rather than with `ZeroRedundancyOptimizer` because that one flattens parameters
   into buckets and cannot hold DTensor (tensor-parallel) parameters.
 - ZeRO-2 / ZeRO-3: `fully_shard` (FSDP2) per layer, reshard_after_forward False / True; gradients
@@ -15,17 +15,17 @@ All work on the local shards of DTensor parameters, so they compose with tensor 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "reduce_gradients", "ShardedOptimizer",
-           "param_groups_by_kind", "local"]
+__all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "reduce_gradients", "Zero1Partition",
+           "split_mixed_groups", "local"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25 (torch.nn.parallel.DistributedDataParallel)
 
@@ -36,20 +36,23 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_fsdp(part: nn.Module, layer_paths: Sequence[str], dp_mesh: DeviceMesh, *, zero_stage: int,
-               offload_params: bool = False, ignored_params: set[nn.Parameter] | None = None) -> None:
+               offload_params: bool = False, ignored_params: set[nn.Parameter] | None = None,
+               mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """`fully_shard` each layer of `part`, then `part` itself (for the parameters outside layers).
 
     offload_params: the shards in host memory (pinned when the device is a GPU, so copies run async).
-    ignored_params: left unsharded, their gradients not reduced (expert parameters no other rank holds)."""
+    ignored_params: left unsharded, their gradients not reduced (expert parameters no other rank holds).
+    mp_policy: the dtypes FSDP2 gathers parameters and reduces gradients in (autopar.codegen.precision)."""
     reshard = zero_stage == 3
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
+    mp = mp_policy or MixedPrecisionPolicy()
     for path in layer_paths:
         sub = part.get_submodule(path)
         if any(True for _ in sub.parameters()):
             fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy,
-                        ignored_params=ignored_params)
+                        ignored_params=ignored_params, mp_policy=mp)
     fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy,
-                ignored_params=ignored_params)
+                ignored_params=ignored_params, mp_policy=mp)
 
 
 @torch.no_grad()
@@ -90,39 +93,52 @@ def reduce_gradients(params: Iterable[nn.Parameter], mesh: DeviceMesh, *, diviso
                 bucket, size = [], 0
 
 
-def param_groups_by_kind(params: Iterable[nn.Parameter]) -> list[dict]:
-    """Parameters split into DTensor and plain groups: foreach optimizers cannot mix the two in one group."""
-    params = [p for p in params if p.requires_grad]
-    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return [{"params": g} for g in groups if g]
+def split_mixed_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Split each parameter group that mixes DTensor and plain parameters into two with the same settings:
+    foreach optimizers cannot mix the two in one group, and the user's groups (by name) do not know which
+    of their parameters tensor parallelism or FSDP made DTensors. Call before any step or LR scheduler."""
+    groups = []
+    for group in optimizer.param_groups:
+        kinds = [isinstance(p, DTensor) for p in group["params"]]
+        if all(kinds) or not any(kinds):
+            groups.append(group)
+            continue
+        for want in (True, False):
+            sub = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            sub["params"] = [p for p, k in zip(group["params"], kinds, strict=True) if k == want]
+            if "param_names" in group:
+                sub["param_names"] = [n for n, k in zip(group["param_names"], kinds, strict=True) if k == want]
+            groups.append(sub)
+    optimizer.param_groups = groups
 
 
-class ShardedOptimizer:
-    """ZeRO-1: this rank's optimizer holds state only for the parameters it owns.
+class Zero1Partition:
+    """ZeRO-1: which data-parallel rank updates each parameter, and the broadcast that follows.
 
-    `step()` expects averaged gradients; it updates the owned parameters and broadcasts every
-    parameter from its owner so all data-parallel replicas stay identical. Expert parameters
-    (`autopar.codegen.experts`) differ between the ranks of an EP group: they are owned and broadcast
-    within `expert_mesh`, the ranks holding the same experts.
+    The optimizer is the user's, over every parameter; after the gradient reduction this rank drops the
+    gradients of the parameters it does not own (`drop_unowned_grads`), so the optimizer step skips them
+    and creates state for the owned ones only, then every parameter is broadcast from its owner
+    (`broadcast_`). The optimizer object, its parameter groups and LR schedules stay the user's. Expert
+    parameters (`autopar.codegen.experts`) differ between the ranks of an EP group: they are owned and
+    broadcast within `expert_mesh`, the ranks holding the same experts.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], make_optimizer: Callable[[list], torch.optim.Optimizer],
-                 dp_mesh: DeviceMesh, *, expert_params: Sequence[nn.Parameter] = (),
-                 expert_mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], dp_mesh: DeviceMesh, *,
+                 expert_params: Sequence[nn.Parameter] = (), expert_mesh: DeviceMesh | None = None) -> None:
         experts = {id(p) for p in expert_params}
         self.params = [p for p in params if p.requires_grad]
         self.dp_mesh = dp_mesh
         parts = [([p for p in self.params if id(p) not in experts], dp_mesh)]
         if experts:
             if expert_mesh is None:
-                raise ValueError("ShardedOptimizer: expert_params need their expert_mesh")
+                raise ValueError("Zero1Partition: expert_params need their expert_mesh")
             parts.append(([p for p in self.params if id(p) in experts], expert_mesh))
         # (parameters, mesh, owner of each) per partition; owners in a deterministic order every rank of the
         # mesh agrees on (largest first, ties to lowest rank)
         self.partitions = [(ps, mesh, self._owners(ps, mesh.size())) for ps, mesh in parts]
         self.owned = [p for ps, mesh, owners in self.partitions for p, r in zip(ps, owners, strict=True)
                       if r == mesh.get_local_rank()]
-        self.optimizer = make_optimizer(param_groups_by_kind(self.owned)) if self.owned else None
+        self._owned_ids = {id(p) for p in self.owned}
 
     @staticmethod
     def _owners(params: Sequence[nn.Parameter], size: int) -> list[int]:
@@ -134,23 +150,21 @@ class ShardedOptimizer:
             owner_of[i] = r
         return [owner_of[i] for i in range(len(params))]
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups if self.optimizer else []
+    def owns(self, p: nn.Parameter) -> bool:
+        return id(p) in self._owned_ids
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def drop_unowned_grads(self) -> None:
         for p in self.params:
-            p.grad = None
+            if id(p) not in self._owned_ids:
+                p.grad = None
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Update the owned parameters, then one broadcast per (owner, dtype) of its parameters packed flat.
+    def broadcast_(self) -> None:
+        """Every parameter from its owner, one broadcast per (owner, dtype) of its parameters packed flat.
 
         One collective per owner rather than per tensor: on gloo each collective costs a latency of
         0.1–several ms, which per-tensor broadcasts paid dozens of times a step.
         """
-        if self.optimizer is not None:
-            self.optimizer.step()
         for params, mesh, owners in self.partitions:
             if mesh.size() > 1:
                 self._broadcast(params, mesh, owners)

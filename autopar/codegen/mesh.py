@@ -17,23 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.codegen.device import backend_for
 from autopar.codegen.elastic import init_process_group
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
-__all__ = ["MESH_AXES", "GRAD_AXIS", "resolve_device", "init_distributed", "build_mesh"]
+__all__ = ["MESH_AXES", "GRAD_AXIS", "init_distributed", "build_mesh"]
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # the flattened ("dp", "cp") axis gradients are averaged and ZeRO shards over
-
-
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """The device of this rank: the one given, else cuda:LOCAL_RANK when CUDA is present, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -60,8 +52,7 @@ def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s:
             )
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        init_process_group(backend, timeout=timedelta(seconds=timeout_s))  # restart-safe under torchrun
+        init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))  # restart-safe under torchrun
     world = dist.get_world_size()
     if world != config.world_size:
         raise PlanMismatchError(

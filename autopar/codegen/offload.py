@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen.data_parallel import local
 
-__all__ = ["HostOptimizer", "host_optimizer_factory"]
+__all__ = ["HostOptimizer"]
 
 HOST = torch.device("cpu")
 
@@ -35,24 +35,24 @@ def _as_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _params_of(params_or_groups: Iterable) -> list[nn.Parameter]:
-    out: list[nn.Parameter] = []
-    for item in params_or_groups:
-        out.extend(item["params"] if isinstance(item, dict) else [item])
-    return [p for p in out if p.requires_grad]
+def _named(params: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in params if p.requires_grad]
 
 
 class HostOptimizer:
-    """The user's optimizer stepping fp32 host copies of this rank's (local shards of) parameters."""
+    """The user's optimizer stepping fp32 host copies of this rank's (local shards of) parameters; it is
+    given the masters under their parameters' names, as `(name, master)` pairs."""
 
-    def __init__(self, params: Sequence, make_optimizer: Callable[[list], torch.optim.Optimizer]) -> None:
-        self.params = _params_of(params)
+    def __init__(self, params: Sequence[tuple[str, nn.Parameter]],
+                 make_optimizer: Callable[[list], torch.optim.Optimizer]) -> None:
+        named = _named(params)
+        self.params = [p for _, p in named]
         pin = torch.cuda.is_available()
         self.masters: list[torch.Tensor] = []
         for p in self.params:
             master = local(p).detach().to(HOST, torch.float32, copy=True)
             self.masters.append(master.pin_memory() if pin else master)
-        self.optimizer = make_optimizer([{"params": self.masters}])
+        self.optimizer = make_optimizer([(n, m) for (n, _), m in zip(named, self.masters, strict=True)])
 
     @property
     def param_groups(self) -> list[dict]:
@@ -92,8 +92,3 @@ class HostOptimizer:
         """After the parameters were loaded from a checkpoint: the masters copy them again."""
         for p, m in zip(self.params, self.masters, strict=True):
             m.copy_(local(p))
-
-
-def host_optimizer_factory(make_optimizer: Callable[[list], torch.optim.Optimizer]) -> Callable[[list], HostOptimizer]:
-    """`make_optimizer` wrapped so that what it builds steps on the host (for ZeRO-1's owner-only optimizer too)."""
-    return lambda params: HostOptimizer(params, make_optimizer)

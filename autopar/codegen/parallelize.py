@@ -1,10 +1,11 @@
 """`parallelize`: a `Plan` applied to a model, on every rank of a torchrun job.
 
-The order is fixed (docs/design.md, as torchtitan composes it): mesh → FP8 linears (torchao, before any
-sharding) → what crosses each pipeline cut (a dry run of the model's forward) → pipeline stages (each dry-run
-on its own) → batch norms synchronised over dp → tensor parallelism (tied weights tied again) → activation
-recompute → ZeRO/data parallelism (parameters on the host under offload="params") → optimizer (on the host
-under offload="optimizer") → schedule.
+The order is fixed (docs/design.md, as torchtitan composes it): mesh → fp32 master weights → FP8 linears
+(torchao, before any sharding) → what crosses each pipeline cut (a dry run of the model's forward in the
+compute dtype) → pipeline stages (each dry-run on its own) → batch norms synchronised over dp → tensor
+parallelism (tied weights tied again) → activation recompute → ZeRO/data parallelism (FSDP2 gathering in
+the compute dtype; parameters on the host under offload="params") → autocast around each stage's forward →
+the user's optimizer (on the host under offload="optimizer") → schedule.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
 from autopar.codegen.context_parallel import ContextParallel, SequenceShard, check_context_parallel, padded_length
-from autopar.codegen.data_parallel import ShardedOptimizer, apply_fsdp, param_groups_by_kind
+from autopar.codegen.data_parallel import Zero1Partition, apply_fsdp, split_mixed_groups
 from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
+from autopar.codegen.device import resolve_device
 from autopar.codegen.experts import ExpertParallel, TokenShardGradients, sequence_sharded_moe_params
 from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
-from autopar.codegen.mesh import build_mesh, init_distributed, resolve_device
+from autopar.codegen.mesh import build_mesh, init_distributed
 from autopar.codegen.model_loss import check_model_loss
-from autopar.codegen.offload import HostOptimizer, host_optimizer_factory
+from autopar.codegen.offload import HostOptimizer
 from autopar.codegen.pipeline import (
     build_schedule,
     build_stage,
@@ -38,6 +40,14 @@ from autopar.codegen.pipeline import (
     dry_run_stage,
     layer_modules,
     stage_of_units,
+)
+from autopar.codegen.precision import (
+    LossScaler,
+    apply_autocast,
+    compute_context,
+    fsdp_mixed_precision,
+    policy,
+    to_masters,
 )
 from autopar.codegen.recompute import apply_recompute
 from autopar.codegen.runtime import ParallelModel
@@ -125,16 +135,23 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                 example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None,
                 optimizer: Callable[[list], torch.optim.Optimizer],
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                target_arg: str | None = None, device: str | torch.device | None = None) -> ParallelModel:
+                target_arg: str | None = None, device: str | torch.device | None = None,
+                max_grad_norm: float | None = None) -> ParallelModel:
     """Shard `model` as `plan` says and return the `ParallelModel` that trains it (call on every rank).
 
     The model's own forward runs on every stage (`pipeline.py`); with pp = 1 it is the model itself,
-    sharded in place. optimizer: a factory `params -> torch.optim.Optimizer` (it receives parameter
-    groups). loss_fn: `(logits, targets) -> mean loss`; `lm_cross_entropy` runs vocab-parallel under TP.
+    sharded in place. optimizer: a factory `named_params -> torch.optim.Optimizer`; it receives this
+    rank's parameters as `(name, parameter)` pairs under the model's own names (torch optimizers take
+    them as they are, or build parameter groups by name from them), and the optimizer it returns is
+    `ParallelModel.optimizer`, which LR schedulers drive unchanged. loss_fn: `(logits, targets) -> mean
+    loss`; `lm_cross_entropy` runs vocab-parallel under TP. max_grad_norm: clip the global gradient norm
+    (over every rank) to this before each step.
     Without loss_fn, a model whose forward takes its targets (`targets`, `labels`, or `target_arg`) trains on
     the loss it returns (`model_loss.py`); any other on `lm_cross_entropy` of the logits it returns.
-    The model's parameters are modified in place (sharded); its weights are taken from rank 0.
+    The model's parameters are modified in place (sharded, fp32 masters); its weights are taken from rank 0.
     """
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise PlanMismatchError(f"max_grad_norm={max_grad_norm!r}; give a positive number (e.g. 1.0) or None")
     if loss_fn is not None and target_arg is not None:
         raise PlanMismatchError(f"pass loss_fn or target_arg={target_arg!r}, not both: target_arg trains on the "
                                 "model's own loss, loss_fn on a loss of its logits")
@@ -148,7 +165,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     init_distributed(cfg, dev)
     check_stage_placement(plan)
     mesh, grad_mesh = build_mesh(cfg, dev)
+    pol = policy(cfg.precision)
     model.to(dev)
+    to_masters(model, pol)
     _broadcast_from_rank0(model)
     fsdp = cfg.zero_stage >= 2 and (cfg.dp * cfg.cp > 1 or cfg.offload == "params")
     float8_gather = fsdp and cfg.fp8 == "tensorwise"
@@ -174,8 +193,9 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     if target_name is not None:
         check_model_loss(model, target_name, micro[0], {**forward_kwargs(model), **micro[1]})
         flow_kwargs = {**micro[1], **stage_kwargs, target_name: example_targets(micro)}
-    flow = (trace_dataflow(model, list(units), one_micro_batch[0], flow_kwargs, own_loss=target_name is not None)
-            if one_micro_batch else DataFlow.single_stage())
+    with compute_context(dev, pol):  # cut tensors in the dtypes the stages will send
+        flow = (trace_dataflow(model, list(units), one_micro_batch[0], flow_kwargs, own_loss=target_name is not None)
+                if one_micro_batch else DataFlow.single_stage())
     feed = MicroBatches()
     ios = flow.stages(units, len(plan.stages))
     ties = alias_groups(model)
@@ -217,33 +237,59 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                            if experts is not None else None)
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
                 apply_fsdp(part, _fsdp_paths(part, paths), grad_mesh, zero_stage=cfg.zero_stage,
-                           offload_params=cfg.offload == "params", ignored_params=ignored)
+                           offload_params=cfg.offload == "params", ignored_params=ignored,
+                           mp_policy=fsdp_mixed_precision(pol))
             token_shard += [part.get_parameter(n) for n in moe_sp]  # after FSDP: its sharded parameters
+            apply_autocast(part, dev, pol)
             parts.append((stage.index, part))
     except Exception as e:  # held until every rank has reported, so no rank waits for a failed peer
         failure = e
     _agree(failure)
 
-    params = list({id(p): p for _, part in parts for p in part.parameters()}.values())
-    make = host_optimizer_factory(optimizer) if cfg.offload == "optimizer" else optimizer
-    if cfg.zero_stage == 1 and cfg.dp * cfg.cp > 1:
-        opt: torch.optim.Optimizer | ShardedOptimizer | HostOptimizer = ShardedOptimizer(
-            params, make, grad_mesh, expert_params=experts.parameters() if experts is not None else (),
-            expert_mesh=experts.grad_mesh if experts is not None else None)
+    named = list({id(p): (n, p) for _, part in parts for n, p in part.named_parameters() if p.requires_grad
+                  }.values())
+    zero1 = (Zero1Partition([p for _, p in named], grad_mesh,
+                            expert_params=experts.parameters() if experts is not None else (),
+                            expert_mesh=experts.grad_mesh if experts is not None else None)
+             if cfg.zero_stage == 1 and cfg.dp * cfg.cp > 1 else None)
+    if cfg.offload == "optimizer":  # host masters for the parameters this rank steps (ZeRO-1: those it owns)
+        stepped = [(n, p) for n, p in named if zero1 is None or zero1.owns(p)]
+        opt: torch.optim.Optimizer | HostOptimizer = HostOptimizer(stepped, lambda masters: _make_optimizer(
+            optimizer, masters))
     else:
-        opt = make(param_groups_by_kind(params))
+        opt = _make_optimizer(optimizer, named)
     vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
     if context is not None:
         loss = context.loss(loss)
+    scaler = LossScaler() if pol.loss_scaling else None
     own: list[ParallelModel] = []  # on the model's own loss, the schedule's loss is the ParallelModel's (below)
-    schedule_loss = (lambda out, target: own[0].own_loss(out)) if target_name else loss
+    unscaled = (lambda out, target: own[0].own_loss(out)) if target_name else loss
+    schedule_loss = unscaled if scaler is None else (lambda out, target: unscaled(out, target) * scaler.scale)
     schedule = (build_schedule(plan, parts, mesh["pp"], dev, schedule_loss, feed,
                                per_microbatch_mean=target_name is None) if cfg.pp > 1 else None)
     pm = ParallelModel(config=cfg, mesh=mesh, parts=parts, num_stages=len(plan.stages), schedule=schedule,
                        loss_fn=loss, optimizer=opt, vocab_parallel=vocab_parallel, device=dev, feed=feed,
                        shared_gradients=shared, float8_fsdp_scales=float8_gather, target_name=target_name,
                        context=context, grad_mesh=grad_mesh, experts=experts,
-                       token_shard_gradients=TokenShardGradients(token_shard, mesh["tp"]) if token_shard else None)
+                       token_shard_gradients=TokenShardGradients(token_shard, mesh["tp"]) if token_shard else None,
+                       zero1=zero1, max_grad_norm=max_grad_norm, loss_scaler=scaler)
     own.append(pm)
     return pm
+
+
+def _make_optimizer(factory: Callable[[list], torch.optim.Optimizer],
+                    named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """The user's optimizer over this rank's named parameters, its mixed DTensor/plain groups split."""
+    opt = factory(named)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise PlanMismatchError(f"the optimizer factory returned a {type(opt).__name__}; it must return a "
+                                "torch.optim.Optimizer built from the parameters it is given, e.g. "
+                                "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
+    given = {id(p) for _, p in named}
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    if held - given:
+        raise PlanMismatchError("the optimizer holds parameters it was not given (the model's own, before "
+                                "sharding?); build it from the factory's argument only")
+    split_mixed_groups(opt)
+    return opt

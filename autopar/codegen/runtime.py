@@ -2,12 +2,15 @@
 
 A step takes this data-parallel rank's share of the global batch (`local_batch`), runs its
 micro-batches (through the pipeline schedule when pp > 1), averages gradients over the
-data-parallel group (ZeRO-0/1; FSDP does it for ZeRO-2/3), steps the optimizer and returns the
-global mean loss — identical on every rank and equal to the single-device mean loss.
+data-parallel group (ZeRO-0/1; FSDP does it for ZeRO-2/3), unscales them (fp16), takes the global
+gradient norm and clips by it (`max_grad_norm`), steps the user's optimizer (ZeRO-1: on the
+parameters this rank owns, then broadcasts them) and returns the global mean loss — identical on
+every rank and equal to the single-device mean loss.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -22,14 +25,18 @@ from torch.utils._pytree import tree_map_only
 
 from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
+from autopar.codegen.clipping import clip_grads_, global_grad_norm
 from autopar.codegen.context_parallel import ContextParallel
-from autopar.codegen.data_parallel import ShardedOptimizer, average_gradients
+from autopar.codegen.data_parallel import Zero1Partition, average_gradients, local
 from autopar.codegen.experts import ExpertParallel, TokenShardGradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
 from autopar.codegen.loss import gather_vocab
 from autopar.codegen.model_loss import LossWatch
+from autopar.codegen.offload import HostOptimizer
+from autopar.codegen.precision import LossScaler, policy, weight_cast_cache
 from autopar.codegen.shared import SharedGradients
+from autopar.codegen.tensor_parallel import align_grad_placements
 from autopar.codegen.timing import CommClock, StepTimer
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
@@ -46,12 +53,14 @@ class ParallelModel:
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, parts: Sequence[tuple[int, nn.Module]],
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 optimizer: torch.optim.Optimizer | ShardedOptimizer, vocab_parallel: bool,
+                 optimizer: torch.optim.Optimizer | HostOptimizer, vocab_parallel: bool,
                  device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None,
                  float8_fsdp_scales: bool = False, target_name: str | None = None,
                  context: ContextParallel | None = None, grad_mesh: DeviceMesh | None = None,
                  experts: ExpertParallel | None = None,
-                 token_shard_gradients: TokenShardGradients | None = None) -> None:
+                 token_shard_gradients: TokenShardGradients | None = None,
+                 zero1: Zero1Partition | None = None, max_grad_norm: float | None = None,
+                 loss_scaler: LossScaler | None = None) -> None:
         self.config = config
         self.mesh = mesh
         self.parts = tuple(parts)
@@ -67,6 +76,14 @@ class ParallelModel:
         self.float8_fsdp_scales = float8_fsdp_scales
         self.context = context
         self.grad_mesh = grad_mesh if grad_mesh is not None else mesh["dp"]  # ("dp", "cp") flattened
+        self.zero1 = zero1
+        self.max_grad_norm = max_grad_norm
+        self.loss_scaler = loss_scaler
+        # the global gradient norm of the last step, before clipping (None before the first step; inf when
+        # an fp16 step overflowed and was skipped)
+        self.grad_norm: float | None = None
+        self._replicas = (shared_gradients.replicas_counted_elsewhere(self.parts)
+                          if shared_gradients is not None else set())
         self.timer: StepTimer | None = None
         self.experts = experts  # expert banks split over EP ranks: their gradients reduced on their own
         self.token_shard_gradients = token_shard_gradients  # MoE blocks on sequence shards: summed over tp
@@ -160,7 +177,12 @@ class ParallelModel:
 
     def _run(self, inputs: Any, targets: Any, *, backward: bool) -> torch.Tensor:
         """This rank's mean loss over its micro-batches (0 on ranks without the last stage); on the model's own
-        loss, the sum over this rank's tokens (`_counts` counts them)."""
+        loss, the sum over this rank's tokens (`_counts` counts them). The weights are cast to the compute
+        dtype once for all micro-batches (precision.weight_cast_cache)."""
+        with weight_cast_cache(self.device, policy(self.config.precision)):
+            return self._run_passes(inputs, targets, backward=backward)
+
+    def _run_passes(self, inputs: Any, targets: Any, *, backward: bool) -> torch.Tensor:
         m = self.config.num_microbatches
         if self.context is not None:  # this cp rank's two chunks of every sequence (padded to a multiple)
             inputs, targets = self.context.split(inputs, targets)
@@ -178,7 +200,7 @@ class ParallelModel:
                 if backward:
                     self._set_gradient_sync(i == m - 1)
                     loss = self.loss_fn(part(*args, **kwargs), self.feed.target(i))
-                    (loss / m).backward()
+                    (loss * (self._scale / m)).backward()
                 else:
                     loss = self.loss_fn(part(*args, **kwargs), self.feed.target(i))
                 total += loss.detach().float()
@@ -191,7 +213,8 @@ class ParallelModel:
         run(*args, target=target, losses=losses)
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum()  # each is loss / m (build_schedule)
+        # each is loss / m (build_schedule), times the loss scale under fp16 (train and eval alike)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / self._scale
 
     def _run_own_loss(self, *, backward: bool) -> torch.Tensor:
         m = self.config.num_microbatches
@@ -203,7 +226,7 @@ class ParallelModel:
                 self._set_gradient_sync(i == m - 1 or not backward)
                 summed = self.own_loss(part(*args, **{**kwargs, self.target_name: self.feed.target(i)}))
                 if backward:
-                    summed.backward()
+                    (summed * self._scale).backward()
                 total += summed.detach().float()
             return total
         losses: list[torch.Tensor] = []
@@ -213,7 +236,7 @@ class ParallelModel:
             losses=losses)
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / self._scale  # fp16: scaled
 
     def _own_loss_totals(self, local_sum: torch.Tensor) -> tuple[float, float]:
         """(global loss, gradient divisor) of a step on the model's own loss: the summed losses and token counts
@@ -257,6 +280,8 @@ class ParallelModel:
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
             with timer.phase("grad_sync") if timer else nullcontext():
+                if self.config.tp > 1:
+                    align_grad_placements(self._parameters())
                 expert_ids = {id(p) for p in self.experts.parameters()} if self.experts is not None else set()
                 if self.config.zero_stage < 2 or self.config.dp * self.config.cp == 1:
                     average_gradients([p for p in self._parameters() if id(p) not in expert_ids], self.grad_mesh)
@@ -270,11 +295,41 @@ class ParallelModel:
                     own_loss, divisor = self._own_loss_totals(local_loss)
                     self._scale_gradients(self.config.dp / divisor)
             with timer.phase("optimizer") if timer else nullcontext():
-                self.optimizer.step()
+                self._step()
                 if self.float8_fsdp_scales:
                     precompute_fsdp_scales(self.modules)
             with timer.phase("loss") if timer else nullcontext():
                 return own_loss if self.target_name is not None else self._global_mean(local_loss)
+
+    @property
+    def _scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _step(self) -> None:
+        """Unscale (fp16), take the global norm and clip, step the optimizer (skipped on overflow), ZeRO-1's
+        broadcast."""
+        params = self._parameters()
+        scaler = self.loss_scaler
+        if scaler is not None:
+            scaler.unscale_(local(p.grad) for p in params if p.grad is not None)
+        # every step: what practitioners log, what fp16's overflow check needs, what clipping scales by
+        self.grad_norm = global_grad_norm(params, self.mesh, self._replicas)
+        if scaler is not None:
+            overflow = not math.isfinite(self.grad_norm)
+            scaler.update(overflow)
+            if overflow:  # every rank saw the same sum: all skip this step together
+                return
+        if self.max_grad_norm is not None:
+            clip_grads_(params, self.max_grad_norm, self.grad_norm)
+        if self.zero1 is not None:
+            self.zero1.drop_unowned_grads()
+        self.optimizer.step()
+        if self.zero1 is not None:
+            self.zero1.broadcast_()
+
+    def updates(self, p: torch.nn.Parameter) -> bool:
+        """Whether this rank's optimizer steps `p` (ZeRO-1: the parameters it owns; otherwise all)."""
+        return self.zero1 is None or self.zero1.owns(p)
 
     @contextmanager
     def timing(self) -> Iterator[StepTimer]:
@@ -312,11 +367,6 @@ class ParallelModel:
     __call__ = forward
 
     # ---- state ----
-    @property
-    def _inner_optimizer(self) -> torch.optim.Optimizer | None:
-        opt = self.optimizer
-        return opt.optimizer if isinstance(opt, ShardedOptimizer) else opt
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's sharded model state (DTensors where sharded), under the original parameter names."""
         return state_io.model_state(self.modules)
@@ -328,11 +378,11 @@ class ParallelModel:
     def save(self, path: str) -> None:
         """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""
         with named_failures("save"):
-            state_io.save(path, self.modules, self._inner_optimizer)
+            state_io.save(path, self.modules, self.optimizer)
 
     def load(self, path: str) -> None:
         """Load a checkpoint saved by `save` under any layout (tp, pp, dp, ZeRO stage, world size), resharded
         by parameter name (collective). For atomic, verified, resumable checkpoints use
         `autopar.codegen.checkpoint.Checkpointer`."""
         with named_failures("load"):
-            state_io.load(path, self.modules, self._inner_optimizer)
+            state_io.load(path, self.modules, self.optimizer, self.updates)

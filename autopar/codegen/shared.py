@@ -97,6 +97,7 @@ class SharedGradients:
         """`pp_mesh_ranks`: global ranks as a [pp, dp, tp] tensor (DeviceMesh.mesh); call on every rank."""
         aliases = {n: names for names in alias_groups(model) for n in names}
         self.names = {canon: aliases.get(canon, (canon,)) for canon in holders}
+        self.holders = dict(holders)
         self.groups: dict[str, dist.ProcessGroup | None] = {}
         me = dist.get_rank()
         made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
@@ -113,6 +114,24 @@ class SharedGradients:
                         made[ranks_pp] = group
         for canon, stages in holders.items():
             self.groups[canon] = made.get(tuple(sorted({s % pp for s in stages})))
+
+    def replicas_counted_elsewhere(self, parts: Sequence[tuple[int, nn.Module]]) -> set[int]:
+        """Ids of this rank's replicas of shared weights that a global sum over the model (the gradient norm)
+        must skip: every replica but the one of the first stage holding the weight."""
+        skip: set[int] = set()
+        for canon, names in self.names.items():
+            first = self.holders[canon][0]
+            keep, found_ids = set(), set()
+            for index, part in parts:
+                for n in names:
+                    found = _owner(part, n)
+                    if found is not None:
+                        pid = id(found[0]._parameters[found[1]])
+                        found_ids.add(pid)
+                        if index == first:
+                            keep.add(pid)
+            skip |= found_ids - keep
+        return skip
 
     @torch.no_grad()
     def sync(self, parts: Sequence[nn.Module]) -> None:

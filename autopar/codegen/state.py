@@ -7,7 +7,7 @@ integer ids, so DCP can deduplicate replicated entries and place sharded ones (D
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar.codegen.data_parallel import ShardedOptimizer
 from autopar.codegen.offload import HostOptimizer
 
 __all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state",
@@ -77,20 +76,17 @@ def _param_names(parts: Sequence[nn.Module]) -> dict[int, list[str]]:
     return names
 
 
-Optimizer = torch.optim.Optimizer | ShardedOptimizer | HostOptimizer
+Optimizer = torch.optim.Optimizer | HostOptimizer
 
 
 def _inner(optimizer: Optimizer | None) -> torch.optim.Optimizer | None:
-    """The torch optimizer holding state: ZeRO-1's holds it for this rank's owned parameters only; under
-    offload="optimizer" it holds it for the host masters of the parameters."""
-    if isinstance(optimizer, ShardedOptimizer):
-        optimizer = optimizer.optimizer
+    """The torch optimizer holding state (ZeRO-1: for this rank's owned parameters only, the others never
+    having a gradient at its step); under offload="optimizer" it holds it for the host masters."""
     return optimizer.optimizer if isinstance(optimizer, HostOptimizer) else optimizer
 
 
 def _host(optimizer: Optimizer | None) -> HostOptimizer | None:
-    inner = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
-    return inner if isinstance(inner, HostOptimizer) else None
+    return optimizer if isinstance(optimizer, HostOptimizer) else None
 
 
 def _state_names(optimizer: Optimizer | None, parts: Sequence[nn.Module]) -> dict[int, list[str]]:
@@ -100,13 +96,21 @@ def _state_names(optimizer: Optimizer | None, parts: Sequence[nn.Module]) -> dic
     return host.master_names(names) if host is not None else names
 
 
-_HYPER = "hyper."  # optimizer hyper-parameters (lr, betas' scalars, ...), the same in every group autopar builds
+_HYPER = "hyper."  # "<param name>.hyper.<key>": the scalar hyper-parameters of the parameter's group
+
+
+def _hyper_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
+    """The group's numeric hyper-parameters among the optimizer's defaults (lr, eps, weight_decay, flags):
+    every group has them, under any layout."""
+    return [k for k in optimizer.defaults if isinstance(group.get(k), (int, float, bool))]
 
 
 def optimizer_state(optimizer: Optimizer | None,
                     parts: Sequence[nn.Module]) -> dict[str, Any]:
     """Live optimizer state tensors keyed "<param name>.<state key>" under every name the parameter has
-    here, plus the scalar hyper-parameters ("hyper.<key>").
+    here, plus the scalar hyper-parameters of its group ("<param name>.hyper.<key>", 0-d float64 tensors),
+    so parameter groups with their own settings (no weight decay on norms and biases, a scheduled lr)
+    come back per parameter whatever groups the loading layout splits them into.
 
     Keys name parameters, never the optimizer's integer ids or group indices, which depend on the layout
     (ZeRO-1 ranks hold a subset; TP splits DTensor and plain parameters into two groups): a checkpoint
@@ -119,28 +123,32 @@ def optimizer_state(optimizer: Optimizer | None,
         return {}
     state: dict[str, Any] = {}
     for group in optimizer.param_groups:
-        for key, value in group.items():
-            if key != "params" and isinstance(value, (int, float, bool)):
-                state[f"{_HYPER}{key}"] = value
+        hyper = {k: torch.tensor(float(group[k]), dtype=torch.float64) for k in _hyper_keys(optimizer, group)}
         for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                for name in names[id(p)]:
+            for name in names[id(p)]:
+                for key, value in optimizer.state.get(p, {}).items():
                     state[f"{name}.{key}"] = value
+                for key, value in hyper.items():
+                    state[f"{name}.{_HYPER}{key}"] = value.clone()
     return state
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: Optimizer | None) -> None:
-    """Create state tensors (so a checkpoint can be loaded into them) with a step at lr=0 on zero grads."""
+def init_optimizer_state(optimizer: Optimizer | None,
+                         updates: Callable[[nn.Parameter], bool] = lambda p: True) -> None:
+    """Create state tensors (so a checkpoint can be loaded into them) with a step at lr=0 on zero grads,
+    for the parameters this rank `updates` (ZeRO-1: those it owns)."""
+    host = _host(optimizer)
+    param_of = {id(m): p for p, m in zip(host.params, host.masters, strict=True)} if host is not None else {}
     optimizer = _inner(optimizer)
     if optimizer is None or optimizer.state:
         return
-    saved = []
+    saved = []  # lr 0: the step moves nothing (AdamW's decoupled weight decay scales by lr too)
     for group in optimizer.param_groups:
         saved.append(group["lr"])
         group["lr"] = 0.0
         for p in group["params"]:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if updates(param_of.get(id(p), p)) else None
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, saved, strict=True):
         group["lr"] = lr
@@ -154,11 +162,11 @@ def save(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None) -> 
 
 
 def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
-         **dcp_kwargs: Any) -> None:
+         updates: Callable[[nn.Parameter], bool] = lambda p: True, **dcp_kwargs: Any) -> None:
     """Load in place, resharding as needed: DCP reads, for every name this rank holds, the slice of the
     saved global tensor its shard covers, whatever layout (tp, pp, dp, ZeRO stage, world size) saved it.
     The optimizer's hyper-parameters are restored too (collective)."""
-    init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer, updates)
     state = {"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}
     dcp.load(state, checkpoint_id=path, **dcp_kwargs)  # tensors in place; plain values come back in `state`
     restore_scalars(state["optim"], optimizer, parts)
@@ -175,8 +183,11 @@ def restore_scalars(loaded: dict[str, Any], optimizer: Optimizer | None,
     if optimizer is None:
         return
     for group in optimizer.param_groups:
-        for key in [k for k in group if k != "params"]:
-            group[key] = loaded.get(f"{_HYPER}{key}", group[key])
+        first = names[id(group["params"][0])][0] if group["params"] else None
+        for key in _hyper_keys(optimizer, group) if first else ():
+            value = loaded.get(f"{first}.{_HYPER}{key}")
+            if isinstance(value, torch.Tensor):
+                group[key] = type(group[key])(value.item())
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor):

@@ -38,7 +38,8 @@ from autopar.codegen.float8 import tp_style
 from autopar.codegen.head_bias import HEAD_AXIS, cut_head_outputs, slice_rank_blocks
 from autopar.errors import PlanMismatchError
 
-__all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm"]
+__all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_span", "apply_tensor_parallel", "is_norm",
+           "align_grad_placements"]
 
 # Attribute names that models use for (local) head counts; rewritten to count / tp.
 HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
@@ -293,3 +294,14 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
         # after the layer's own hooks, so this sees its final (local) output
         if span is not None and layer.name == span.gather_after:
             _layer_module(module, layer).register_forward_hook(_gather_sequence_hook(tp_mesh))
+
+
+@torch.no_grad()
+def align_grad_placements(params: Iterable[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's placements: a vocab-parallel embedding's backward leaves a
+    replicated (full) gradient for its row-sharded weight; keeping only this rank's rows (a local slice, no
+    communication) stores, reduces and steps the shard the plan prices, not the whole table."""
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)

@@ -164,7 +164,7 @@ class CommCosts:
     # ---- pipeline parallelism ----
     def send_s(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, float]:
         """One send of run `ri`'s boundary tensor per micro-batch: (inside a node, across nodes)."""
-        send_bytes = self.memory.runs[ri][0].boundary_bytes * mbs / (tp if sp else 1)
+        send_bytes = self.memory.act_scale * self.memory.runs[ri][0].boundary_bytes * mbs / (tp if sp else 1)
         return self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True)
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
@@ -197,8 +197,9 @@ class CommCosts:
 
         return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
                       rank_grad_bytes=grad_bytes, collective_s=coll,
-                      memory_s=lambda n: self.compute.op_time_s(0.0, n, self.graph.dtype),
-                      host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device))
+                      memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
+                      host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
+                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0))
 
     def shared_sync_s(self, ri: int, c: Candidate) -> float:
         """The cross-stage all-reduce of shared weights held by run `ri`'s layer, per step.

@@ -97,7 +97,7 @@ class ComputeCosts:
         self.graph = graph
         self.memory = memory
         self.model = compute
-        self.dtype = graph.dtype
+        self.dtype = memory.precision.compute_dtype  # kernels run at the policy's compute dtype
         # the floor framework host overheads are counted in (DTensor TP, FSDP2 hooks): the profile's host
         # floor on CPU with gloo (not divided among processes, scaled by its own calibration), else 0
         self.host_floor_s = host_floor_s

@@ -41,6 +41,7 @@ from cost_models import fleet, memory
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
 from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
+from cost_models.precision import default_precision
 from cost_models.profile import Profile
 
 __all__ = ["CostModel"]
@@ -52,7 +53,10 @@ class CostModel:
     def __init__(self, graph: ModelGraph, *, device: DeviceSpec, devices_per_node: int, nodes: int,
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
-                 host: HostSpec | None = None, loss_kernel: str = "fp32_logits") -> None:
+                 host: HostSpec | None = None, loss_kernel: str = "fp32_logits",
+                 precision: str | None = None) -> None:
+        """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
+        practitioner default, cost_models.precision.default_precision)."""
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -66,9 +70,11 @@ class CostModel:
         # gloo (not divided among processes, scaled by its own calibration), else not at all
         host_floor_s = profile.host_overhead_floor_s if cpu_cores and profile is not None else 0.0
         self.memory = MemoryCosts(graph, memory_bytes=device.memory_bytes,
+                                  precision=precision or default_precision(device.kind, device.peak_flops),
                                   memory_reserve_fraction=memory_reserve_fraction, host=host,
                                   devices_per_node=devices_per_node, loss_kernel=loss_kernel,
                                   host_adam_bytes_per_param=ADAM_BYTES_PER_PARAM)
+        self.precision = self.memory.precision
         # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
         straggler = fleet.straggler_factor(devices_per_node * nodes) if device.kind == "gpu" else 1.0
         self.compute = ComputeCosts(graph, self.memory, compute=ComputeModel(device, profile),
@@ -81,12 +87,12 @@ class CostModel:
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
-                    loss_kernel: str = "fp32_logits") -> CostModel:
+                    loss_kernel: str = "fp32_logits", precision: str | None = None) -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
-                   host=getattr(cluster, "host", None), loss_kernel=loss_kernel)
+                   host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision)
 
     @property
     def world_size(self) -> int:

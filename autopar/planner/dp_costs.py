@@ -12,7 +12,11 @@ rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_pa
   ZeRO-2  FSDP2 per layer: an all-gather of P in every micro-batch's forward, a reduce-scatter of
           its gradient in the last micro-batch's backward; each copies in and out (2·P bytes)
   ZeRO-3  as ZeRO-2 plus the all-gather again in every micro-batch's backward
-  every   the loss all-reduce over all ranks (one 4-byte all-reduce, `ParallelModel._global_mean`)
+  every   the loss all-reduce over all ranks (one 4-byte all-reduce, `ParallelModel._global_mean`), and the
+          global gradient norm (clipping; fp16's overflow check): one pass reading the rank's gradient
+          shards and one 8-byte all-reduce over all ranks (autopar.codegen.clipping)
+Gradients travel in the precision's reduce dtype (G, P above: fp32 bytes); FSDP2's all-gathers move the
+parameters in its compute dtype (`gather_ratio` = compute bytes ÷ reduce bytes: ½ under bf16).
 
 On CPU, FSDP2 also costs CPU time that is not communication: its hooks around every layer in every
 micro-batch (unshard / reshard bookkeeping, copy-in and copy-out) and an optimizer step on DTensor
@@ -46,6 +50,7 @@ __all__ = ["BUCKET_BYTES", "LOSS_BYTES", "FSDP_HOOKS_FLOORS", "DTENSOR_OPTIMIZER
 
 BUCKET_BYTES = 25 * 2**20  # autopar.codegen.data_parallel.BUCKET_BYTES (DDP's bucket_cap_mb=25)
 LOSS_BYTES = 4  # one float32 loss value per rank
+NORM_BYTES = 8  # the float64 sum of squared gradients (autopar.codegen.clipping.global_grad_norm)
 FLAT_PASSES_ZERO0 = 6  # bytes moved per gradient byte packing, dividing and unpacking a bucket
 FLAT_PASSES_ZERO1 = 2  # bytes moved per parameter byte packing / unpacking the owners' broadcasts
 FSDP_COPY_PASSES = 2  # bytes moved per parameter byte by FSDP2's copy-in / copy-out of one collective
@@ -63,19 +68,22 @@ class DPTail:
 
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
-                 host_floor_s: float = 0.0, interference: float = 0.0) -> None:
+                 host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
         where they are not charged. interference: the share of compute an overlapped collective takes
-        (cost_models.fleet.overlap_interference)."""
+        (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte."""
         self.interference = interference
+        self.gather_ratio = gather_ratio
         self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
         self.host_floor_s = host_floor_s
         self._coll, self._mem = collective_s, memory_s
         g = rank_grad_bytes
         self._mem_per_byte = memory_s(g) / g if g > 0 else 0.0
-        self.fixed_s = collective_s("all_reduce", LOSS_BYTES, world) if world > 1 else 0.0
+        self.fixed_s = (collective_s("all_reduce", LOSS_BYTES, world) + collective_s("all_reduce", NORM_BYTES, world)
+                        if world > 1 else 0.0)  # the loss and the gradient norm
+        self.fixed_s += memory_s(g / dp if zero_stage >= 2 else g)  # the norm reads the gradients once
         self.per_byte_s = 0.0
-        self.flat_collectives = 1 if world > 1 else 0  # the loss all-reduce
+        self.flat_collectives = 2 if world > 1 else 0  # the loss and the gradient-norm all-reduces
         if dp == 1 or zero_stage >= 2:
             return
         buckets = max(1, math.ceil(g / BUCKET_BYTES))
@@ -115,14 +123,10 @@ class DPTail:
         if self.gathers_per_step == 0:
             return self.per_byte_s * grad_bytes
         k = self.gathers_per_step
-        if gather_bytes is None:
-            rs = self._coll("reduce_scatter", grad_bytes, self.dp)
-            base = (k * self._coll("all_gather", grad_bytes, self.dp) + rs
-                    + (k + 1) * FSDP_COPY_PASSES * self._mem_per_byte * grad_bytes)
-        else:
-            base = (k * self._coll("all_gather", gather_bytes, self.dp)
-                    + self._coll("reduce_scatter", grad_bytes, self.dp)
-                    + FSDP_COPY_PASSES * self._mem_per_byte * (k * gather_bytes + grad_bytes))
+        gather_bytes = grad_bytes * self.gather_ratio if gather_bytes is None else gather_bytes
+        base = (k * self._coll("all_gather", gather_bytes, self.dp)
+                + self._coll("reduce_scatter", grad_bytes, self.dp)
+                + FSDP_COPY_PASSES * self._mem_per_byte * (k * gather_bytes + grad_bytes))
         return base + (k + 1) * host_copy_s if host_copy_s else base
 
     def hidden_s(self, grad_bytes: float, forward_s: float, backward_s: float, gather_bytes: float | None = None,
@@ -137,7 +141,8 @@ class DPTail:
         if grad_bytes <= 0 or self.gathers_per_step == 0:
             return 0.0
         m, f = self.microbatches, self.interference
-        ag = self._coll("all_gather", grad_bytes if gather_bytes is None else gather_bytes, self.dp)
+        ag = self._coll("all_gather", grad_bytes * self.gather_ratio if gather_bytes is None else gather_bytes,
+                        self.dp)
         rs = self._coll("reduce_scatter", grad_bytes, self.dp)
         if host_copy_s:
             ag, rs = ag + host_copy_s, rs + host_copy_s

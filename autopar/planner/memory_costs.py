@@ -7,11 +7,15 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   embeddings and heads, else the TP-sharded share of its dense FLOPs: linears do 2 FLOPs per
                   parameter per token, norms stay replicated), the rest whole; a mixture-of-experts bank's
                   parameters (MoESpec.expert_params: not tensor-parallel) ÷ ep
-  model states    cost_models.memory.model_state_bytes on those parameters, in the model's dtype: weights
-                  and gradients of one element each, fp32 Adam states (master weights and two moments,
-                  12 bytes, in mixed precision; two moments, 8 bytes, in fp32 training); ZeRO shards dense
-                  states over dp and expert states over edp = dp / ep (the ranks holding the same experts)
-  activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode
+  model states    cost_models.memory.model_state_bytes on those parameters, each state at the bytes per
+                  element of the layout's precision policy (cost_models.precision, ParallelConfig.precision):
+                  the parameters are the fp32 masters, fp32 gradients, AdamW's two fp32 moments; ZeRO shards
+                  dense states over dp and expert states over edp = dp / ep. Compute copies, held from a
+                  step's first forward to its last backward: ZeRO-2's FSDP2 gathered weights (compute
+                  dtype), and under ZeRO-0/1 with a 16-bit policy autocast's casts of the weights, cast once
+                  per step (codegen.precision.weight_cast_cache); ZeRO-3's gathered layers are its buffers
+  activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode,
+                  in the compute dtype (captured bytes × compute bytes ÷ the model dtype's)
   per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
                   or unsharded buffers (ZeRO-2/3), the in-flight micro-batches of the schedule
   offload         what stays on the device and what goes to the host (offload_costs.OffloadCosts): under
@@ -23,11 +27,13 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   layer holding it; with one stage it is held once, so the duplicates' states are given
                   back (ModelGraph.shared_params; codegen/shared.py)
 
-This module owns the bytes per element of each state (`model_states`); the others ask it.
+This module applies the bytes per element of each state, which cost_models.precision owns, to layouts
+(`model_states`, `grad_bytes`, `gather_bytes`); the others ask it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -38,10 +44,9 @@ from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate
 from cost_models import memory
 from cost_models.hardware import HostSpec
+from cost_models.precision import DTYPE_BYTES, Precision, policy
 
 __all__ = ["MemoryCosts", "RankMemory", "group_runs", "expert_forward_flops", "DTYPE_BYTES"]
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
 def group_runs(layers: tuple[LayerSpec, ...]) -> list[list[LayerSpec]]:
@@ -74,7 +79,7 @@ class RankMemory:
 class MemoryCosts:
     """Bytes per device of a graph's layers and pipeline ranks; cached per (run, tp, …) and per layout."""
 
-    def __init__(self, graph: ModelGraph, *, memory_bytes: float,
+    def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
                  devices_per_node: int = 1, loss_kernel: str = "fp32_logits",
                  host_adam_bytes_per_param: float) -> None:
@@ -82,8 +87,11 @@ class MemoryCosts:
         self.graph = graph
         self.loss_kernel = loss_kernel  # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
-        self.elem = DTYPE_BYTES.get(graph.dtype, 2)  # bytes of one weight, gradient or activation element
-        self.offload = OffloadCosts(host, devices_per_node=devices_per_node, elem_bytes=self.elem,
+        self.precision: Precision = policy(precision)
+        self.elem = self.precision.compute_bytes  # one activation, logit or gathered-weight element
+        # captured activation bytes are in the model's own dtype: rescaled to the compute dtype's
+        self.act_scale = self.elem / DTYPE_BYTES.get(graph.dtype, 2)
+        self.offload = OffloadCosts(host, devices_per_node=devices_per_node, precision=self.precision,
                                     adam_bytes_per_param=host_adam_bytes_per_param)
         self.runs = group_runs(graph.layers)
         self._local_run = lru_cache(maxsize=None)(lambda ri, tp, ep=1: self.local_params(self.runs[ri][0], tp, ep))
@@ -126,8 +134,13 @@ class MemoryCosts:
         return self._local_run(ri, tp, ep)
 
     def grad_bytes(self, num_params: float) -> float:
-        """Bytes of the gradients of num_params parameters (what data-parallel collectives carry)."""
-        return num_params * self.elem
+        """Bytes of the gradients of num_params parameters, in the reduce dtype (what data-parallel
+        reductions carry)."""
+        return self.precision.reduce_bytes(num_params)
+
+    def gather_bytes(self, num_params: float) -> float:
+        """Bytes of one FSDP2 all-gather of num_params parameters (in the compute dtype)."""
+        return self.precision.gather_bytes(num_params)
 
     def model_states(self, num_params: float, zero_stage: int, dp: int, offload: str = "none"
                      ) -> memory.ModelStateBytes:
@@ -136,10 +149,18 @@ class MemoryCosts:
         return self.offload.device_states(self._all_states(num_params, zero_stage, dp), offload)
 
     def _all_states(self, num_params: float, zero_stage: int, dp: int) -> memory.ModelStateBytes:
-        w = self.elem
-        opt = 12 if w == 2 else 8  # mixed precision: fp32 master + 2 moments; fp32 training: 2 moments
-        return memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=w, grad_bytes=w,
-                                        optimizer_bytes=opt)
+        """Each state at the policy's bytes per element, and the compute copies (module docstring): the fp32
+        masters are the parameters (sharded by ZeRO-3, and by ZeRO-2's FSDP2, which holds the gathered
+        weights from forward to backward instead)."""
+        pol = self.precision
+        states = memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=pol.weight_bytes,
+                                          grad_bytes=pol.grad_bytes, optimizer_bytes=pol.optimizer_bytes)
+        if zero_stage == 2 and dp > 1:
+            return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
+                                       compute_copy_bytes=num_params * pol.compute_bytes)
+        if zero_stage <= 1 or dp == 1:
+            return dataclasses.replace(states, compute_copy_bytes=num_params * pol.compute_copy_bytes)
+        return states
 
     def host_state_bytes(self, num_params: float, zero_stage: int, dp: int, offload: str) -> float:
         """Host bytes one rank keeps for num_params of its parameters under `offload`."""
@@ -162,7 +183,8 @@ class MemoryCosts:
         expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, dp // ep, offload)
         return memory.ModelStateBytes(weights_bytes=dense.weights_bytes + expert.weights_bytes,
                                       grads_bytes=dense.grads_bytes + expert.grads_bytes,
-                                      optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes)
+                                      optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes,
+                                      compute_copy_bytes=dense.compute_copy_bytes + expert.compute_copy_bytes)
 
     def offload_summary(self, c: Candidate, *, overlapped: bool) -> OffloadSummary:
         """Where a device's states live under c.offload and what moving them costs (stages taken as even)."""
@@ -173,7 +195,8 @@ class MemoryCosts:
             mode=c.offload,
             device_state_bytes=self.model_states(params, c.zero_stage, c.shard_group, c.offload).total_bytes,
             host_bytes_per_node=self.host_fits(c)[1], stepped_params=stepped,
-            shard_bytes=params * self.elem / c.shard_group, gathers_per_step=gathers, overlapped=overlapped)
+            shard_bytes=params * self.precision.weight_bytes / c.shard_group, gathers_per_step=gathers,
+            overlapped=overlapped)
 
     def host_fits(self, c: Candidate) -> tuple[bool, float]:
         """(whether the node's host holds every rank's host states, those bytes per node), stages taken as
@@ -210,7 +233,7 @@ class MemoryCosts:
             if k == "op_sac":
                 saved = layer.saved_activation_bytes_op_sac if sac_known else saved
                 sharded = layer.saved_activation_bytes_op_sac_tp_sharded if sac_known else sharded
-            return memory.layer_activation_bytes(
+            return self.act_scale * memory.layer_activation_bytes(
                 saved_bytes=saved, tp_sharded_bytes=sharded,
                 attention_core_bytes=min(layer.saved_activation_bytes_attention_core, sharded),
                 input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp,
@@ -252,10 +275,14 @@ class MemoryCosts:
         zero3_bytes = 0.0
         if self.fsdp(zero_stage, dp, offload):
             largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep) for ri in range(len(self.runs)))
-            # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer; ZeRO-3 also holds the
-            # running and the prefetched layer's gathered weights (ZeRO-2 keeps its weights, already counted)
-            zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest) if zero_stage == 3
-                           else largest)
+            # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer (computed in the compute
+            # dtype, cast to the reduce dtype when they differ); ZeRO-3 also holds the running and the
+            # prefetched layer's gathered weights (ZeRO-2 keeps its weights, counted in the model states)
+            pol = self.precision
+            grad_ratio = (pol.compute_bytes + pol.grad_bytes) / pol.compute_bytes if pol.mixed else 1.0
+            zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest,
+                                                             grad_bytes_ratio=grad_ratio) if zero_stage == 3
+                           else largest * grad_ratio)
         logits = 0.0
         if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
             # the loss's logits live from the head's forward to its backward: with interleaving the head is in
@@ -275,7 +302,8 @@ class MemoryCosts:
 
     def memory_breakdown(self, c: Candidate, layer_names_by_rank: list[list[str]], act_bytes_by_rank: list[float],
                          workspace_by_rank: list[float]) -> list[dict[str, int]]:
-        """Per rank: weights, grads, optimizer, activations, workspace, logits, zero3_buffer (bytes/device)."""
+        """Per rank: weights, grads, optimizer, compute_copies, activations, workspace, logits, zero3_buffer
+        (bytes/device)."""
         ranks = self.rank_memory(c)
         out = []
         for q, names in enumerate(layer_names_by_rank):
@@ -284,9 +312,11 @@ class MemoryCosts:
             if c.pp == 1:  # held once (see _rank_memory_key)
                 dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.shard_group, c.offload)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,
-                                    optimizer_bytes=-dup.optimizer_bytes))
+                                    optimizer_bytes=-dup.optimizer_bytes, compute_copy_bytes=-dup.compute_copy_bytes))
             out.append({"weights": int(sum(s.weights_bytes for s in st)), "grads": int(sum(s.grads_bytes for s in st)),
-                        "optimizer": int(sum(s.optimizer_bytes for s in st)), "activations": int(act_bytes_by_rank[q]),
+                        "optimizer": int(sum(s.optimizer_bytes for s in st)),
+                        "compute_copies": int(sum(s.compute_copy_bytes for s in st)),
+                        "activations": int(act_bytes_by_rank[q]),
                         "workspace": int(workspace_by_rank[q]), "logits": int(ranks[q].logits_bytes),
                         "zero3_buffer": int(ranks[q].zero3_buffer_bytes)})
         return out

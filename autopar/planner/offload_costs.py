@@ -1,11 +1,11 @@
 """Offload pricing: where model states live and what moving them costs (autopar.codegen.offload, FSDP2 offload).
 
-  optimizer  the device keeps the 16-bit weights and gradients (ZeRO-sharded as without offload); the host
-             keeps fp32 masters and Adam's two moments (12 bytes per parameter the rank steps) plus an
-             fp32 copy of its gradients (4 bytes), whatever the device's weight dtype. Each step, after
-             backward, every rank copies its gradients to the host, converts them to fp32, steps Adam
-             there, converts the masters to the weight dtype and copies them back (codegen/offload.py
-             does these in sequence: all exposed)
+  optimizer  the device keeps the weights and gradients (ZeRO-sharded as without offload, in the precision
+             policy's dtypes: fp32 masters and fp32 gradients under every policy); the host keeps fp32
+             masters and Adam's two moments (12 bytes per parameter the rank steps) plus an fp32 copy of
+             its gradients (4 bytes). Each step, after backward, every rank copies its gradients to the
+             host (converting them to fp32 if they are not), steps Adam there, and copies the masters
+             back in the weights' dtype (codegen/offload.py does these in sequence: all exposed)
   params     FSDP2's CPUOffloadPolicy under ZeRO-3: the device keeps only the gathered layers (the ZeRO-3
              buffer), the host the shards of weights, gradients and optimizer states; every all-gather
              first copies the layer's shard to the device (in FSDP's copy-in, beside compute like the
@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from autopar.errors import InfeasiblePlanError
 from cost_models import memory, offload
 from cost_models.hardware import HostSpec
+from cost_models.precision import DTYPE_BYTES, Precision
 
-__all__ = ["OffloadCosts", "OffloadSummary", "HOST_RESERVE_FRACTION", "FP32_BYTES", "HOST_OPTIMIZER_BYTES_PER_PARAM"]
+__all__ = ["OffloadCosts", "OffloadSummary", "HOST_RESERVE_FRACTION"]
 
-FP32_BYTES = 4
-# offload="optimizer" on the host per parameter a rank steps: fp32 master + Adam's two fp32 moments (ZeRO-Offload's
-# 12 bytes) + the fp32 gradient copy the step reads (codegen/offload.py HostOptimizer: masters[i].grad)
-HOST_OPTIMIZER_BYTES_PER_PARAM = 4 * FP32_BYTES
+_HOST_DTYPE = "float32"  # codegen/offload.py HostOptimizer: masters, their moments and gradients in fp32
 # Host memory an offload plan may not fill: the OS, the data loader's workers and pinned staging buffers
 # (assumption: a tenth of a 1–2 TB DGX host, ~100–200 GiB, leaves them room; raise it in PlannerOptions if not)
 HOST_RESERVE_FRACTION = 0.10
@@ -39,11 +37,15 @@ HOST_RESERVE_FRACTION = 0.10
 class OffloadCosts:
     """Device and host bytes and host time of one layer's parameters under an offload mode."""
 
-    def __init__(self, host: HostSpec | None, *, devices_per_node: int, elem_bytes: float,
+    def __init__(self, host: HostSpec | None, *, devices_per_node: int, precision: Precision,
                  adam_bytes_per_param: float) -> None:
         self.host = host
         self.devices_per_node = devices_per_node
-        self.elem = elem_bytes  # bytes of one weight / gradient element on the device
+        self.elem = precision.weight_bytes  # bytes of one weight element on the device (gradients alike)
+        self.host_elem = DTYPE_BYTES[_HOST_DTYPE]
+        # offload="optimizer" on the host per parameter a rank steps: an fp32 master, Adam's two moments (ZeRO-
+        # Offload's 12 bytes) and the fp32 gradient copy the step reads (HostOptimizer: masters[i].grad)
+        self.host_optimizer_bytes = 2 * self.host_elem + precision.optimizer_bytes
         self.adam_bytes = adam_bytes_per_param  # what the optimizer step streams per parameter
 
     def check(self, mode: str) -> None:
@@ -61,7 +63,7 @@ class OffloadCosts:
         """The part of a layer's model states (as priced without offload) that stays on the device."""
         if mode == "optimizer":
             return memory.ModelStateBytes(weights_bytes=states.weights_bytes, grads_bytes=states.grads_bytes,
-                                          optimizer_bytes=0.0)
+                                          optimizer_bytes=0.0, compute_copy_bytes=states.compute_copy_bytes)
         if mode == "params":
             return memory.ModelStateBytes(weights_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0)
         return states
@@ -70,7 +72,7 @@ class OffloadCosts:
         """Host bytes one rank keeps: its optimizer states and an fp32 gradient copy per parameter it steps
         (optimizer), or all its sharded states (params)."""
         if mode == "optimizer":  # fp32 master, two fp32 moments and an fp32 gradient per parameter it steps
-            return HOST_OPTIMIZER_BYTES_PER_PARAM * stepped_params
+            return self.host_optimizer_bytes * stepped_params
         if mode == "params":
             return states.total_bytes
         return 0.0
@@ -87,7 +89,9 @@ class OffloadCosts:
         if mode == "params":
             return adam
         copies = 2 * offload.host_copy_s(stepped_params * self.elem, self.devices_per_node, host)
-        casts = 2 * offload.host_cast_s(node_params, self.elem, FP32_BYTES, host)
+        # gradients to fp32 and masters to the weights' dtype on the CPU; none when the device holds fp32
+        casts = (2 * offload.host_cast_s(node_params, self.elem, self.host_elem, host)
+                 if self.elem != self.host_elem else 0.0)
         return copies + casts + adam
 
     def gather_copy_s(self, shard_bytes: float) -> float:

@@ -109,7 +109,8 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     t0 = time.perf_counter()
     cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
                                  global_batch_size=global_batch_size, options=options,
-                                 fp8s=_fp8_choices(costs, options), offloads=_offload_choices(costs, options))
+                                 fp8s=_fp8_choices(costs, options), offloads=_offload_choices(costs, options),
+                                 precision=costs.precision.name)
     cands = _host_fitting(costs, cands)
     modes = _modes(options)
     problems = [costs.problem(c, modes, options.recompute_per_layer) for c in cands]
@@ -193,6 +194,9 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
     _check_layout(costs, config)
     check_fp8_device(costs.device, config.fp8)
     costs.memory.offload.check(config.offload)
+    if config.precision != costs.precision.name:
+        raise InfeasiblePlanError(f"layout {config} is in precision {config.precision}, but these costs price "
+                                  f"{costs.precision.name}; build the CostModel with precision={config.precision!r}")
     cand = Candidate.of(config)
     if layers_per_stage is not None or layer_modes is not None:
         if layers_per_stage is None or layer_modes is None:

@@ -44,6 +44,7 @@ class Candidate:
     fp8: str = "none"
     offload: str = "none"
     cp: int = 1
+    precision: str = "bf16"
 
     @property
     def world_size(self) -> int:
@@ -64,7 +65,7 @@ class Candidate:
                               micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
                               sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep,
-                              fp8=self.fp8, offload=self.offload)
+                              fp8=self.fp8, offload=self.offload, precision=self.precision)
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
@@ -72,7 +73,7 @@ class Candidate:
                    micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
                    sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep,
-                   fp8=config.fp8, offload=config.offload)
+                   fp8=config.fp8, offload=config.offload, precision=config.precision)
 
 
 def divisors(n: int) -> list[int]:
@@ -110,10 +111,13 @@ def _pinned(values: list, pin) -> list:
 
 def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, global_batch_size: int,
                          options: PlannerOptions, fp8s: tuple[str, ...] = ("none",),
-                         offloads: tuple[str, ...] = ("none",)) -> list[Candidate]:
+                         offloads: tuple[str, ...] = ("none",), precision: str = "bf16") -> list[Candidate]:
     """All outer layouts allowed by the cluster, the batch and `options`; raises when there are none.
     fp8s / offloads: the FP8 recipes and offload modes to consider (the caller knows what the devices and
-    hosts allow); offload "params" is FSDP2's CPU offload, so it comes with ZeRO-3 only (at dp = 1 too)."""
+    hosts allow); offload "params" is FSDP2's CPU offload, so it comes with ZeRO-3 only (at dp = 1 too).
+    precision: one policy for all (the CostModel's: options.precision when pinned, else the device's
+    default; not searched, as 16 bits is faster and smaller wherever the device has 16-bit throughput, and
+    the numerics are the practitioner's choice)."""
     o = options
     out: list[Candidate] = []
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
@@ -142,7 +146,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                 out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=z, micro_batch_size=mbs,
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
                                                      sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
-                                                     offload=off)
+                                                     offload=off, precision=precision)
                                            for ep in eps)
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
@@ -202,5 +206,5 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 def _pins(o: PlannerOptions) -> str:
     names = ("tp", "cp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
-             "virtual_stages", "recompute", "sequence_parallel", "compile", "ep", "fp8", "offload")
+             "virtual_stages", "recompute", "sequence_parallel", "compile", "ep", "fp8", "offload", "precision")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"

@@ -1,0 +1,74 @@
+"""The global gradient norm over every rank, and clipping by it (torch.nn.utils.clip_grad_norm_'s rule).
+
+Each element of the model's gradient is counted exactly once over the whole job: a rank adds the
+squares of its local gradient shards, except where another rank holds the same values —
+
+- a DTensor replicated along a mesh axis counts only at coordinate 0 of that axis (its shards along
+  Shard axes are distinct and all count: TP shards, FSDP shards);
+- a plain tensor is replicated over the data-parallel and tensor-parallel axes its DTensor mesh (if
+  any) does not cover, and counts only at coordinate 0 of each;
+- a weight several pipeline stages hold (a tied embedding and head, a root-level parameter) counts on
+  the first stage holding it only (`SharedGradients.counted_once`), and a weight tied inside one stage
+  is one parameter;
+
+then one all-reduce (sum) over the default group gives the squared norm on every rank. With fp16 loss
+scaling the same sum says whether any shard overflowed (it is then not finite), so no extra collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.codegen.data_parallel import local
+
+__all__ = ["counted_locally", "global_grad_norm", "clip_grads_"]
+
+_REPLICATED_AXES = ("dp", "tp")  # axes over which a plain parameter is a copy (pp holds different stages)
+
+
+def counted_locally(p: nn.Parameter, mesh: DeviceMesh) -> bool:
+    """Whether this rank's shard of `p`'s gradient is the one copy counted in the global norm."""
+    covered: set[str] = set()
+    g = p.grad if isinstance(p.grad, DTensor) else p  # the gradient's own placements, when it has them
+    if isinstance(g, DTensor):
+        covered = set(g.device_mesh.mesh_dim_names or ())
+        for i, placement in enumerate(g.placements):
+            if isinstance(placement, Replicate) and g.device_mesh.get_local_rank(i) != 0:
+                return False
+    return all(mesh[axis].get_local_rank() == 0 for axis in _REPLICATED_AXES if axis not in covered)
+
+
+@torch.no_grad()
+def global_grad_norm(params: Sequence[nn.Parameter], mesh: DeviceMesh, skip: set[int] | frozenset[int] = frozenset()
+                     ) -> float:
+    """The L2 norm of the whole model's gradient (every rank gets the same value; collective).
+
+    `params`: this rank's parameters, each once; `skip`: ids of replicas counted elsewhere."""
+    device = next((local(p.grad).device for p in params if p.grad is not None), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None or id(p) in skip or not counted_locally(p, mesh):
+            continue
+        g = local(p.grad)
+        total += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return math.sqrt(total.item()) if math.isfinite(total.item()) else float("inf")
+
+
+@torch.no_grad()
+def clip_grads_(params: Sequence[nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale every local gradient by min(1, max_norm / (total_norm + 1e-6)), as clip_grad_norm_ does."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef >= 1.0:
+        return
+    for p in params:
+        if p.grad is not None:
+            local(p.grad).mul_(coef)
