@@ -221,7 +221,9 @@ def test_gpt3_175b_on_1024_a100s_follows_published_practice() -> None:
     # TP inside a node; across the 128 nodes the model is split by a pipeline or sharded by ZeRO-3 (whose
     # gathers FSDP2 hides behind each micro-batch's passes where a pass outlasts its gather)
     assert c.tp <= cluster.devices_per_node and cluster.devices_per_node % c.tp == 0
-    assert c.pp > 1 or c.zero_stage == 3
+    # (or ZeRO-2 with the optimizer states on the host: under bf16 the fp32 masters are the parameters, and
+    # offloading their moments is what lets ZeRO-2's unsharded 16-bit weights fit)
+    assert c.pp > 1 or c.zero_stage == 3 or (c.zero_stage == 2 and c.offload != "none")
     assert plan.solver.status == "optimal" and plan.solver.gap == 0.0
     published = [autopar.estimate(graph, cluster, ParallelConfig(
         tp=8, pp=16, dp=8, micro_batch_size=1, num_microbatches=192, schedule="interleaved_1f1b", virtual_stages=v,
