@@ -159,8 +159,6 @@ def memory_cases(cases: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
     return [memory_case(*c) for c in cases]
 
 
-
-
 def _warmup_cosine(opt: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warm-up then cosine decay, from torch.optim.lr_scheduler's own pieces."""
     from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR

@@ -5,7 +5,10 @@ against one process (tests/precision_cases.py runs the cases inside the ranks).
   process under torch.autocast(bfloat16) with fp32 AdamW within 2e-2; Linears run in bf16 and the
   optimizer steps fp32 parameters.
 - fp32 with max_grad_norm=0.05 (active every step) on a model with tied embeddings: `grad_norm` equals
-  clip_grad_norm_'s within 1e-5 relative, losses within rtol 1e-4, weights within rtol 1e-4 / atol 1e-5.
+  clip_grad_norm_'s within 1e-5 relative, losses within rtol 1e-4, weights within rtol 1e-4 / atol 1e-5;
+  the same layouts, and cp2 alone, with dp2 under ZeRO-1 and with dp2 under ZeRO-3 (gradients averaged
+  and sharded over the flattened dp·cp axis). bf16 under cp2 as well, and FP8 linears (tensorwise, float8
+  all-gathers under ZeRO-3) under the bf16 policy.
 - fp16: a step whose gradients overflow on one rank's shard is skipped on every rank and halves the scale.
 - memory: the bytes of every parameter, gradient and optimizer-state tensor per rank equal the planner's
   model-state bytes for that rank within 1%, per precision × ZeRO stage × tp.
@@ -62,7 +65,11 @@ def _check_policy(results: list[dict]) -> None:
 
 def test_policies_clipping_and_schedules_on_two_ranks():
     schedules = [dict(dp=2, zero_stage=1), dict(tp=2), dict(pp=2, num_microbatches=2)]
-    results = run_distributed(job, 2, _cases(LAYOUTS_2), schedules, timeout_s=900)
+    # context parallelism needs a model taking position_ids (the Llama), not the zoo GPT
+    cp = [("llama_tied", dict(cp=2), dict(precision="bf16")), ("llama_tied", dict(cp=2), CLIP)]
+    # FP8 linears (torchao, emulated on CPU) under the bf16 policy: float8 all-gathers of fp32 masters' shards
+    fp8 = [("gpt", dict(dp=2, zero_stage=3, num_microbatches=2, fp8="tensorwise"), dict(precision="bf16"))]
+    results = run_distributed(job, 2, _cases(LAYOUTS_2) + cp + fp8, schedules, timeout_s=900)
     _check_policy(results[0]["policy"])
     failures = []
     for r in results[0]["schedules"]:
@@ -77,9 +84,12 @@ def test_policies_clipping_and_schedules_on_two_ranks():
     assert not failures, "\n".join(failures)
 
 
-def test_memory_bytes_and_fp16_overflow_on_four_ranks():
+def test_memory_bytes_fp16_overflow_and_cp_clipping_on_four_ranks():
     cases = [(prec, zero, tp) for prec in ("fp32", "bf16", "fp16") for zero in (0, 1, 2, 3) for tp in (1, 2)]
-    results = run_distributed(job, 4, None, None, cases, True, timeout_s=900)
+    # clipping where gradients are averaged over the flattened dp·cp axis: ZeRO-1 owners and FSDP shards on it
+    cp = [("llama_tied", dict(cp=2, dp=2, zero_stage=z), CLIP) for z in (1, 3)]
+    results = run_distributed(job, 4, cp, None, cases, True, timeout_s=900)
+    _check_policy(results[0]["policy"])
     failures = []
     for rank in results:
         for r in rank["memory"]:

@@ -4,9 +4,10 @@ Each element of the model's gradient is counted exactly once over the whole job:
 squares of its local gradient shards, except where another rank holds the same values —
 
 - a DTensor replicated along a mesh axis counts only at coordinate 0 of that axis (its shards along
-  Shard axes are distinct and all count: TP shards, FSDP shards);
-- a plain tensor is replicated over the data-parallel and tensor-parallel axes its DTensor mesh (if
-  any) does not cover, and counts only at coordinate 0 of each;
+  Shard axes are distinct and all count: TP shards, FSDP shards over the flattened ("dp", "cp") axis);
+- a plain tensor is replicated over the data-parallel, context-parallel and tensor-parallel axes its
+  DTensor mesh (if any) does not cover, and counts only at coordinate 0 of each (cp ranks hold the same
+  weights and, after the gradient average over dp·cp, the same gradients);
 - a weight several pipeline stages hold (a tied embedding and head, a root-level parameter) counts on
   the first stage holding it only (`SharedGradients.counted_once`), and a weight tied inside one stage
   is one parameter;
@@ -27,10 +28,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.codegen.data_parallel import local
+from autopar.codegen.mesh import GRAD_AXIS
 
 __all__ = ["counted_locally", "global_grad_norm", "clip_grads_"]
 
-_REPLICATED_AXES = ("dp", "tp")  # axes over which a plain parameter is a copy (pp holds different stages)
+_REPLICATED_AXES = ("dp", "cp", "tp")  # axes over which a plain parameter is a copy (pp holds different stages)
+_FLATTENED = {GRAD_AXIS: ("dp", "cp")}  # FSDP shards over the flattened axis: a DTensor on it covers both
 
 
 def counted_locally(p: nn.Parameter, mesh: DeviceMesh) -> bool:
@@ -38,7 +41,8 @@ def counted_locally(p: nn.Parameter, mesh: DeviceMesh) -> bool:
     covered: set[str] = set()
     g = p.grad if isinstance(p.grad, DTensor) else p  # the gradient's own placements, when it has them
     if isinstance(g, DTensor):
-        covered = set(g.device_mesh.mesh_dim_names or ())
+        names = g.device_mesh.mesh_dim_names or ()
+        covered = {axis for name in names for axis in _FLATTENED.get(name, (name,))}
         for i, placement in enumerate(g.placements):
             if isinstance(placement, Replicate) and g.device_mesh.get_local_rank(i) != 0:
                 return False

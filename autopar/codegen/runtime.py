@@ -314,6 +314,8 @@ class ParallelModel:
             scaler.unscale_(local(p.grad) for p in params if p.grad is not None)
         # every step: what practitioners log, what fp16's overflow check needs, what clipping scales by
         self.grad_norm = global_grad_norm(params, self.mesh, self._replicas)
+        if self.zero1 is not None:  # counted in the norm; stepped by their owners (and none left for next step)
+            self.zero1.drop_unowned_grads()
         if scaler is not None:
             overflow = not math.isfinite(self.grad_norm)
             scaler.update(overflow)
@@ -321,8 +323,6 @@ class ParallelModel:
                 return
         if self.max_grad_norm is not None:
             clip_grads_(params, self.max_grad_norm, self.grad_norm)
-        if self.zero1 is not None:
-            self.zero1.drop_unowned_grads()
         self.optimizer.step()
         if self.zero1 is not None:
             self.zero1.broadcast_()
