@@ -21,9 +21,13 @@ from torch.distributed.tensor import DTensor
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.data_parallel import local
 
-__all__ = ["job", "policy_cases", "fp16_overflow_case", "memory_cases", "schedule_cases", "CLIP_LR"]
+__all__ = ["job", "policy_cases", "policy_suite_case", "fp16_overflow_case", "memory_cases", "schedule_cases",
+           "CLIP_LR", "MODES"]
 
 CLIP_LR = 1e-2  # large enough that clipping at 0.05 is active on every step
+# what a policy case trains under: the bf16 policy, or fp32 with clipping at 0.05 active on every step
+MODES: dict[str, dict[str, Any]] = {"bf16": dict(precision="bf16"),
+                                    "clip": dict(precision="fp32", max_grad_norm=0.05, lr=CLIP_LR)}
 
 
 def adamw(lr: float):
@@ -73,6 +77,12 @@ def policy_case(kind: str, config: dict[str, Any], *, precision: str, max_grad_n
 
 def policy_cases(cases: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
     return [policy_case(kind, cfg, **kw) for kind, cfg, kw in cases]
+
+
+def policy_suite_case(name: str, config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """`policy_case` for tests/test_eight_ranks.py's shared job: `name` is "<model kind>:<MODES key>"."""
+    kind, mode = name.split(":")
+    return policy_case(kind, config, steps=steps, **MODES[mode])
 
 
 def fp16_overflow_case() -> dict[str, Any]:

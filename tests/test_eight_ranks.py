@@ -8,7 +8,10 @@ and last gradients within rtol 1e-4 / atol 1e-5 of the same model trained on one
 
 Cases: the zoo GPT and transformers' Llama (with sequence parallelism) for 5 steps, Gemma (tied,
 scaled embedding) and the self-written nanoGPT (ModuleDict, tied head, its own `(logits, loss)`)
-for 3 steps; DeepSeek-V3 under expert parallelism (ep2 × pp2 × edp2, ZeRO-3) for 3 steps.
+for 3 steps; DeepSeek-V3 under expert parallelism (ep2 × pp2 × edp2, ZeRO-3) for 3 steps; and
+tests/test_precision.py's 3-D cases, checked with its checks: the zoo GPT under the bf16 policy (5 steps
+against one process under autocast, within 2e-2) and a tied-embedding Llama in fp32 with clipping active
+every step (grad_norm within 1e-5 relative of clip_grad_norm_'s).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.multiproc
 SUITES = {  # suite name → (module in tests/, function(name, layout, steps) → result dict)
     "parity": ("parity_models", "parity_case"),
     "own": ("own_models", "own_case"),
+    "precision": ("precision_cases", "policy_suite_case"),
 }
 THREE_D = dict(tp=2, pp=2, dp=2, zero_stage=3, num_microbatches=2)
 CASES = [
@@ -36,6 +40,8 @@ CASES = [
     # expert parallelism: DeepSeek-V3 (dense first layer, shared expert, MLA) under ep2 × pp2 × edp2, its banks
     # `fully_shard`ed over the ranks holding their experts, the dense layers over all four data-parallel ranks
     ("parity", "deepseek_v3", dict(pp=2, dp=4, ep=2, zero_stage=3, num_microbatches=2, schedule="1f1b"), 3),
+    ("precision", "gpt:bf16", THREE_D, 5),  # the bf16 policy against one process under autocast
+    ("precision", "llama_tied:clip", THREE_D, 3),  # clipping's global norm with tied embeddings
 ]
 
 
@@ -49,8 +55,11 @@ def suite_cases(cases: list[tuple[str, str, dict[str, Any], int]]) -> list[dict[
 
 
 def test_three_d_zero3_on_eight_ranks():
+    from test_precision import check_policy
+
     per_rank = run_distributed(suite_cases, 8, CASES, timeout_s=900.0)
-    _check(per_rank[0])
+    _check([r for case, r in zip(CASES, per_rank[0], strict=True) if case[0] != "precision"])
+    check_policy([r for case, r in zip(CASES, per_rank[0], strict=True) if case[0] == "precision"])
     for i, (_, _, layout, _) in enumerate(CASES):
         check_experts_split([r[i] for r in per_rank], layout.get("ep", 1))
     for other in per_rank[1:]:  # the reported loss is the global mean on every rank

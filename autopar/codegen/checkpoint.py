@@ -155,7 +155,7 @@ class Checkpointer:
             partial.mkdir(parents=True)
         dist.barrier()
         state = {"model": state_io.model_state(self._parts),
-                 "optim": state_io.optimizer_state(self.pm.optimizer, self._parts), **_rng_states(self.pm.device)}
+                 "optim": state_io.optimizer_state(self.pm.stepper, self._parts), **_rng_states(self.pm.device)}
         info = {"step": step, "extra": dict(extra or {})}
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
@@ -284,7 +284,7 @@ class Checkpointer:
                 "--override flags it was saved with, or use another --checkpoint-dir")
 
     def _load(self, info: CheckpointInfo) -> None:
-        parts, optimizer = self._parts, self.pm.optimizer
+        parts, optimizer = self._parts, self.pm.stepper
         state_io.init_optimizer_state(optimizer, self.pm.updates)
         state: dict[str, Any] = {"model": state_io.model_state(parts),
                                  "optim": state_io.optimizer_state(optimizer, parts)}

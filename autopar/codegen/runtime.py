@@ -67,7 +67,11 @@ class ParallelModel:
         self.num_stages = num_stages
         self.schedule = schedule
         self.loss_fn = loss_fn
-        self.optimizer = optimizer
+        # the user's optimizer (LR schedulers drive it); under offload="optimizer" it steps host masters and
+        # the HostOptimizer around it (`stepper`) moves gradients and weights
+        self.optimizer: torch.optim.Optimizer = (optimizer.optimizer if isinstance(optimizer, HostOptimizer)
+                                                 else optimizer)
+        self.stepper = optimizer  # what zeroes, steps and checkpoints the optimizer state
         self.vocab_parallel = vocab_parallel
         self.device = device
         self.feed = feed
@@ -276,7 +280,7 @@ class ParallelModel:
         self.train()
         timer = self.timer
         with named_failures("train_step"), timer.step() if timer else nullcontext():
-            self.optimizer.zero_grad(set_to_none=True)
+            self.stepper.zero_grad(set_to_none=True)
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
             with timer.phase("grad_sync") if timer else nullcontext():
@@ -323,7 +327,7 @@ class ParallelModel:
                 return
         if self.max_grad_norm is not None:
             clip_grads_(params, self.max_grad_norm, self.grad_norm)
-        self.optimizer.step()
+        self.stepper.step()
         if self.zero1 is not None:
             self.zero1.broadcast_()
 
@@ -378,11 +382,11 @@ class ParallelModel:
     def save(self, path: str) -> None:
         """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""
         with named_failures("save"):
-            state_io.save(path, self.modules, self.optimizer)
+            state_io.save(path, self.modules, self.stepper)
 
     def load(self, path: str) -> None:
         """Load a checkpoint saved by `save` under any layout (tp, pp, dp, ZeRO stage, world size), resharded
         by parameter name (collective). For atomic, verified, resumable checkpoints use
         `autopar.codegen.checkpoint.Checkpointer`."""
         with named_failures("load"):
-            state_io.load(path, self.modules, self.optimizer, self.updates)
+            state_io.load(path, self.modules, self.stepper, self.updates)
