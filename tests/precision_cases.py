@@ -85,11 +85,14 @@ def policy_suite_case(name: str, config: dict[str, Any], steps: int) -> dict[str
     return policy_case(kind, config, steps=steps, **MODES[mode])
 
 
-def fp16_overflow_case() -> dict[str, Any]:
+def fp16_overflow_case(root: str) -> dict[str, Any]:
     """fp16 under ZeRO-3 (every rank holds its own gradient shards): at step 2 one element of rank 0's
     local shard becomes inf just before unscaling. Every rank must skip that step (weights unchanged)
-    and halve the scale; the other steps update."""
+    and halve the scale; the other steps update. Then a checkpoint in `root` carries the scaler's state
+    into a fresh model that resumes from it."""
     import torch.distributed as dist
+
+    from autopar.codegen.checkpoint import Checkpointer
 
     model = build_model("gpt")
     graph = graph_of("gpt", model)
@@ -116,8 +119,13 @@ def fp16_overflow_case() -> dict[str, Any]:
         unchanged.append(all(torch.equal(local(v), before[k]) for k, v in pm.state_dict().items()))
         scales.append((scale_used, scaler.scale))
         norms.append(pm.grad_norm)
+    Checkpointer(pm, root, model_name="gpt").save(3)
+    resumed = parallelize(build_model("gpt", seed=1), make_plan(graph, precision="fp16", dp=world, zero_stage=3),
+                          graph=graph, optimizer=adamw(1e-3), loss_fn=lm_cross_entropy)
+    Checkpointer(resumed, root, model_name="gpt").resume()
     return {"rank": dist.get_rank(), "unchanged": unchanged, "scales": scales, "norms": norms,
-            "skipped": scaler.skipped_steps}
+            "skipped": scaler.skipped_steps, "saved_scaler": scaler.state_dict(),
+            "resumed_scaler": resumed.loss_scaler.state_dict()}
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -226,7 +234,9 @@ def schedule_cases(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def job(policy: list | None = None, schedules: list | None = None, memory: list | None = None,
-        overflow: bool = False) -> dict[str, Any]:
-    """Several kinds of case in one gloo job (one process start-up for all: the CI budget)."""
+        overflow_root: str | None = None) -> dict[str, Any]:
+    """Several kinds of case in one gloo job (one process start-up for all: the CI budget); the fp16
+    overflow case runs when given a checkpoint folder."""
     return {"policy": policy_cases(policy or []), "schedules": schedule_cases(schedules or []),
-            "memory": memory_cases(memory or []), "overflow": fp16_overflow_case() if overflow else None}
+            "memory": memory_cases(memory or []),
+            "overflow": fp16_overflow_case(overflow_root) if overflow_root else None}

@@ -9,7 +9,8 @@ against one process (tests/precision_cases.py runs the cases inside the ranks).
   the same layouts, and cp2 alone, with dp2 under ZeRO-1 and with dp2 under ZeRO-3 (gradients averaged
   and sharded over the flattened dp·cp axis). bf16 under cp2 as well, and FP8 linears (tensorwise, float8
   all-gathers under ZeRO-3) under the bf16 policy.
-- fp16: a step whose gradients overflow on one rank's shard is skipped on every rank and halves the scale.
+- fp16: a step whose gradients overflow on one rank's shard is skipped on every rank and halves the scale;
+  a checkpoint carries the scaler's state to a resumed run.
 - memory: the bytes of every parameter, gradient and optimizer-state tensor per rank equal the planner's
   model-state bytes for that rank within 1%, per precision × ZeRO stage × tp.
 - LR schedules and parameter groups by name on `ParallelModel.optimizer` give one process's learning
@@ -86,11 +87,11 @@ def test_policies_clipping_and_schedules_on_two_ranks():
     assert not failures, "\n".join(failures)
 
 
-def test_memory_bytes_fp16_overflow_and_cp_clipping_on_four_ranks():
+def test_memory_bytes_fp16_overflow_and_cp_clipping_on_four_ranks(tmp_path):
     cases = [(prec, zero, tp) for prec in ("fp32", "bf16", "fp16") for zero in (0, 1, 2, 3) for tp in (1, 2)]
     # clipping where gradients are averaged over the flattened dp·cp axis: ZeRO-1 owners and FSDP shards on it
     cp = [("llama_tied", dict(cp=2, dp=2, zero_stage=z), CLIP) for z in (1, 3)]
-    results = run_distributed(job, 4, cp, None, cases, True, timeout_s=900)
+    results = run_distributed(job, 4, cp, None, cases, str(tmp_path / "ck"), timeout_s=900)
     check_policy(results[0]["policy"])
     failures = []
     for rank in results:
@@ -106,4 +107,6 @@ def test_memory_bytes_fp16_overflow_and_cp_clipping_on_four_ranks():
         if not (s1 == s0 and t1 == t0 / 2 and math.isinf(o["norms"][1])):
             failures.append(f"rank {o['rank']}: scales {o['scales']}, norms {o['norms']}; want the scale halved "
                             "at the overflowing step only")
+        if o["resumed_scaler"] != o["saved_scaler"] or o["saved_scaler"]["skipped_steps"] != 1:
+            failures.append(f"rank {o['rank']}: resumed loss scaler {o['resumed_scaler']}, saved {o['saved_scaler']}")
     assert not failures, "\n".join(failures)

@@ -157,6 +157,8 @@ class Checkpointer:
         state = {"model": state_io.model_state(self._parts),
                  "optim": state_io.optimizer_state(self.pm.stepper, self._parts), **_rng_states(self.pm.device)}
         info = {"step": step, "extra": dict(extra or {})}
+        if self.pm.loss_scaler is not None:  # fp16: every rank holds the same scale (its updates are agreed)
+            info["loss_scale"] = self.pm.loss_scaler.state_dict()
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
             self._pending = (future, step, partial, info)
@@ -293,4 +295,6 @@ class Checkpointer:
         dcp.load({**state, **rng}, checkpoint_id=str(info.path))
         state_io.restore_scalars(state["optim"], optimizer, parts)
         set_rng_states(self.pm.device, {key.split(".")[1]: value for key, value in rng.items()})
+        if self.pm.loss_scaler is not None and "loss_scale" in info.manifest:  # saved under fp16 too
+            self.pm.loss_scaler.load_state_dict(info.manifest["loss_scale"])
 

@@ -8,6 +8,9 @@ squares of its local gradient shards, except where another rank holds the same v
 - a plain tensor is replicated over the data-parallel, context-parallel and tensor-parallel axes its
   DTensor mesh (if any) does not cover, and counts only at coordinate 0 of each (cp ranks hold the same
   weights and, after the gradient average over dp·cp, the same gradients);
+- an expert parameter (expert parallelism: its bank split over the ep ranks, which are dp ranks) counts
+  on every ep rank, once among the ranks holding the same experts (`ExpertParallel.grad_mesh`: edp·cp, and
+  tp under sequence parallelism) unless FSDP shards it over them, and once over tp otherwise;
 - a weight several pipeline stages hold (a tied embedding and head, a root-level parameter) counts on
   the first stage holding it only (`SharedGradients.counted_once`), and a weight tied inside one stage
   is one parameter;
@@ -28,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.codegen.data_parallel import local
+from autopar.codegen.experts import ExpertParallel, expert_grad_axes
 from autopar.codegen.mesh import GRAD_AXIS
 
 __all__ = ["counted_locally", "global_grad_norm", "clip_grads_"]
@@ -49,16 +53,32 @@ def counted_locally(p: nn.Parameter, mesh: DeviceMesh) -> bool:
     return all(mesh[axis].get_local_rank() == 0 for axis in _REPLICATED_AXES if axis not in covered)
 
 
+def _expert_counted_locally(experts: ExpertParallel, mesh: DeviceMesh) -> bool:
+    """Whether this rank counts its expert shards: the first of the ranks holding the same experts (all of
+    them when FSDP shards the experts over those ranks), and the first tp rank unless they include tp."""
+    tp_inside = "tp" in expert_grad_axes(experts.config)
+    return ((experts.fsdp or experts.grad_mesh.get_local_rank() == 0)
+            and (tp_inside or mesh["tp"].get_local_rank() == 0))
+
+
 @torch.no_grad()
-def global_grad_norm(params: Sequence[nn.Parameter], mesh: DeviceMesh, skip: set[int] | frozenset[int] = frozenset()
-                     ) -> float:
+def global_grad_norm(params: Sequence[nn.Parameter], mesh: DeviceMesh, skip: set[int] | frozenset[int] = frozenset(),
+                     experts: ExpertParallel | None = None) -> float:
     """The L2 norm of the whole model's gradient (every rank gets the same value; collective).
 
-    `params`: this rank's parameters, each once; `skip`: ids of replicas counted elsewhere."""
+    `params`: this rank's parameters, each once; `skip`: ids of replicas counted elsewhere; `experts`: the
+    expert banks split over ep ranks, if any."""
     device = next((local(p.grad).device for p in params if p.grad is not None), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
+    expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+    experts_counted = experts is not None and _expert_counted_locally(experts, mesh)
     for p in params:
-        if p.grad is None or id(p) in skip or not counted_locally(p, mesh):
+        if p.grad is None or id(p) in skip:
+            continue
+        if id(p) in expert_ids:
+            if not experts_counted:
+                continue
+        elif not counted_locally(p, mesh):
             continue
         g = local(p.grad)
         total += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2

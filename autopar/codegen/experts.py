@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.capture.graph import LayerSpec, MoESpec
@@ -44,8 +44,8 @@ from autopar.codegen.data_parallel import reduce_gradients
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
-__all__ = ["EXPERT_AXES", "ExpertParallel", "expert_mesh", "all_to_all", "check_bank", "sequence_sharded_moe_params",
-           "TokenShardGradients"]
+__all__ = ["EXPERT_AXES", "ExpertParallel", "expert_mesh", "expert_grad_axes", "all_to_all", "check_bank",
+           "sequence_sharded_moe_params", "TokenShardGradients"]
 
 EXPERT_AXES = ("pp", "edp", "ep", "cp", "tp")
 EXPERT_GRAD_AXIS = "edp_cp"  # the ranks holding the same experts (sequence parallelism adds tp)
@@ -79,8 +79,13 @@ def expert_mesh(mesh: DeviceMesh, config: ParallelConfig) -> tuple[DeviceMesh, D
     """The experts' view of the dense mesh, ("pp", "edp", "ep", "cp", "tp"), and the flattened group of the
     ranks that hold the same experts (edp · cp, and tp under sequence parallelism)."""
     view = mesh._unflatten("dp", (config.edp, config.ep), ("edp", "ep"))
-    axes = ("edp", "cp", "tp") if config.sequence_parallel and config.tp > 1 else ("edp", "cp")
-    return view, view[axes]._flatten(EXPERT_GRAD_AXIS)
+    return view, view[expert_grad_axes(config)]._flatten(EXPERT_GRAD_AXIS)
+
+
+def expert_grad_axes(config: ParallelConfig) -> tuple[str, ...]:
+    """The axes of the ranks holding the same experts: edp and cp, and tp under sequence parallelism (each tp
+    rank's MoE block then runs on its own sequence shard)."""
+    return ("edp", "cp", "tp") if config.sequence_parallel and config.tp > 1 else ("edp", "cp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +247,8 @@ class ExpertParallel:
 
         return run
 
-    def shard_states(self, *, zero_stage: int, offload_params: bool = False) -> set[nn.Parameter]:
+    def shard_states(self, *, zero_stage: int, offload_params: bool = False,
+                     mp_policy: MixedPrecisionPolicy | None = None) -> set[nn.Parameter]:
         """ZeRO-2/3 for the experts: each bank `fully_shard`ed over the ranks holding its experts (edp · cp),
         its reduce-scatter dividing by dp · cp; done before the dense layers are, which then skip these
         parameters. With no other rank holding them, returns them for the dense FSDP groups to ignore (their
@@ -251,7 +257,8 @@ class ExpertParallel:
             return set(self.parameters())
         policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
         for bank in self.banks.values():
-            fully_shard(bank, mesh=self.grad_mesh, reshard_after_forward=zero_stage == 3, offload_policy=policy)
+            fully_shard(bank, mesh=self.grad_mesh, reshard_after_forward=zero_stage == 3, offload_policy=policy,
+                        mp_policy=mp_policy or MixedPrecisionPolicy())
             bank.set_gradient_divide_factor(float(self.divisor))
             if dist.get_backend(self.grad_mesh.get_group()) == "gloo":  # gloo has no PREMUL_SUM: sum, then divide
                 bank.set_force_sum_reduction_for_comms(True)

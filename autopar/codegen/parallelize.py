@@ -233,7 +233,8 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                         if cfg.compile:
                             apply_compile(part.get_submodule(path))
             if fsdp:
-                ignored = (experts.shard_states(zero_stage=cfg.zero_stage, offload_params=cfg.offload == "params")
+                ignored = (experts.shard_states(zero_stage=cfg.zero_stage, offload_params=cfg.offload == "params",
+                                                mp_policy=fsdp_mixed_precision(pol))
                            if experts is not None else None)
                 paths = [p for la in layers for p in layer_modules(graph, la.name) if p not in flow.replicated]
                 apply_fsdp(part, _fsdp_paths(part, paths), grad_mesh, zero_stage=cfg.zero_stage,

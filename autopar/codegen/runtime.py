@@ -317,7 +317,7 @@ class ParallelModel:
         if scaler is not None:
             scaler.unscale_(local(p.grad) for p in params if p.grad is not None)
         # every step: what practitioners log, what fp16's overflow check needs, what clipping scales by
-        self.grad_norm = global_grad_norm(params, self.mesh, self._replicas)
+        self.grad_norm = global_grad_norm(params, self.mesh, self._replicas, self.experts)
         if self.zero1 is not None:  # counted in the norm; stepped by their owners (and none left for next step)
             self.zero1.drop_unowned_grads()
         if scaler is not None:
