@@ -206,7 +206,8 @@ def test_cbc_fallback_with_bound_rows_and_warm_start_matches_brute_force(seed: i
 
 def test_planning_prints_nothing_to_stdout() -> None:
     """autopar.plan from Python stays quiet: HiGHS's banner, printed by its C++ constructor to the process's
-    stdout once per process, is silenced (a fresh process, so its first solver is constructed here)."""
+    stdout once per process, is silenced (a fresh process, so its first solver is constructed here). Four
+    stages, so the stage cuts need ILPs (with two, the bound already proves the best cut and none runs)."""
     import os
     import subprocess
     import sys
@@ -215,7 +216,7 @@ def test_planning_prints_nothing_to_stdout() -> None:
     code = ("import sys, autopar\nfrom autopar import Cluster, PlannerOptions\n"
             "net, x = autopar.zoo.build('gpt-tiny', seq_len=16)\n"
             "plan = autopar.plan(autopar.capture(net, x), Cluster.preset('pcie-a100-8x', nodes=1), "
-            "global_batch_size=8, options=PlannerOptions(pp=2, top_k=0))\n"
+            "global_batch_size=8, options=PlannerOptions(pp=4, top_k=0))\n"
             "print(plan.solver.solver, plan.solver.ilps_solved, file=sys.stderr)\n")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

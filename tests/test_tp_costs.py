@@ -10,7 +10,7 @@ import autopar
 from autopar import Cluster
 from autopar.planner.costs import CostModel
 from autopar.planner.space import Candidate
-from autopar.planner.tp_costs import ADAMW_GRAD_READS, TPCollective, tp_collectives
+from autopar.planner.tp_costs import TPCollective, tp_collectives
 
 S, B = 128, 2
 
@@ -40,10 +40,9 @@ def test_collectives_per_layer_by_hand(graph):
                                      TPCollective("all_gather", "backward", act)])
     assert ops(block, True)[:4] == [TPCollective("all_gather", p, act) for p in ("backward", "backward", "forward",
                                                                                  "forward")]
-    # 2 LayerNorms × (weight, bias) of h elements, each gradient reduced per AdamW read
-    assert [c for c in ops(block, True) if c.phase == "step"] == \
-        [TPCollective("all_reduce", "step", 2 * h)] * (4 * ADAMW_GRAD_READS)
-    assert ops(norm, True) == [TPCollective("all_reduce", "step", 2 * h)] * (2 * ADAMW_GRAD_READS)
+    # 2 LayerNorms × (weight, bias) of h elements, each fp32 gradient (the masters') reduced once per step
+    assert [c for c in ops(block, True) if c.phase == "step"] == [TPCollective("all_reduce", "step", 4 * h)] * 4
+    assert ops(norm, True) == [TPCollective("all_reduce", "step", 4 * h)] * 2
     assert {c.op for c in ops(head, True)} == {"all_gather", "reduce_scatter", "all_reduce"}
     assert tp_collectives(graph, block, tp=1, sp=False, micro_batch=B) == ()
 

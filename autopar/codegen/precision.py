@@ -39,8 +39,18 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @torch.no_grad()
 def to_masters(model: nn.Module, pol: Precision) -> None:
-    """Every floating-point parameter and buffer in the policy's parameter dtype (fp32 masters)."""
-    model.to(dtype=torch_dtype(pol.param_dtype))
+    """Every real floating-point parameter and buffer in the policy's parameter dtype (fp32 masters).
+
+    Not `model.to(dtype)`: that also casts complex tensors to the real dtype, dropping their imaginary part
+    (rotary tables kept as complex64, as Meta's Llama keeps `freqs_cis`)."""
+    dtype = torch_dtype(pol.param_dtype)
+    for p in model.parameters():  # in place: a weight two modules share (tied) stays one parameter
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    for module in model.modules():
+        for key, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[key] = b.to(dtype)
 
 
 def compute_context(device: torch.device, pol: Precision) -> AbstractContextManager:

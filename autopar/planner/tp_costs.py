@@ -14,8 +14,9 @@ sequence parallelism, Korthikanti et al. 2022 §4.2.2):
                      (row max; sum of exponentials stacked with the target logit)
   last SP layer      when no vocab-parallel head follows: an all-gather of its output forward
   norms under SP     their weights stay replicated while the activations are sequence shards, so each
-                     norm parameter's gradient is a partial sum that DTensor all-reduces every time the
-                     optimizer reads it: AdamW reads it ADAMW_GRAD_READS times per step (phase "step")
+                     norm parameter's gradient is a partial sum, all-reduced once per step when the
+                     runtime gives it its parameter's placement (codegen.tensor_parallel.
+                     align_grad_placements), in the gradients' dtype (cost_models.precision; phase "step")
 
 Phases: "forward" and "backward" run once per micro-batch, "step" once per optimizer step.
 """
@@ -25,16 +26,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from autopar.capture.graph import LayerSpec, ModelGraph, SequenceSpan, sequence_span
+from cost_models.precision import DTYPE_BYTES, REDUCE_DTYPE
 
-__all__ = ["ADAMW_GRAD_READS", "CE_BYTES_PER_TOKEN", "TPCollective", "tp_collectives"]
+__all__ = ["CE_BYTES_PER_TOKEN", "TPCollective", "tp_collectives"]
 
-# torch.optim.AdamW (torch/optim/adamw.py → adam.py, _multi_tensor_adam / _single_tensor_adam) reads each
-# gradient three times: lerp_(grad) for the first moment and addcmul_(grad, grad) for the second.
-ADAMW_GRAD_READS = 3
 # loss.py _VocabParallelCrossEntropy: the fp32 row max [tokens] (4 B) and the stacked sum of exponentials
 # and target logit [2, tokens] (8 B).
 CE_BYTES_PER_TOKEN = (4, 8)
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
 class TPCollective(NamedTuple):
@@ -74,7 +72,6 @@ def tp_collectives(graph: ModelGraph, layer: LayerSpec, *, tp: int, sp: bool, mi
         if layer.name == span.gather_after:
             out.append(TPCollective("all_gather", "forward", layer.boundary_bytes * b))
         if layer.name in span.sharded_layers:
-            elem = _DTYPE_BYTES.get(graph.dtype, 2)
-            out += [TPCollective("all_reduce", "step", n * elem) for n in layer.norm_param_numels
-                    for _ in range(ADAMW_GRAD_READS)]
+            elem = DTYPE_BYTES[REDUCE_DTYPE]  # the gradients of fp32 masters under every policy
+            out += [TPCollective("all_reduce", "step", n * elem) for n in layer.norm_param_numels]
     return tuple(out)
