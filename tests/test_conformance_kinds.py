@@ -5,8 +5,9 @@ a padding mask; an encoder–decoder's ids, mask and decoder ids).
 
 One gloo job of 2 ranks runs every case (each family is captured once per job): ZeRO-3 under dp2 (batch
 norm synchronised over the ranks per micro-batch, compared with one process on the same micro-batches),
-pp2 with 1F1B (a ViT whose later stage reads the patch embedding's dtype; T5 cut between its encoder and
-decoder stacks, decoder ids read on the decoder's stage; a conv net's batch-norm statistics through the
+pp2 with 1F1B (a ViT whose later stage reads the patch embedding's dtype; T5 cut inside its decoder, the
+encoder's output carried to the second stage and its dropout, called after the embedding and again after
+the final norm, run where each call is; a conv net's batch-norm statistics through the
 runtime's shape inference) and tp2 (every attention split by head: BERT's post-norm encoder attention, T5's
 bias-free self- and cross-attention with its relative position bias cut to each rank's heads, its tied
 `shared`/`embed_tokens`/`lm_head` vocab-parallel; Swin v2's window attention beside its position-bias MLP);
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.multiproc
 ZERO3 = dict(dp=2, zero_stage=3, num_microbatches=2)
 PP = dict(pp=2, num_microbatches=2, schedule="1f1b")
 CASES = [("resnet", ZERO3), ("t5", ZERO3), ("swin", ZERO3),
-         ("vit", PP), ("t5", PP), ("regnet", PP),
+         ("vit", PP), ("t5", dict(PP, stage_sizes=(6, 3))), ("regnet", PP),
          ("deit", dict(tp=2)), ("bert", dict(tp=2)), ("t5", dict(tp=2)), ("swinv2", dict(tp=2))]
 REFUSED = (("resnet", dict(tp=2)),)
 
