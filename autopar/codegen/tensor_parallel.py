@@ -125,6 +125,14 @@ def _rewrite_head_counts(owner: nn.Module, pattern: TPPattern, tp: int) -> None:
                 setattr(module, attr, value // tp)
 
 
+def _called_parent(module: nn.Module, name: str) -> str:
+    """`name`, or its nearest ancestor that is called: an `nn.ModuleDict`/`nn.ModuleList` holding the
+    column linears has no forward of its own, so a hook on it would never see their shared input."""
+    while name and isinstance(module.get_submodule(name), (nn.ModuleDict, nn.ModuleList)):
+        name = name.rpartition(".")[0]
+    return name
+
+
 def _explain_failures(name: str):
     """Wraps a sharded module's forward: an error inside it (code that sizes a tensor with a width the
     rewrite did not know) is reported as what it is, not as a bare shape error from deep in torch."""
@@ -180,7 +188,7 @@ def _width_check(name: str, width: int):
 
 
 def _replicate_inner_params(module: nn.Module, owner: str, pattern: TPPattern, tp_mesh: DeviceMesh, *,
-                            tight: bool) -> None:
+                            tight: bool, sharded: frozenset[str]) -> None:
     """Parameters inside a pattern that are not its projections.
 
     Modules between the column and row linears see only this rank's heads or hidden units, so their
@@ -191,11 +199,12 @@ def _replicate_inner_params(module: nn.Module, owner: str, pattern: TPPattern, t
     gradients over the TP group. Any other such module must see full-width inputs (a norm of the
     block's input, when the projections sit in the block itself): checked on every call, refused
     when it would run on a shard. A module of head width or scalar parameters that cannot be placed
-    is refused outright. Parameters indexed by all heads (position-bias tables and MLPs, per-head
-    logit scales) stay whole: their outputs are cut to a rank's heads where they meet its scores
-    (autopar.codegen.head_bias).
+    is refused outright. The projections of the layer's other patterns (`sharded`: an MLP in the same block as
+    the attention) are theirs to place, whichever pattern comes first. Parameters indexed by all heads
+    (position-bias tables and MLPs, per-head logit scales) stay whole: their outputs are cut to a rank's heads
+    where they meet its scores (autopar.codegen.head_bias).
     """
-    projections = {*pattern.column, *pattern.row}
+    projections = {*pattern.column, *pattern.row, *sharded}
     head_dim = pattern.head_dim if pattern.kind == "attention" else None
     heads = pattern.num_heads if pattern.kind == "attention" else None
     for name, sub in module.get_submodule(owner).named_modules(prefix=owner):
@@ -244,7 +253,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 # (attention, MLP, BERT's attention.self) that feeds it straight to them; when the linears
                 # sit in the block itself, whose residuals and norms run on plain tensors, each column
                 # linear converts its own input (one more all-reduce of the input gradient per column).
-                inlet = common_parent(pattern.column)
+                inlet = _called_parent(module, common_parent(pattern.column))
                 shared_input = inlet not in layer.modules and inlet != layer.name
                 col_in = Shard(1) if sp else Replicate()
                 # a float8 linear gets torchao's float8 style (tp_style), which casts its input before gathering
@@ -259,7 +268,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 for name in pattern.row:
                     module.get_submodule(name).register_forward_hook(_own_output)
                 owner_module = module.get_submodule(owner)
-                _replicate_inner_params(module, owner, pattern, tp_mesh, tight=shared_input)
+                _replicate_inner_params(module, owner, pattern, tp_mesh, tight=shared_input,
+                                        sharded=frozenset(n for p in layer.tp_patterns for n in (*p.column, *p.row)))
                 if shared_input:
                     module.get_submodule(inlet).register_forward_pre_hook(_shared_input_hook(tp_mesh, sp),
                                                                           with_kwargs=True)
