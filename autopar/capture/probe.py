@@ -33,7 +33,7 @@ from autopar.capture.fusion import Step, StepLog, fused_kernels
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups
-from autopar.capture.tp_pairs import tensor_parallel_pairs
+from autopar.capture.tp_pairs import Tag, merge_sources, tensor_parallel_pairs
 from autopar.capture.units import is_norm
 from cost_models.optrace import OpRecord, describe_op
 
@@ -51,9 +51,6 @@ _SDPA_BACKWARD_OPS = frozenset(
     ) if hasattr(aten, name)
 )
 
-# Tag: (source linears, is attention core). Source None = replicated (from the residual stream);
-# an empty frozenset = constant.
-Tag = tuple[frozenset[str] | None, bool]
 _REPLICATED: Tag = (None, False)
 _CONSTANT: Tag = (frozenset(), False)
 
@@ -336,7 +333,7 @@ class _Tracker(TorchDispatchMode):
         in_tags = [self.tag(t) for t in ins]
         packet = func.overloadpacket
         any_core = any(core for _, core in in_tags)
-        src = _merge_sources(in_tags, bias_ok=any_core or packet in SDPA_OPS)
+        src = merge_sources(in_tags, bias_ok=any_core or packet in SDPA_OPS)
         active = [t for t, (s, _) in zip(ins, in_tags, strict=True) if s is None or s]
         head_dim = None
         if packet in SDPA_OPS:
@@ -369,22 +366,6 @@ class _Tracker(TorchDispatchMode):
                             sac_saved_bytes=sac, groups=groups))
         self.steps.record(kind, _storages(ins), _storages(outs))
         return out
-
-
-def _merge_sources(in_tags: list[Tag], *, bias_ok: bool) -> frozenset[str] | None:
-    """The source linears of an op's output: the union of its inputs', None (replicated) when one input is.
-
-    bias_ok (an op on the attention core, or a fused attention kernel): a replicated input there is a
-    bias or mask added to the scores per head (T5's relative position bias, passed from block to block;
-    Swin's window bias), not the residual stream: the output keeps the core's sources, and codegen gives
-    each rank its heads of the bias (autopar.codegen.head_bias)."""
-    src: frozenset[str] | None = frozenset()
-    sources = [s for s, _ in in_tags]
-    if bias_ok and any(s for s in sources):
-        sources = [s for s in sources if s is not None]
-    for s in sources:
-        src = None if s is None or src is None else src | s
-    return src
 
 
 def _storages(tensors: Any) -> list[tuple[int, int]]:

@@ -13,7 +13,11 @@ from torch import nn
 
 from autopar.capture.units import common_parent, is_norm
 
-__all__ = ["tensor_parallel_pairs"]
+# What capture's probe tracks per tensor: (source linears, is attention core); sources None = replicated
+# (from the residual stream), an empty frozenset = constant.
+Tag = tuple[frozenset[str] | None, bool]
+
+__all__ = ["Tag", "merge_sources", "tensor_parallel_pairs"]
 
 
 def tensor_parallel_pairs(module: nn.Module, linears: dict[str, nn.Module],
@@ -63,3 +67,19 @@ def _resolve_pairs(candidates: list[tuple[str, frozenset[str]]]) -> list[tuple[s
         used_rows.add(row)
         used_cols |= cols
     return pairs
+
+
+def merge_sources(in_tags: list[Tag], *, bias_ok: bool) -> frozenset[str] | None:
+    """The source linears of an op's output: the union of its inputs', None (replicated) when one input is.
+
+    bias_ok (an op on the attention core, or a fused attention kernel): a replicated input there is a
+    bias or mask added to the scores per head (T5's relative position bias, passed from block to block;
+    Swin's window bias), not the residual stream: the output keeps the core's sources, and codegen gives
+    each rank its heads of the bias (autopar.codegen.head_bias)."""
+    src: frozenset[str] | None = frozenset()
+    sources = [s for s, _ in in_tags]
+    if bias_ok and any(s for s in sources):
+        sources = [s for s in sources if s is not None]
+    for s in sources:
+        src = None if s is None or src is None else src | s
+    return src
