@@ -37,6 +37,7 @@ from autopar.capture.record import record
 from autopar.capture.targets import with_example_targets
 from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
 from autopar.capture.units import discover_units, structure_signature
+from autopar.capture.values import MAX_TRACKED_ELEMENTS, ShapeValues
 from autopar.errors import CaptureError
 
 __all__ = ["capture", "ModelGraph", "LayerSpec", "TPPattern"]
@@ -116,6 +117,36 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     return _capture(model, inputs, forward_kwargs)
 
 
+def _measure(model: nn.Module, runner: Any, units: tuple[Any, ...], structures: dict[str, str], inputs: tuple,
+             kwargs: dict[str, Any], *, known: dict[torch.Tensor, torch.Tensor],
+             fake_fallback: bool) -> tuple[Any, dict[str, Any]]:
+    """The recording pass and each distinct unit call's measurement, on meta tensors.
+
+    Small values computed from shapes and from the example inputs given with data (`known`: meta
+    input → its value) are followed (`ShapeValues`), so a model that reads one (Hugging
+    Face's packed-sequence check on its positions) takes the branch it takes on real data. Models that
+    needed export may also read values that depend on data; for them, a pass that fails is run again on
+    fake tensors, which such models recognise and answer without reading (at the price of the branch
+    they take when tracing, an explicit attention mask for instance).
+    """
+    def run(fake: FakeTensorMode | None) -> tuple[Any, dict[str, Any]]:
+        with fake or nullcontext(), swap_tensors(model, fake.from_tensor) if fake else nullcontext(), \
+                grouped_mm_any_dtype(), ShapeValues({} if fake else known):
+            args, kw = (tree_map_only(torch.Tensor, fake.from_tensor, (inputs, kwargs)) if fake
+                        else (inputs, kwargs))
+            state = ModelState(model)
+            rec = record(model, runner, units, structures, args, kw, state)
+            return rec, {sig: measure_call(model.get_submodule(name), a, k, state)
+                         for sig, (name, a, k) in rec.first_inputs.items()}
+
+    if not fake_fallback:
+        return run(None)
+    try:
+        return run(None)
+    except Exception:  # a value read that only data can answer: measure on fake tensors instead
+        return run(FakeTensorMode(allow_non_fake_inputs=True))
+
+
 def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) -> ModelGraph:
     start = time.perf_counter()
     first = _first_tensor(inputs, forward_kwargs)
@@ -132,22 +163,18 @@ def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) ->
     gc.disable()
     try:
         with on_meta(model), grouped_mm_any_dtype():
+            given = (inputs, forward_kwargs)
             inputs, kwargs = to_meta(inputs), to_meta(forward_kwargs)
+            known = {meta: real.detach().cpu()
+                     for real, meta in zip(tree_leaves(given), tree_leaves((inputs, kwargs)), strict=True)
+                     if type(real) is torch.Tensor and real.device.type != "meta"
+                     and real.numel() <= MAX_TRACKED_ELEMENTS}
             structures = {u.name: structure_signature(model.get_submodule(u.name)) for u in units}
             traced = trace_model(model, inputs, kwargs, units, structures)
             single = len(units) == 1 and not units[0].name
             runner = traced.graph_module if traced.graph_module is not None and not single else model
-            # Models that needed export (Hugging Face) consult tensor values in Python unless they see
-            # fake tensors; FakeTensorMode gives them those, still without any storage.
-            fake = FakeTensorMode(allow_non_fake_inputs=True) if traced.exported is not None else None
-            with fake or nullcontext(), swap_tensors(model, fake.from_tensor) if fake else nullcontext(), \
-                    grouped_mm_any_dtype():
-                if fake is not None:
-                    inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor, (inputs, kwargs))
-                state = ModelState(model)
-                rec = record(model, runner, units, structures, inputs, kwargs, state)
-                stats = {sig: measure_call(model.get_submodule(name), args, kw, state)
-                         for sig, (name, args, kw) in rec.first_inputs.items()}
+            rec, stats = _measure(model, runner, units, structures, inputs, kwargs, known=known,
+                                  fake_fallback=traced.exported is not None)
             called = list(dict.fromkeys(call.unit for call in rec.calls))
             groups = group_layers(model, units, called)
             unit_names = frozenset(u.name for u in units)

@@ -11,7 +11,8 @@ outputs of the units that later units read (directly or through top-level glue, 
 recomputes; values computed from the inputs alone — positions, masks, rotary tables — are never
 sent): those bytes are the boundary bytes, exactly what codegen sends (`autopar/codegen/dataflow.py`).
 The values a layer reads from earlier layers are its input bytes, what full recompute keeps
-(Korthikanti et al. 2022, §5: "2sbh", the layer input, per transformer layer).
+(Korthikanti et al. 2022, §5: "2sbh", the layer input, per transformer layer); a value that several
+layers read (rotary tables, a mask, an encoder's output) is one tensor, charged to the first of them.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: in
         if last > level[i]:
             diff[max(level[i], 0)] += node.nbytes
             diff[min(last, num_layers)] -= node.nbytes
-        for lv in user_levels:
-            if level[i] < lv < num_layers:
-                inputs[lv] += node.nbytes
+        readers = [lv for lv in user_levels if level[i] < lv < num_layers]
+        if readers:  # one tensor read by several layers (a mask, rotary tables, an encoder's output) is kept once
+            inputs[min(readers)] += node.nbytes
     boundary = []
     running = 0
     for i in range(num_layers):
