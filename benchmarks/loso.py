@@ -1,10 +1,12 @@
 """Leave-one-source-out (LOSO) validation of the cost model against published runs.
 
-Everything derived from published runs is derived again without the source under test: the baseline's
-one MFU (6·N·tokens at a single utilisation, the MAPE-minimising one) and the error band (the spread of
-the model's residuals on runs of the same kind). The cost model itself holds no constant fitted to these
-runs (tests/test_no_run_keyed_constants.py), so a run's LOSO residual is its plain residual; what LOSO
-changes is what the band and the baseline know when they meet a source they have never seen.
+Everything derived from published runs is derived again without the source under test: the cost model's
+one fitted quantity (the fraction of burst tensor-core throughput a GPU sustains in training,
+cost_models.compute.sustained_fraction: every run is priced at each of SUSTAINED_GRID, and the
+MAPE-minimising fraction of the training sources prices the held-out one), the baseline's one MFU
+(6·N·tokens at a single utilisation, the MAPE-minimising one) and the error band (the spread of the
+model's residuals on runs of the same kind). No constant of the cost model is keyed by a run or a source
+(tests/test_no_run_keyed_constants.py).
 
 Pure functions over `Row`s (no torch, no autopar), so tests can check them on synthetic numbers.
 """
@@ -16,6 +18,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
 # the spread a band reports: with at least BAND_QUANTILE_MIN_RUNS runs, the 10th and 90th percentiles of
 # their residuals (a band that 80% of runs like it fell inside); with fewer, their minimum and maximum
 BAND_QUANTILES = (0.10, 0.90)
@@ -23,6 +27,10 @@ BAND_QUANTILE_MIN_RUNS = 10
 # a band needs at least this many runs of its kind (parallelism kind and hardware); with fewer it widens
 # to the kind on any hardware, then to every run
 BAND_MIN_RUNS = 3
+# the sustained fractions every run is priced at, and the step of the fit between them (a run's step time
+# is interpolated linearly in 1/fraction: compute time scales so)
+SUSTAINED_GRID = (0.70, 0.75, 0.80, 0.85, 0.90, 0.95, 1.00)
+FIT_STEP = 0.005
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +44,17 @@ class Row:
     published_s: float
     predicted_s: float
     ideal_s: float  # step time at MFU 1: 6·N·tokens / (gpus · peak)
+    # (sustained fraction, predicted step time) at each of SUSTAINED_GRID; empty: predicted_s at any fraction
+    curve: tuple[tuple[float, float], ...] = ()
+
+    def at(self, fraction: float) -> Row:
+        """This run priced at sustained `fraction`: its curve interpolated linearly in 1/fraction."""
+        if not self.curve:
+            return self
+        xs = [1.0 / g for g, _ in self.curve]
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        t = float(np.interp(1.0 / fraction, [xs[i] for i in order], [self.curve[i][1] for i in order]))
+        return dataclasses.replace(self, predicted_s=t)
 
     @property
     def error(self) -> float:
@@ -74,6 +93,16 @@ def fit_constant_mfu(train: Sequence[Row]) -> float:
     return min((r.ideal_s / r.published_s for r in train), key=loss)
 
 
+def fit_sustained(train: Sequence[Row]) -> float | None:
+    """The sustained fraction (within SUSTAINED_GRID's range, by FIT_STEP) minimising the model's MAPE over
+    `train`; None when no run carries a curve."""
+    if not any(r.curve for r in train):
+        return None
+    lo, hi = min(SUSTAINED_GRID), max(SUSTAINED_GRID)
+    grid = [lo + i * FIT_STEP for i in range(round((hi - lo) / FIT_STEP) + 1)]
+    return min(grid, key=lambda g: mape([r.at(g).error for r in train]))
+
+
 def _spread(values: Sequence[float]) -> tuple[float, float]:
     v = sorted(values)
     if len(v) < BAND_QUANTILE_MIN_RUNS:
@@ -110,17 +139,22 @@ class SourceResult:
     baseline_mfu: float  # fitted without the source
     baseline_mape: float  # that MFU on the held-out source
     inside_band: int  # held-out runs whose published time fell inside the band derived without the source
+    sustained: float | None = None  # the sustained fraction fitted without the source (None: none fitted)
 
 
 def leave_one_source_out(rows: Sequence[Row]) -> list[SourceResult]:
-    """For each source: hold its runs out, derive the baseline MFU and the bands from the rest, and measure
-    the model, the baseline and the band's coverage on the held-out runs."""
+    """For each source: hold its runs out, fit the sustained fraction, derive the baseline MFU and the bands
+    from the rest, and measure the model (at that fraction), the baseline and the band's coverage on the
+    held-out runs."""
     out = []
     for source in sorted({r.source_id for r in rows}):
         test = [r for r in rows if r.source_id == source]
         train = [r for r in rows if r.source_id != source]
         if not train:
             raise ValueError("leave-one-source-out needs at least two sources")
+        g = fit_sustained(train)
+        if g is not None:
+            test, train = [r.at(g) for r in test], [r.at(g) for r in train]
         c = fit_constant_mfu(train)
         inside = 0
         for r in test:
@@ -128,7 +162,7 @@ def leave_one_source_out(rows: Sequence[Row]) -> list[SourceResult]:
             inside += band.lo <= r.slowdown <= band.hi
         out.append(SourceResult(source_id=source, runs=len(test), model_mape=mape([r.error for r in test]),
                                 baseline_mfu=c, baseline_mape=mape([r.ideal_s / c / r.published_s - 1.0 for r in test]),
-                                inside_band=inside))
+                                inside_band=inside, sustained=g))
     return out
 
 

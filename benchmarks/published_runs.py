@@ -9,10 +9,15 @@ with that MFU fitted to the *other* sources, and how many of its runs fell insid
 without it. Where a source does not publish the micro-batch size and schedule (or ZeRO stage, or
 recompute), the run is priced at the planner's best with every published field pinned (that is what the
 people who ran it tuned too); if nothing fits, at micro-batch 1 and 1F1B, and it counts as refused.
+Every run is first priced at each sustained fraction of loso.SUSTAINED_GRID (the cost model's one fitted
+quantity, cost_models.compute.sustained_fraction): the table prices them at the fraction fitted to all of
+them, LOSO at the fraction fitted without the source under test. --only prices at the fitted fraction of
+cost_models/catalog/fitted.toml.
 
     python benchmarks/published_runs.py [--only NAME_SUBSTRING] [--json out.json] [--write-bands]
 
---write-bands writes cost_models/catalog/error_bands.toml (the bands every Estimate carries) from all runs.
+--write-bands writes cost_models/catalog/error_bands.toml (the bands every Estimate carries) and
+cost_models/catalog/fitted.toml (the sustained fraction) from all runs.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fused_llama  # noqa: E402  (beside this script)
 import loso  # noqa: E402
 
-from cost_models import error_band  # noqa: E402
+from cost_models import compute, error_band  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "published_runs.toml"
 GiB = float(1 << 30)
@@ -62,6 +67,7 @@ class Priced:
     tokens: float  # per step
     peak_flops: float  # per GPU, the run's dtype
     gpus: int
+    curve: tuple[tuple[float, float], ...] = ()  # (sustained fraction, predicted step time) on loso's grid
 
     @property
     def error(self) -> float:
@@ -82,13 +88,15 @@ def _graph(run: dict, cache: dict):
     return cache[key]
 
 
-def _cluster(run: dict) -> Cluster:
+def _cluster(run: dict, sustained: float | None = None) -> Cluster:
+    """The run's cluster; `sustained`: its GPUs' sustained fraction (None: the fitted one, FITTED_FILE)."""
     base = Cluster.preset(run["cluster"], nodes=max(1, run["gpus"] // 8))
     if base.world_size != run["gpus"]:
         raise ValueError(f"{run['name']}: {run['gpus']} GPUs is not a whole number of 8-GPU nodes")
-    if "device" in run:
-        base = dataclasses.replace(base, device=catalog.device(run["device"]))
-    return base
+    device = catalog.device(run["device"]) if "device" in run else base.device
+    if sustained is not None:
+        device = dataclasses.replace(device, sustained_fraction=sustained)
+    return dataclasses.replace(base, device=device)
 
 
 def published_step_s(run: dict, graph) -> float:
@@ -161,8 +169,30 @@ def _memory_as_published(run: dict, est) -> float:
 
 def loso_rows(rows: list[Priced]) -> list[loso.Row]:
     return [loso.Row(name=r.name, source_id=r.source_id, kind=r.kind, hardware=r.hardware, published_s=r.published_s,
-                     predicted_s=r.predicted_s, ideal_s=6.0 * r.params * r.tokens / (r.gpus * r.peak_flops))
+                     predicted_s=r.predicted_s, ideal_s=6.0 * r.params * r.tokens / (r.gpus * r.peak_flops),
+                     curve=r.curve)
             for r in rows]
+
+
+def write_fitted(sustained: float, rows: int, sources: int, path: Path = compute.FITTED_FILE) -> None:
+    """The cost model's fitted quantity (cost_models.compute.sustained_fraction) as TOML."""
+    path.write_text("\n".join([
+        "# The cost model's one quantity fitted to published runs (cost_models/compute.py, sustained_fraction):",
+        "# the fraction of burst tensor-core throughput (MAMF, FlashAttention benchmarks) a GPU sustains in a",
+        "# training step. Generated from benchmarks/data/published_runs.toml by",
+        "#     python benchmarks/published_runs.py --write-bands",
+        f"# from {rows} runs of {sources} sources (the MAPE-minimising fraction); do not edit by hand.",
+        f"sustained_fraction = {sustained:.3f}", ""]))
+
+
+def price_curves(runs: list[dict], cache: dict) -> list[tuple[tuple[float, float], ...]]:
+    """Every run's predicted step time at each sustained fraction of loso.SUSTAINED_GRID."""
+    curves: list[list[tuple[float, float]]] = [[] for _ in runs]
+    for g in loso.SUSTAINED_GRID:
+        for curve, run in zip(curves, runs, strict=True):
+            est, _, _ = price(run, _graph(run, cache), _cluster(run, g))
+            curve.append((g, est.step_time_s))
+    return [tuple(c) for c in curves]
 
 
 def write_bands(rows: list[loso.Row], path: Path = error_band.BANDS_FILE) -> None:
@@ -203,12 +233,12 @@ def print_speedups(runs: list[dict], rows: list[Priced]) -> None:
         print(f"{row.name + ' / ' + base.name:<62} {pub:>8.3f}x {pred:>8.3f}x {pred / pub - 1:>+7.1%}")
 
 
-def _planner_against_meta(runs: list[dict], cache: dict) -> None:
+def _planner_against_meta(runs: list[dict], cache: dict, sustained: float | None) -> None:
     """Llama-3-405B on 16,384 H100: Meta's layout against what autopar.plan chooses for the same job."""
     run = next((r for r in runs if r["name"] == "llama3-405b-16k-gpus"), None)
     if run is None:
         return
-    graph, cluster = _graph(run, cache), _cluster(run)
+    graph, cluster = _graph(run, cache), _cluster(run, sustained)
     meta, layout, _ = price(run, graph, cluster)
     plan = autopar.plan(graph, cluster, global_batch_size=run["global_batch"], options=PlannerOptions(top_k=0))
     print(f"llama3-405b on {run['gpus']:,} H100: Meta's layout priced at MFU {meta.mfu:.1%} (published 38–41%), "
@@ -230,10 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     cache: dict = {}
     rows: list[Priced] = []
     t0 = time.perf_counter()
+    # the sustained fraction: fitted to every run (each priced on loso's grid); with --only, the fitted one
+    curves = price_curves(runs, cache) if not args.only else [() for _ in runs]
+    sustained = loso.fit_sustained([loso.Row(name=r["name"], source_id=source_id(r), kind="", hardware="",
+                                             published_s=published_step_s(r, _graph(r, cache)), predicted_s=0.0,
+                                             ideal_s=0.0, curve=c) for r, c in zip(runs, curves, strict=True)])
+    fitted = compute.sustained_fraction(catalog.device("h100-sxm-80gb"))
+    print("sustained fraction of burst tensor-core throughput: "
+          + (f"{sustained:.3f}, fitted to these runs" if sustained is not None
+             else f"{fitted:.3f} (cost_models/catalog/fitted.toml)"))
     print(f"{'run':<32} {'published':>10} {'predicted':>10} {'error':>7}  {'mem pub':>8} {'mem pred':>9} "
           f"{'error':>7}  fits  layout priced")
-    for run in runs:
-        graph, cluster = _graph(run, cache), _cluster(run)
+    for run, curve in zip(runs, curves, strict=True):
+        graph, cluster = _graph(run, cache), _cluster(run, sustained)
         est, cfg, refused = price(run, graph, cluster)
         layout = str(cfg)
         pub = published_step_s(run, graph)
@@ -243,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                      predicted_s=est.step_time_s, fits=not refused, config=layout,
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.num_params, tokens=run["global_batch"] * run["seq_len"],
-                     peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"])
+                     peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve)
         rows.append(row)
         mem_pub = f"{row.published_GiB:.1f}" if row.published_GiB else "-"
         mem_err = f"{row.memory_error:+.1%}" if row.memory_error is not None else "-"
@@ -266,13 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     lrows = loso_rows(rows)
     if len({r.source_id for r in lrows}) >= 2:
         results = loso.leave_one_source_out(lrows)
-        print("\nleave-one-source-out (baseline MFU and bands derived without the source):")
-        print(f"  {'source':<18} {'runs':>4} {'autopar':>8} {'1-MFU':>8} {'(MFU)':>6}  {'in band':>7}")
+        print("\nleave-one-source-out (sustained fraction, baseline MFU and bands derived without the source):")
+        print(f"  {'source':<20} {'runs':>4} {'autopar':>8} {'1-MFU':>8} {'(MFU)':>6}  {'in band':>7}  sustained")
         for s in results:
-            print(f"  {s.source_id:<18} {s.runs:>4} {s.model_mape:>8.1%} {s.baseline_mape:>8.1%} "
-                  f"{s.baseline_mfu:>6.1%}  {s.inside_band:>3}/{s.runs:<3}")
+            fitted = f"{s.sustained:.3f}" if s.sustained is not None else "-"
+            print(f"  {s.source_id:<20} {s.runs:>4} {s.model_mape:>8.1%} {s.baseline_mape:>8.1%} "
+                  f"{s.baseline_mfu:>6.1%}  {s.inside_band:>3}/{s.runs:<3}  {fitted}")
         model_all, base_all = loso.overall(results)
-        print(f"  {'all':<18} {len(lrows):>4} {model_all:>8.1%} {base_all:>8.1%}         "
+        print(f"  {'all':<20} {len(lrows):>4} {model_all:>8.1%} {base_all:>8.1%}         "
               f"{sum(s.inside_band for s in results):>3}/{len(lrows):<3}")
         by_kind = {}
         for r in lrows:
@@ -281,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                                           for (k, h), e in sorted(by_kind.items())))
     if args.write_bands:
         write_bands(lrows)
-        print(f"wrote {error_band.BANDS_FILE}")
-    _planner_against_meta(runs, cache)
+        write_fitted(sustained, len(rows), len({r.source_id for r in rows}))
+        print(f"wrote {error_band.BANDS_FILE} and {compute.FITTED_FILE}")
+    _planner_against_meta(runs, cache, sustained)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     return 0 if all(math.isfinite(r.predicted_s) for r in rows) else 1

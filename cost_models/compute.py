@@ -20,9 +20,16 @@ per-kind totals, spreading work evenly over a kind's kernels (a mix of sizes at 
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 
 import numpy as np
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from cost_models.hardware import DeviceSpec
 from cost_models.monotone import nondecreasing_fit
@@ -30,7 +37,7 @@ from cost_models.profile import GemmSample, Profile
 
 __all__ = ["ComputeModel", "GPU_GEMM_EFF_MAX", "GPU_GEMM_RAMP_S", "GPU_MEM_EFF", "GPU_LAUNCH_S", "GPU_TILE",
            "GPU_ATTENTION_EFF_MAX", "MEMORY_KINDS", "GEMM_EFF_MAX_BY_DEVICE", "ATTENTION_EFF_BY_DEVICE",
-           "gemm_eff_max", "attention_eff"]
+           "gemm_eff_max", "attention_eff", "CAUSAL_TIME_FRACTION", "FITTED_FILE", "sustained_fraction"]
 
 MEMORY_KINDS = ("elementwise", "reduction", "transcendental", "copy")
 # which measured elementwise table (profiler.kernels.measure_elementwise) prices each memory-bound kind
@@ -56,14 +63,31 @@ GPU_MEM_EFF = 0.85
 GPU_LAUNCH_S = 5e-6
 # Fused attention reaches a lower fraction of peak than a GEMM, and how much lower depends on the
 # architecture, because FlashAttention-2 (the kernel PyTorch's scaled_dot_product_attention runs on CUDA) does
-# not use Hopper's asynchronous tensor-core instructions: on A100 it runs at 50–73% of the theoretical bf16
-# FLOP/s (Dao 2023, arXiv:2307.08691, abstract and §4.1; forward at the top, backward lower: 0.60 lies inside
-# for both), on H100 at about 35% (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, §1: "FlashAttention-2
-# achieves only 35% utilization on the H100"; FlashAttention-3 reaches 75%, but it is not SDPA's kernel).
-# Applied to capture's attention FLOPs (4·b·heads·s²·d forward, causal masking not halved), as the papers'
-# figures for the A100 make the A100 runs of benchmarks/published_runs.py come out. Devices by prefix.
-ATTENTION_EFF_BY_DEVICE = {"a100": 0.60, "h100": 0.35, "h200": 0.35}
-GPU_ATTENTION_EFF_MAX = 0.60
+# not use Hopper's asynchronous tensor-core instructions. Forward + backward of a non-causal kernel, the
+# backward doing 2.5× the forward's FLOPs (its five matmuls, the scores recomputed):
+#   A100  the maxima of Dao 2023 (FlashAttention-2, arXiv:2307.08691, §4.1: forward up to 73% of the
+#         theoretical 312 TFLOP/s, backward up to 63%): 3.5 / (1/0.73 + 2.5/0.63) = 65.6% of peak;
+#   H100  hopper/benchmark_attn.py in the flash-attention repository (PR #1791, H100 SXM, bf16, head dim 128,
+#         sequence 8,192): FlashAttention-2 forward 369.9 TFLOP/s, backward 290.6: 3.5 / (1/369.9 + 2.5/290.6)
+#         = 309.6 TFLOP/s, 31.3% of 989 (Shah et al. 2024, FlashAttention-3, §1: "only 35% utilization").
+# Applied to capture's attention FLOPs (4·b·heads·s_q·s_k·d forward: the whole score matrix); a causal kernel
+# then takes CAUSAL_TIME_FRACTION of that time. Devices by prefix.
+ATTENTION_EFF_BY_DEVICE = {"a100": 0.656, "h100": 0.313, "h200": 0.313}
+GPU_ATTENTION_EFF_MAX = 0.313
+# A fused kernel under a causal mask computes only the score tiles on or below the diagonal (about half of
+# them: FlashAttention-2 §4.1 halves its FLOP count for causal), at a lower rate per computed tile (the
+# diagonal tiles are masked elementwise and the query blocks' work is unequal). Measured time of the causal
+# kernel over the non-causal one, same shapes (flash-attention PR #1791, H100 SXM, head dim 128, sequence
+# 8,192): forward 1.935 / 2.972 ms = 0.651, backward 4.788 / 9.460 ms = 0.506.
+CAUSAL_TIME_FRACTION = {"forward": 0.651, "backward": 0.506}
+# Sustained versus burst: the rates above are short benchmarks (MAMF's 100 iterations of the best shape of a
+# sweep, FlashAttention's microbenchmarks). Inside a training step that runs for hours, GEMMs and attention
+# run at clocks held down by power and thermal limits, on the model's own shapes rather than a sweep's best,
+# beside other kernels' cache and HBM traffic. No GPU was at hand to time it, so the fraction of the burst
+# rate they sustain is the one quantity of this model fitted to published runs:
+# `python benchmarks/published_runs.py --write-bands` fits it to every run and writes FITTED_FILE, and its
+# leave-one-source-out validation fits it again without each source before pricing that source.
+FITTED_FILE = Path(__file__).parent / "catalog" / "fitted.toml"
 # Tensor-core GEMM tiles: M and N are padded to multiples of 128 (NVIDIA Deep Learning Performance
 # Guide, "Matrix Multiplication Background": tile and wave quantization).
 GPU_TILE = 128
@@ -88,6 +112,24 @@ def attention_eff(device: DeviceSpec) -> float:
     return _by_prefix(ATTENTION_EFF_BY_DEVICE, device, GPU_ATTENTION_EFF_MAX)
 
 
+@functools.cache
+def _fitted(path: Path = FITTED_FILE) -> dict:
+    if not path.exists():
+        return {}
+    return tomllib.loads(path.read_text())
+
+
+def sustained_fraction(device: DeviceSpec) -> float:
+    """The fraction of its burst tensor-core rate `device` sustains in training: its own `sustained_fraction`
+    when set, else the value fitted on published runs (FITTED_FILE; 1 when none was fitted); 1 on a CPU,
+    whose rates come from its own profile."""
+    if device.kind != "gpu":
+        return 1.0
+    if device.sustained_fraction is not None:
+        return device.sustained_fraction
+    return float(_fitted().get("sustained_fraction", 1.0))
+
+
 def _monotone_interp(xs: list[float], ts: list[float], x: float, tail_rate: float) -> float:
     """Time at x from (x, time) rows: log-log interpolation of the least-squares non-decreasing fit;
     below the range the smallest time (a floor); above it the last time plus (x − x_max) / tail_rate."""
@@ -108,8 +150,9 @@ class ComputeModel:
         self.device = device
         self.profile = profile
         gpu = device.kind == "gpu"
-        self.eff_max = gemm_eff_max(device) if gpu else CPU_GEMM_EFF_MAX
-        self.attention_eff = attention_eff(device) if gpu else self.eff_max
+        sustained = sustained_fraction(device)  # of the burst rates, what a training step sustains
+        self.eff_max = gemm_eff_max(device) * sustained if gpu else CPU_GEMM_EFF_MAX
+        self.attention_eff = attention_eff(device) * sustained if gpu else self.eff_max
         self.ramp_s = GPU_GEMM_RAMP_S if gpu else CPU_GEMM_RAMP_S
         self.mem_eff = GPU_MEM_EFF if gpu else 1.0
         self.tile = GPU_TILE if gpu else 1
@@ -242,7 +285,8 @@ class ComputeModel:
         return max(roof, self.launch_s) if self._measured_tables(dtype) else roof + self.launch_s
 
     def kernel_time_s(self, kind: str, work: float, *, dtype: str = "bfloat16", tensor_bytes: float = 0.0,
-                      layout: str | None = None, mnk: tuple[int, int, int] | None = None, groups: int = 1) -> float:
+                      layout: str | None = None, mnk: tuple[int, int, int] | None = None, groups: int = 1,
+                      causal: bool = False, backward: bool = False) -> float:
         """Seconds for one kernel of a layer pass, priced as `optrace.predict_op_time_s` prices the op:
 
           gemm            `work` FLOPs at the GEMM table's rate for that work and operand layout (the
@@ -255,7 +299,8 @@ class ComputeModel:
         plus the launch floor (measured times already include it, so there it is a minimum). A grouped GEMM
         (`groups` > 1: one launch over that many weight matrices, as torch._grouped_mm runs a mixture of
         experts) is `groups` GEMMs of work / groups each, at the efficiency of that smaller size, and one
-        launch floor.
+        launch floor. A `causal` fused attention kernel on a GPU (Kernel.causal) takes CAUSAL_TIME_FRACTION
+        of its pass's (`backward` or forward) full-matrix time: it skips the masked tiles.
         """
         if work < 0 or tensor_bytes < 0 or groups < 1:
             raise ValueError(f"kernel_time_s: work={work}, tensor_bytes={tensor_bytes} must be non-negative and "
@@ -270,6 +315,8 @@ class ComputeModel:
                 t = exact[0].time_s * work / exact[0].flops if exact else work / _shape_rate(rows, m, n, k)
             else:
                 t = self._compute_s(work, dtype, attention=True)
+            if causal and mnk is None and self.device.kind == "gpu":
+                t *= CAUSAL_TIME_FRACTION["backward" if backward else "forward"]
         elif kind in MEMORY_KINDS:
             t = self._memory_s(work, dtype, kind, tensor_bytes or None)
         else:

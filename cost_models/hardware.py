@@ -24,10 +24,15 @@ class DeviceSpec:
     peak_flops: dict[str, float]  # dtype name ("bfloat16", "float16", "float32", "tf32", "fp8") → FLOP/s
     source: str
     notes: str = ""
+    # the fraction of its short-benchmark tensor-core rate a GPU sustains inside a training step
+    # (cost_models.compute.sustained_fraction); None: the value fitted on published runs
+    sustained_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.memory_bytes < math.inf and 0 < self.memory_bandwidth_Bps < math.inf):
             raise ValueError(f"DeviceSpec {self.name}: memory_bytes and memory_bandwidth_Bps must be positive, finite")
+        if self.sustained_fraction is not None and not 0.0 < self.sustained_fraction <= 1.0:
+            raise ValueError(f"DeviceSpec {self.name}: sustained_fraction={self.sustained_fraction} must be in (0, 1]")
         if not self.peak_flops or not all(0 < v < math.inf for v in self.peak_flops.values()):
             raise ValueError(f"DeviceSpec {self.name}: peak_flops needs positive FLOP/s for at least one dtype")
         if not self.source:

@@ -51,6 +51,7 @@ class OpRecord:
     tensor_bytes: int = 0  # the largest tensor it reads or writes (sets its cache / allocator regime)
     bytes_read: int = 0  # distinct bytes of its tensor inputs (a broadcast dimension read once)
     bytes_written: int = 0  # bytes of its tensor outputs
+    is_causal: bool = False  # a fused attention kernel (forward or backward) told is_causal: it skips masked tiles
 
     @property
     def kind(self) -> str:
@@ -69,6 +70,16 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 def _layout_char(t: torch.Tensor) -> str:
     """'t' when the matrix (the last two dims) is stored column-major, as a transposed view is."""
     return "t" if t.dim() >= 2 and t.stride(-2) == 1 and t.shape[-1] > 1 else "n"
+
+
+def _is_causal(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an op takes an `is_causal` argument (the fused attention kernels, forward and backward) and it
+    is set: such a kernel computes only the tiles of the score matrix on or below the diagonal."""
+    names = [a.name for a in func._schema.arguments]
+    if "is_causal" not in names:
+        return False
+    i = names.index("is_causal")
+    return bool(kwargs["is_causal"] if "is_causal" in kwargs else args[i] if i < len(args) else False)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -119,7 +130,8 @@ def describe_op(func: Any, args: tuple, kwargs: dict, out: Any, flops: float | N
     strided = name in _COPIES and not is_view and any(not t.is_contiguous() for t in ins)
     return OpRecord(name=name, flops=float(flops), bytes_moved=int(moved), gemm_mnk=mnk, gemm_layout=layout,
                     is_view=is_view, is_reduction=reduction, gemm_batch=batch, is_strided_copy=strided,
-                    tensor_bytes=int(largest), bytes_read=int(read), bytes_written=int(written))
+                    tensor_bytes=int(largest), bytes_read=int(read), bytes_written=int(written),
+                    is_causal=_is_causal(func, args, kwargs))
 
 
 class _Recorder(TorchDispatchMode):

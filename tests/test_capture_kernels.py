@@ -58,6 +58,21 @@ def test_eager_attention_is_two_matmuls_and_its_backward_four():
     assert [k.kind for k in fused.kernels if k.attention_core] == ["attention"]  # the flash kernel alone
 
 
+def test_a_causal_fused_kernel_is_marked_causal_and_eager_matmuls_are_not():
+    """SDPA with is_causal=True runs a flash kernel that skips the masked tiles (forward and backward are
+    marked); eager attention's matmuls compute every score, the mask applied after them."""
+    fused = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=64)).layer("blocks.0")
+    for mix in (fused.kernels_forward, fused.kernels_backward):
+        attention = [k for k in mix.kernels if k.kind == "attention"]
+        assert attention and all(k.causal for k in attention)
+        assert not any(k.causal for k in mix.kernels if k.kind != "attention")
+    eager = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=64, attn_impl="eager")).layer("blocks.0")
+    assert not any(k.causal for mix in (eager.kernels_forward, eager.kernels_backward) for k in mix.kernels)
+    q = torch.randn(1, 2, 8, 4)
+    ops = trace_ops(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=False))
+    assert not any(op.is_causal for op in ops)
+
+
 def test_vocab_parallel_head_is_sharded_and_graph_round_trips():
     graph = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=128))
     head = graph.layer("lm_head").kernels_forward

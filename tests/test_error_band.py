@@ -45,6 +45,25 @@ def test_fitted_mfu_is_the_mape_minimum_by_brute_force():
     assert loso.mape([r.ideal_s / c / r.published_s - 1 for r in rows]) <= brute + 1e-12
 
 
+def test_loso_fits_the_sustained_fraction_without_the_held_out_source():
+    # every run's predicted time is 1/g of its time at g = 1; sources a and c ran at 0.8 of burst, b at 1.0:
+    # held out, b is priced at a's and c's fraction (0.8, so 25% too slow), and a at what b and c jointly favour
+    def row(name, source, true_g):
+        curve = tuple((g, 1.0 / g) for g in loso.SUSTAINED_GRID)
+        return loso.Row(name=name, source_id=source, kind="fsdp", hardware="a100", published_s=1.0 / true_g,
+                        predicted_s=1.0, ideal_s=0.5, curve=curve)
+
+    rows = [row(f"a{i}", "a", 0.8) for i in range(3)] + [row(f"c{i}", "c", 0.8) for i in range(3)] + [
+        row(f"b{i}", "b", 1.0) for i in range(3)]
+    assert loso.fit_sustained(rows) == pytest.approx(0.8)
+    res = {r.source_id: r for r in loso.leave_one_source_out(rows)}
+    assert res["b"].sustained == pytest.approx(0.8)
+    assert res["b"].model_mape == pytest.approx(1.0 / 0.8 - 1.0)
+    assert res["c"].sustained in (pytest.approx(0.8), pytest.approx(1.0))  # a's 3 runs against b's 3: a tie
+    assert rows[0].at(0.9).predicted_s == pytest.approx(1 / 0.9)  # linear in 1/g: exact for compute-bound runs
+    assert loso.fit_sustained([_row("x", "s", 1.0, 1.0)]) is None  # no curve: nothing to fit
+
+
 def test_loso_derives_without_the_held_out_source():
     # source "b" is 50% slower than predicted everywhere; the others are exact: held out, b's runs must fall
     # outside the band (derived from a and c only), and the baseline MFU must come from a and c only

@@ -93,6 +93,9 @@ class Kernel:
       its own rows, so each group runs at the efficiency of work / groups (an expert's few tokens).
     expert: computed by a mixture-of-experts bank on routed tokens (`MoESpec`): under expert parallelism a
       rank runs groups / ep experts on the tokens routed to them, at the load-imbalance factor.
+    causal: a fused attention kernel run with is_causal=True: it skips the score tiles above the diagonal,
+      which `work` (FlopCounterMode's count of the full score matrix) still includes; the cost model prices
+      the tiles it computes (cost_models.compute.CAUSAL_TIME_FRACTION).
     """
 
     kind: str
@@ -106,6 +109,7 @@ class Kernel:
     op_sac_saved: bool = False
     groups: int = 1
     expert: bool = False
+    causal: bool = False
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -122,7 +126,7 @@ class Kernel:
     def key(self) -> tuple:
         """Kernels with equal keys are identical and are merged into one entry (counts added)."""
         return (self.kind, self.work, self.tensor_bytes, self.layout, self.mnk, self.tp_sharded,
-                self.attention_core, self.op_sac_saved, self.groups, self.expert)
+                self.attention_core, self.op_sac_saved, self.groups, self.expert, self.causal)
 
 
 def merge_kernels(kernels: list[Kernel] | tuple[Kernel, ...]) -> tuple[Kernel, ...]:

@@ -155,7 +155,7 @@ def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool, core: bool 
     batched = rec.gemm_mnk is not None and rec.gemm_batch > 1
     return Kernel(kind=kind, count=1, work=work, layout=rec.gemm_layout, tp_sharded=tp_sharded,
                   mnk=rec.gemm_mnk if kind == "attention" and batched else None, attention_core=core,
-                  op_sac_saved=sac_saved)
+                  op_sac_saved=sac_saved, causal=kind == "attention" and rec.is_causal)
 
 
 class _OpLog(TorchDispatchMode):

@@ -116,7 +116,7 @@ class ComputeCosts:
         """Forward + backward seconds of one layer of run `ri`'s attention kernels alone (0 without a kernel list)."""
         layer = self.memory.runs[ri][0]
         return sum(self._pass_s(dataclasses.replace(mix, kernels=tuple(k for k in mix.kernels if k.kind == "attention"),
-                                                    fused=()), tp, sp, mbs)
+                                                    fused=()), tp, sp, mbs, backward=mix is layer.kernels_backward)
                    for mix in (layer.kernels_forward, layer.kernels_backward) if mix.kernels)
 
     def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
@@ -137,7 +137,8 @@ class ComputeCosts:
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
             fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype)
-            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype)
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype,
+                               backward=True)
             casts = cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
                               compiled=compiled, weights_gathered_fp8=fp8_gathered, dp=dp)
             fwd += self._memory_pass_s(casts.forward_bytes, casts.forward_kernels)
@@ -241,12 +242,13 @@ class ComputeCosts:
                                          memory_bytes=n_bytes, memory_count=kernels, dtype=self.dtype)
 
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False,
-                experts: tuple[int, float] = (1, 1.0), gemm_dtype: str | None = None) -> float:
+                experts: tuple[int, float] = (1, 1.0), gemm_dtype: str | None = None, backward: bool = False) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
         list by their per-kind totals (ComputeModel.kernels_time_s). `compiled`: the memory-bound kernels
         as TorchInductor fuses them (KernelMix.fused), GEMMs and attention unchanged. `experts` = (ep,
-        imbalance): expert GEMMs run groups / ep experts on imbalance × their work (module docstring)."""
+        imbalance): expert GEMMs run groups / ep experts on imbalance × their work (module docstring).
+        `backward`: the mix is a backward pass (a causal attention kernel's time fraction is its pass's)."""
         ep, imbalance = experts
         if mix.kernels:
             total = 0.0
@@ -260,7 +262,8 @@ class ComputeCosts:
                 dtype = gemm_dtype if gemm_dtype and fp8_gemm(k) else self.dtype
                 total += k.count * self.model.kernel_time_s(
                     k.kind, mbs * share * load * k.work, dtype=dtype, tensor_bytes=mbs * share * k.tensor_bytes,
-                    layout=k.layout, mnk=k.mnk, groups=max(1, k.groups // ep) if k.expert else k.groups)
+                    layout=k.layout, mnk=k.mnk, groups=max(1, k.groups // ep) if k.expert else k.groups,
+                    causal=k.causal, backward=backward)
             return total
 
         def work(total: float, sharded: float, all_sharded: bool = False) -> float:
