@@ -7,8 +7,9 @@ checked with the same tests as the two-rank cases of that suite: losses at every
 and last gradients within rtol 1e-4 / atol 1e-5 of the same model trained on one process.
 
 Cases: the zoo GPT and transformers' Llama (with sequence parallelism) for 5 steps, Gemma (tied,
-scaled embedding) and the self-written nanoGPT (ModuleDict, tied head, its own `(logits, loss)`)
-for 3 steps; DeepSeek-V3 under expert parallelism (ep2 × pp2 × edp2, ZeRO-3) for 3 steps; and
+scaled embedding), the self-written nanoGPT (ModuleDict, tied head, its own `(logits, loss)`) and
+transformers' T5 (tests/parity_kinds.py: its own inputs, cut inside its decoder) for 3 steps;
+DeepSeek-V3 under expert parallelism (ep2 × pp2 × edp2, ZeRO-3) for 3 steps; and
 tests/test_precision.py's 3-D cases, checked with its checks: the zoo GPT under the bf16 policy (5 steps
 against one process under autocast, within 2e-2) and a tied-embedding Llama in fp32 with clipping active
 every step (grad_norm within 1e-5 relative of clip_grad_norm_'s).
@@ -30,6 +31,7 @@ SUITES = {  # suite name → (module in tests/, function(name, layout, steps) �
     "parity": ("parity_models", "parity_case"),
     "own": ("own_models", "own_case"),
     "precision": ("precision_cases", "policy_suite_case"),
+    "kinds": ("parity_kinds", "kind_case"),
 }
 THREE_D = dict(tp=2, pp=2, dp=2, zero_stage=3, num_microbatches=2)
 CASES = [
@@ -40,6 +42,9 @@ CASES = [
     # expert parallelism: DeepSeek-V3 (dense first layer, shared expert, MLA) under ep2 × pp2 × edp2, its banks
     # `fully_shard`ed over the ranks holding their experts, the dense layers over all four data-parallel ranks
     ("parity", "deepseek_v3", dict(pp=2, dp=4, ep=2, zero_stage=3, num_microbatches=2, schedule="1f1b"), 3),
+    # an encoder–decoder with its own inputs (ids, mask, decoder ids), cut inside its decoder: T5's tied `shared`
+    # vocab-parallel, its relative position bias cut by head, the encoder's output carried to the second stage
+    ("kinds", "t5", dict(THREE_D, stage_sizes=(6, 3)), 3),
     ("precision", "gpt:bf16", THREE_D, 5),  # the bf16 policy against one process under autocast
     ("precision", "llama_tied:clip", THREE_D, 3),  # clipping's global norm with tied embeddings
 ]
