@@ -365,8 +365,9 @@ class ParallelModel:
             raise AutoparError("forward() of a pipelined or context-parallel model is not supported; use "
                                "eval_loss(inputs, targets)")
         args, kwargs = as_call(tree_map_only(torch.Tensor, lambda t: t.to(self.device), inputs))
-        logits = self.modules[0](*args, **kwargs)
-        return gather_vocab(logits, self.mesh["tp"]) if self.vocab_parallel else logits
+        with named_failures("forward"):
+            logits = self.modules[0](*args, **kwargs)
+            return gather_vocab(logits, self.mesh["tp"]) if self.vocab_parallel else logits
 
     __call__ = forward
 
@@ -377,7 +378,8 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full single-device model state dict on every rank (collective: call it on all ranks)."""
-        return state_io.full_model_state(self.modules, self.mesh["pp"])
+        with named_failures("full_state_dict"):
+            return state_io.full_model_state(self.modules, self.mesh["pp"])
 
     def save(self, path: str) -> None:
         """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""
