@@ -76,6 +76,24 @@ def test_per_token_costs_divide_by_cp(long_llama):
     assert eight.runs[ri].compute_s[0] < one.runs[ri].compute_s[0] / 8 * 1.1
 
 
+def test_cp_attention_is_priced_as_rectangles_of_full_tiles(long_llama):
+    """Under cp a rank's query chunks attend c × (g+1)·c rectangles, causal only in their last c × c block:
+    c²·(2·cp + 1) scores, (2·cp + 1)/(4·cp) of its share of the full matrix at the rate of kernels that compute
+    every tile, in place of the layer's causal kernels (priced for a whole-sequence triangle)."""
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    costs = CostModel.for_cluster(long_llama, cluster)
+    cand = Candidate(tp=1, pp=1, dp=2, zero_stage=3, micro_batch_size=2, num_microbatches=1, schedule="1f1b",
+                     virtual_stages=1, sequence_parallel=False, cp=8)
+    run = costs.problem(cand, ("none",)).runs
+    ri = next(i for i, r in enumerate(run) if r.count > 1)
+    share = cand.tokens_share
+    causal = costs.compute.attention_s(ri, 1, False, share)
+    full = costs.compute.attention_s(ri, 1, False, share, causal=False)
+    assert 0.5 < causal / full < 0.6  # the layer's causal kernels: ~half the full matrix, diagonal overheads
+    other = costs.compute.run(ri, 1, False, share).compute_s - causal
+    assert run[ri].compute_s[0] == pytest.approx(other + full * 17 / 32, rel=1e-9)
+
+
 def test_long_sequences_choose_context_parallelism(long_llama):
     # at 131,072 tokens (2 sequences on 16 H100) cp wins by ~2%; at 65,536 the best cp layout and tp4·dp4 with
     # op_sac are within 0.5% of each other, and which wins turns on the precision policy's bytes

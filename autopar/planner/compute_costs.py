@@ -112,12 +112,21 @@ class ComputeCosts:
         GEMMs under recipe `fp8` (`fp8_gathered`: FSDP gathers its weights in float8 over dp ranks)."""
         return self._time(ri, tp, sp, mbs, compiled, ep, fp8, fp8_gathered, dp if fp8_gathered else 1)
 
-    def attention_s(self, ri: int, tp: int, sp: bool, mbs: float) -> float:
-        """Forward + backward seconds of one layer of run `ri`'s attention kernels alone (0 without a kernel list)."""
+    def attention_s(self, ri: int, tp: int, sp: bool, mbs: float, causal: bool = True,
+                    backward: bool | None = None) -> float:
+        """Seconds of one layer of run `ri`'s attention kernels alone (0 without a kernel list): forward +
+        backward, or the `backward` (True) or forward (False) pass; `causal` False prices causal kernels as if
+        they computed every tile (the full score matrix)."""
         layer = self.memory.runs[ri][0]
-        return sum(self._pass_s(dataclasses.replace(mix, kernels=tuple(k for k in mix.kernels if k.kind == "attention"),
-                                                    fused=()), tp, sp, mbs, backward=mix is layer.kernels_backward)
-                   for mix in (layer.kernels_forward, layer.kernels_backward) if mix.kernels)
+
+        def attention(mix: KernelMix) -> KernelMix:
+            ks = tuple(k if causal else dataclasses.replace(k, causal=False)
+                       for k in mix.kernels if k.kind == "attention")
+            return dataclasses.replace(mix, kernels=ks, fused=())
+
+        passes = [(layer.kernels_forward, False), (layer.kernels_backward, True)]
+        return sum(self._pass_s(attention(mix), tp, sp, mbs, backward=b)
+                   for mix, b in passes if mix.kernels and backward in (None, b))
 
     def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)

@@ -131,7 +131,10 @@ class CostModel:
             ep = comm.ep_times(ri, c.tp, mbs, c.ep)  # expert all-to-alls: in the layer, counted as its tp_comm
             amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
             cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
-                                attention_s=self.compute.attention_s(ri, c.tp, sp, mbs) if c.cp > 1 else 0.0,
+                                attention_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, backward=b)
+                                                  for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
+                                attention_full_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, False, b)
+                                                       for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
                                 collective_s=comm.collective_s, devices_per_node=self.devices_per_node)
             bn_fwd, bn_bwd = comm.batch_norm_s(ri, c)  # batch-norm statistics over dp: counted as tp_comm too
             # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
@@ -163,7 +166,8 @@ class CostModel:
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
                 act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
-                backward_s=tail.hidden_s(grad_bytes, compute_s - t.backward_s, t.backward_s, gather, copy)
+                backward_s=tail.hidden_s(grad_bytes, t.forward_s + cp.attention_extra_forward_s,
+                                         t.backward_s + cp.attention_extra_backward_s, gather, copy)
                 if overlaps else 0.0,
                 grad_sync_s=(tail.layer_s(grad_bytes, gather, copy) + tp["step"] + comm.shared_sync_s(ri, c)
                              + (comm.fp8_scales_s(c) if ri == 0 else 0.0)),

@@ -17,8 +17,14 @@ chunks, is 1/cp of the layer's too. On top of that, per layer with attention and
                  overlapped with a block of attention, and with grouped-query attention the K/V bytes are
                  small (Llama 3 ran it so, Dubey et al. 2024 §3.3.2).
   causal blocks  each query chunk attends the keys up to its own end, a c × (g+1)·c block for chunk g:
-                 a rank computes c²·(2·cp + 1) scores where its causal share is 2·cp·c², so the attention
-                 kernels take (1 + 1/(2·cp))× their share.
+                 a rank computes c²·(2·cp + 1) scores, (2·cp + 1)/(4·cp) of its 1/cp share of the full score
+                 matrix. Only the last c × c block of each rectangle is causal, so the kernels run at the rate
+                 of kernels that compute every tile: (2·cp + 1)/(4·cp) of the full-matrix price, in place of
+                 the causal price of a whole-sequence triangle that the layer's kernels carry
+                 (cost_models.compute.CAUSAL_TIME_FRACTION: its diagonal tiles' masking and its query blocks'
+                 unequal work, 0.651 of the forward where the computed half is ~0.5). Priced at the flash
+                 kernel's rate, as a kernel that skips masked tiles runs the rectangles (Llama 3's); codegen
+                 hands SDPA the lower-right mask explicitly, which it may run on its memory-efficient kernel.
   memory         the gathered K/V stay saved for backward: (1 − 1/cp) of the full-sequence K/V beyond what
                  the layer's own SDPA saves at the shard's length, in every mode that keeps the attention's
                  inputs (none; full recompute keeps only the layer input).
@@ -55,18 +61,29 @@ class CPLayerCosts:
 
     forward_s: float  # the K/V all-gather
     backward_s: float  # the reduce-scatter of their gradients
-    attention_extra_s: float  # the causal blocks' rectangles beyond the causal share
+    attention_extra_forward_s: float  # the rectangles' price less the layer's causal kernels' (negative: cheaper)
+    attention_extra_backward_s: float
     saved_kv_bytes: float  # gathered K/V kept for backward (modes that keep the attention's inputs)
+
+    @property
+    def attention_extra_s(self) -> float:
+        return self.attention_extra_forward_s + self.attention_extra_backward_s
 
 
 def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, micro_batch: int, elem: int,
-                   attention_s: float, collective_s, devices_per_node: int) -> CPLayerCosts:
-    """`attention_s`: the layer's attention kernels (forward + backward) at the shard's share of tokens;
+                   attention_s: tuple[float, float], collective_s, devices_per_node: int,
+                   attention_full_s: tuple[float, float] | None = None) -> CPLayerCosts:
+    """`attention_s`: the layer's attention kernels (forward, backward) at the shard's share of tokens, as the
+    layer prices them; `attention_full_s`: the same kernels computing every tile (default `attention_s`);
     `collective_s(op, n_bytes, group_size, ranks_per_node)` prices one collective."""
     if cp == 1:
-        return CPLayerCosts(forward_s=0.0, backward_s=0.0, attention_extra_s=0.0, saved_kv_bytes=0.0)
+        return CPLayerCosts(forward_s=0.0, backward_s=0.0, attention_extra_forward_s=0.0,
+                            attention_extra_backward_s=0.0, saved_kv_bytes=0.0)
     n = kv_exchange_bytes(graph, layer, tp=tp, micro_batch=micro_batch, elem=elem)
+    full = attention_s if attention_full_s is None else attention_full_s
     rpn = cp_ranks_per_node(tp=tp, cp=cp, devices_per_node=devices_per_node)
     return CPLayerCosts(forward_s=collective_s("all_gather", n, cp, rpn),
                         backward_s=collective_s("reduce_scatter", n, cp, rpn),
-                        attention_extra_s=attention_s / (2 * cp), saved_kv_bytes=n * (1 - 1 / cp))
+                        attention_extra_forward_s=full[0] * (2 * cp + 1) / (4 * cp) - attention_s[0],
+                        attention_extra_backward_s=full[1] * (2 * cp + 1) / (4 * cp) - attention_s[1],
+                        saved_kv_bytes=n * (1 - 1 / cp))
