@@ -68,6 +68,7 @@ class Priced:
     peak_flops: float  # per GPU, the run's dtype
     gpus: int
     curve: tuple[tuple[float, float], ...] = ()  # (sustained fraction, predicted step time) on loso's grid
+    moe: bool = False  # a mixture-of-experts model (its MAPE is printed apart too)
 
     @property
     def error(self) -> float:
@@ -78,14 +79,41 @@ class Priced:
         return None if self.published_GiB is None else self.predicted_GiB / self.published_GiB - 1.0
 
 
+def _transformers_model(name: str, *, seq_len: int, **overrides):
+    """transformers' `<name>ForCausalLM` of `<name>Config(**overrides)` on the meta device in bf16 (the
+    models whose shapes transformers' default configs give: Mixtral-8x7B, GPT-OSS-120B, DeepSeek-V3)."""
+    import torch
+    import transformers
+
+    cfg = getattr(transformers, f"{name}Config")(**overrides)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{name}ForCausalLM")(cfg).to(torch.bfloat16)
+    return model, (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),)
+
+
 def _graph(run: dict, cache: dict):
     impl = run.get("model_impl", "zoo")
     key = (run["model"], impl, run["seq_len"], tuple(sorted(run.get("overrides", {}).items())))
     if key not in cache:
-        build = fused_llama.build if impl == "fused" else autopar.zoo.build
+        build = {"fused": fused_llama.build, "transformers": _transformers_model}.get(impl, autopar.zoo.build)
         model, x = build(run["model"], seq_len=run["seq_len"], **run.get("overrides", {}))
-        cache[key] = autopar.capture(model, x)
+        graph = autopar.capture(model, x)
+        if "load_imbalance" in run:
+            graph = graph.with_moe_load_imbalance(run["load_imbalance"])
+        cache[key] = graph
     return cache[key]
+
+
+def megatron_flops_per_sample(f: dict, seq_len: int) -> float:
+    """Megatron-LM's model FLOPs of one sample, forward and backward (megatron/training/training.py,
+    num_floating_point_operations, MCore v0.9, 2024-11): 12·s·L·h²·[(1 + g/a + s/h)·(a·d/h)
+    + (ffn/h)·k·(3/2 with SwiGLU) + (shared ffn/h)·(3/2) + V/(2·L·h)], from the run's `megatron_flops` table
+    (h, layers, heads, groups, head_dim, ffn, topk, shared_ffn, vocab, swiglu)."""
+    s, h, L, a = seq_len, f["h"], f["layers"], f["heads"]
+    glu = 1.5 if f.get("swiglu", True) else 1.0
+    attention = (1 + f["groups"] / a + s / h) * (a * f["head_dim"] / h)
+    mlp = f["ffn"] / h * f.get("topk", 1) * glu + f.get("shared_ffn", 0) / h * glu
+    return 12.0 * s * L * h * h * (attention + mlp + f["vocab"] / (2.0 * L * h))
 
 
 def _cluster(run: dict, sustained: float | None = None) -> Cluster:
@@ -112,6 +140,8 @@ def published_step_s(run: dict, graph) -> float:
         flops = 96.0 * b * s * L * h * h * (1 + s / (6.0 * h) + V / (16.0 * L * h))
     elif run["flops_formula"] == "6n_attn":  # PaLM (Chowdhery et al. 2022) Appendix B
         flops = tokens * (6.0 * graph.num_params + 12.0 * L * h * s)
+    elif run["flops_formula"] == "megatron":
+        flops = b * megatron_flops_per_sample(run["megatron_flops"], s)
     else:
         raise ValueError(f"{run['name']}: unknown flops_formula {run['flops_formula']!r}")
     return flops / (gpus * run["tflops_per_gpu"] * 1e12)
@@ -129,7 +159,7 @@ def source_id(run: dict) -> str:
 
 def _options(run: dict, **pins) -> PlannerOptions:
     """Planner options with every published field of `run` pinned (zero and recompute when published)."""
-    return PlannerOptions(tp=run["tp"], pp=run["pp"], dp=run["dp"], zero_stage=run.get("zero"),
+    return PlannerOptions(tp=run["tp"], pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1), zero_stage=run.get("zero"),
                           recompute=run.get("recompute"), sequence_parallel=run["sp"],
                           loss_kernel=run.get("loss_impl", "fp32_logits"),
                           top_k=0, max_virtual_stages=8,
@@ -140,8 +170,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
     dp, gb = run["dp"], run["global_batch"]
     if "mbs" in run and "zero" in run and "recompute" in run:
-        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), zero_stage=run["zero"],
-                             micro_batch_size=run["mbs"],
+        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
+                             zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
                              sequence_parallel=run["sp"], **_run_options(run))
@@ -154,8 +184,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
         plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
         return plan.estimate, plan.config, False
     except InfeasiblePlanError:
-        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), zero_stage=run.get("zero", 0),
-                             micro_batch_size=1,
+        cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
+                             zero_stage=run.get("zero", 0), micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
                              sequence_parallel=run["sp"], **_run_options(run))
         return autopar.estimate(graph, cluster, cfg, options=_options(run)), cfg, True
@@ -259,19 +289,24 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if args.only in r["name"]]
     cache: dict = {}
     rows: list[Priced] = []
+    apart: list[Priced] = []  # rows whose source ran code autopar does not price (`not_comparable`)
+    reasons: dict[str, str] = {}
     t0 = time.perf_counter()
     # the sustained fraction: fitted to every run (each priced on loso's grid); with --only, the fitted one
-    curves = price_curves(runs, cache) if not args.only else [() for _ in runs]
+    comparable = [r for r in runs if "not_comparable" not in r]  # the others are not fitted to either
+    curves = price_curves(comparable, cache) if not args.only else [() for _ in comparable]
     sustained = loso.fit_sustained([loso.Row(name=r["name"], source_id=source_id(r), kind="", hardware="",
                                              published_s=published_step_s(r, _graph(r, cache)), predicted_s=0.0,
-                                             ideal_s=0.0, curve=c) for r, c in zip(runs, curves, strict=True)])
+                                             ideal_s=0.0, curve=c) for r, c in zip(comparable, curves, strict=True)])
+    curve_of = {r["name"]: c for r, c in zip(comparable, curves, strict=True)}
     fitted = compute.sustained_fraction(catalog.device("h100-sxm-80gb"))
     print("sustained fraction of burst tensor-core throughput: "
           + (f"{sustained:.3f}, fitted to these runs" if sustained is not None
              else f"{fitted:.3f} (cost_models/catalog/fitted.toml)"))
     print(f"{'run':<32} {'published':>10} {'predicted':>10} {'error':>7}  {'mem pub':>8} {'mem pred':>9} "
           f"{'error':>7}  fits  layout priced")
-    for run, curve in zip(runs, curves, strict=True):
+    for run in runs:
+        curve = curve_of.get(run["name"], ())
         graph, cluster = _graph(run, cache), _cluster(run, sustained)
         est, cfg, refused = price(run, graph, cluster)
         layout = str(cfg)
@@ -282,14 +317,21 @@ def main(argv: list[str] | None = None) -> int:
                      predicted_s=est.step_time_s, fits=not refused, config=layout,
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.num_params, tokens=run["global_batch"] * run["seq_len"],
-                     peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve)
-        rows.append(row)
+                     peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve,
+                     moe=graph.expert_params > 0)
+        (apart if "not_comparable" in run else rows).append(row)
+        if "not_comparable" in run:
+            reasons[row.name] = run["not_comparable"]
         mem_pub = f"{row.published_GiB:.1f}" if row.published_GiB else "-"
         mem_err = f"{row.memory_error:+.1%}" if row.memory_error is not None else "-"
         print(f"{row.name:<32} {pub:>9.3f}s {est.step_time_s:>9.3f}s {row.error:>+7.1%}  {mem_pub:>8} "
               f"{row.predicted_GiB:>9.1f} {mem_err:>7}  {'yes' if row.fits else 'NO ':<4}  {layout}")
         sys.stdout.flush()
+    for row in apart:
+        print(f"  {row.name}: priced apart, not in the MAPE, LOSO or bands: {reasons[row.name]}")
     if not rows:
+        if apart:
+            return 0
         ap.error(f"no run's name contains {args.only!r}")
     errors = [abs(r.error) for r in rows]
     mem = [abs(r.memory_error) for r in rows if r.memory_error is not None]
@@ -297,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time   MAPE {statistics.fmean(errors):.1%}, median {statistics.median(errors):.1%}, "
           f"worst {max(errors):.1%}; {sum(e <= 0.10 for e in errors)} of {len(rows)} within 10%; median signed "
           f"error {statistics.median(r.error for r in rows):+.1%}")
+    moe = [abs(r.error) for r in rows if r.moe]
+    if moe:
+        print(f"MoE rows    MAPE {statistics.fmean(moe):.1%} over {len(moe)} runs, worst {max(moe):.1%}")
     if mem:
         print(f"memory      MAPE {statistics.fmean(mem):.1%} over {len(mem)} runs that publish it; "
               f"{sum(e <= 0.10 for e in mem)} within 10%")

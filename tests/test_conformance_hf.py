@@ -55,8 +55,8 @@ def test_tp2_dp2_on_four_ranks():
     fused q|k|v projection of unequal blocks, 4 query and 2 key/value heads) under tp2 × pp2.
     Then expert parallelism (autopar.codegen.experts) on the MoE families: ep2 × edp2 (dp4; ZeRO-1 for
     Mixtral and Qwen3-MoE, expert states owned within the ranks holding them), ep2 under tp2 (the bank
-    replicated over tp; Mixtral and Qwen3-MoE with sequence parallelism, Qwen3-MoE with ZeRO-2; GPT-OSS's
-    attention sinks are refused under tp, DeepSeek's MLA under SP) and under pp2 1F1B."""
+    replicated over tp; Mixtral and Qwen3-MoE with sequence parallelism, Qwen3-MoE with ZeRO-2; DeepSeek's MLA is
+    refused under SP) and under pp2 1F1B."""
     from hf_families import MOE_FAMILIES
 
     moe = MOE_FAMILIES[:4]
@@ -81,15 +81,15 @@ def test_own_model_with_skip_connection_tied_head_and_root_parameter():
 def test_moe_families_dp_tp_pp():
     """Mixture-of-experts families (tests/hf_families.py MOE_FAMILIES: Mixtral, Qwen3-MoE, DeepSeek-V3 with
     multi-head latent attention, a shared expert and a dense first layer, GPT-OSS with biased, transposed
-    experts) under dp2, tp2 (experts replicated over the TP group; GPT-OSS's attention sinks mix all heads and
-    are refused under tp; Mixtral also with sequence parallelism, its MoE block on sequence shards, the
-    gradients of the router and the experts summed over tp), pp2 1F1B and ep2 (the experts split over the two
-    ranks, tokens moved by all-to-all; the larger EP layouts run in test_tp2_dp2_on_four_ranks and
-    tests/test_eight_ranks.py), in one gloo job: the grouped-GEMM experts, the router and the permutation run
-    as the model's own code on every layout."""
+    experts and attention sinks, one logit per head joined to the scores, cut to a rank's heads:
+    autopar.codegen.head_bias) under dp2, tp2 (experts replicated over the TP group; Mixtral also with
+    sequence parallelism, its MoE block on sequence shards, the gradients of the router and the experts
+    summed over tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the router and the permutation
+    run as the model's own code on every layout. Expert parallelism runs on four ranks
+    (test_tp2_dp2_on_four_ranks: ep2 alone inside each stage of pp2 × ep2, ep2 × edp2, ep2 under tp2) and
+    eight (tests/test_eight_ranks.py)."""
     from hf_families import MOE_FAMILIES
 
     families = MOE_FAMILIES[:4]
-    _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families if f != "gpt_oss"]
-         + [(f, PP) for f in families] + [(f, dict(dp=2, ep=2)) for f in families]
-         + [("mixtral", dict(tp=2, sequence_parallel=True))], 2)
+    _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families]
+         + [(f, PP) for f in families] + [("mixtral", dict(tp=2, sequence_parallel=True))], 2)

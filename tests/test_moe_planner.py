@@ -3,21 +3,27 @@ tests/test_expert_parallel.py).
 
 References are independent of the code under test: the ZeRO state formulas of docs/design.md §4 applied
 to the dense and the expert parameters apart, the all-to-all α-β formula written out, a grouped GEMM as
-its groups' GEMMs, and a plan that must split the experts to fit memory.
+its groups' GEMMs, the busiest rank's load against simulated routing, and a plan that must split the
+experts to fit memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 from pathlib import Path
+from statistics import NormalDist
 
 import pytest
 import torch
 
 import autopar
+from autopar.capture.graph import MoESpec
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.planner.costs import CostModel
+from autopar.planner.moe_load import busiest_rank_factor
 from autopar.planner.space import Candidate, enumerate_candidates, ep_degrees
 from cost_models.compute import ComputeModel
 
@@ -85,6 +91,37 @@ def test_expert_states_sharded_over_ep_and_edp(moe, zero: int, ep: int) -> None:
     assert costs.memory.run_state_bytes(ri, 1, zero, 4, ep) == pytest.approx(want)
 
 
+def _busiest(m, ep: int, tokens: int) -> float:
+    """The busiest rank's load ÷ the mean, written out: skew × (1 + z · sqrt((E−k)/((E−1)·T·k))) for
+    multinomial rank loads of k distinct experts a token, z = Φ⁻¹((ep − 0.375)/(ep + 0.25)) (Blom's
+    expected maximum of ep normals)."""
+    if ep == 1:
+        return 1.0
+    z = NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25))
+    E, k = m.num_experts, m.top_k
+    return m.load_imbalance * (1 + z * math.sqrt((E - k) / ((E - 1) * tokens * k)))
+
+
+@pytest.mark.parametrize("ep,tokens,k", [(8, 512, 2), (4, 256, 2), (16, 128, 8), (2, 256, 1)])
+def test_busiest_rank_factor_matches_simulated_routing(ep: int, tokens: int, k: int) -> None:
+    """A balanced router (each token picks k distinct experts uniformly at random) simulated on ep ranks of
+    E / ep experts each: the mean over trials of the busiest rank's load ÷ the mean is the derived factor
+    within the Monte-Carlo error and the normal approximation (8% of the excess over 1)."""
+    experts = 2 * ep
+    spec = MoESpec(experts="x", router=None, block="b", num_experts=experts, top_k=k, expert_params=1,
+                   expert_param_bytes=2, tokens_per_sample=tokens)
+    gen = torch.Generator().manual_seed(0)
+    trials = 300
+    picks = torch.rand(trials, ep * tokens, experts, generator=gen).topk(k, dim=-1).indices  # [trials, T·ep, k]
+    load = torch.nn.functional.one_hot(picks // (experts // ep), ep).sum(dim=(1, 2)).float()  # [trials, ep]
+    simulated = (load.max(dim=1).values / (tokens * k)).mean().item()
+    derived = busiest_rank_factor(spec, ep, tokens)
+    assert derived - 1 == pytest.approx(simulated - 1, rel=0.08)
+    assert busiest_rank_factor(spec, 1, tokens) == 1.0
+    skewed = dataclasses.replace(spec, load_imbalance=1.2)
+    assert busiest_rank_factor(skewed, ep, tokens) == pytest.approx(1.2 * derived)
+
+
 def test_all_to_all_priced_by_links_crossed(moe) -> None:
     """4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and backward), each the
     pairwise-exchange formula over the ranks inside the node and across, at the busiest rank's load."""
@@ -100,8 +137,9 @@ def test_all_to_all_priced_by_links_crossed(moe) -> None:
         a2a = ((local - 1) * 3e-6 + (local - 1) / k * n / 300e9
                + (k - local) * 1e-5 + (k - local) / k * n / 25e9)
         got = costs.comm.ep_times(ri, 1, mbs, ep)
-        assert got["forward"] == pytest.approx(2 * a2a * m.load_imbalance)
-        assert got["backward"] == pytest.approx(2 * a2a * m.load_imbalance)
+        f = _busiest(m, ep, mbs * SEQ)
+        assert got["forward"] == pytest.approx(2 * a2a * f)
+        assert got["backward"] == pytest.approx(2 * a2a * f)
     assert costs.comm.ep_times(ri, 1, mbs, 1) == {"forward": 0.0, "backward": 0.0}
     dense_ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is None)
     assert costs.comm.ep_times(dense_ri, 1, mbs, 2)["forward"] == 0.0
@@ -117,19 +155,18 @@ def test_grouped_gemm_is_its_groups() -> None:
 
 
 def test_expert_compute_at_busiest_rank(moe) -> None:
-    """Under ep the expert GEMMs of a rank do load_imbalance × the mean routed work over E / ep groups."""
+    """Under ep the expert GEMMs of a rank do the busiest rank's share of the routed work over E / ep groups."""
     _, g = moe
     costs = CostModel.for_cluster(g, fake_cluster())
     ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
     layer = costs.memory.runs[ri][0]
     cm = costs.compute.model
-    f = layer.moe.load_imbalance
     experts = [k for k in layer.kernels_forward.kernels if k.expert]
     others = [k for k in layer.kernels_forward.kernels if not k.expert]
     rest = sum(k.count * cm.kernel_time_s(k.kind, 2 * k.work, dtype=g.dtype, tensor_bytes=2 * k.tensor_bytes,
-                                          layout=k.layout, mnk=k.mnk) for k in others)
+                                          layout=k.layout, mnk=k.mnk, causal=k.causal) for k in others)
     for ep in (1, 2, 4):
-        load = f if ep > 1 else 1.0
+        load = _busiest(layer.moe, ep, 2 * SEQ)
         want = rest + sum(k.count * cm.kernel_time_s("gemm", 2 * load * k.work, dtype=g.dtype, groups=k.groups // ep)
                           for k in experts)
         # × the lock-step straggler factor of the cluster's world size (cost_models.fleet), as every kernel

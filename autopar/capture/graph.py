@@ -206,7 +206,10 @@ class MoESpec:
     ffn_hidden_size: one expert's FFN width.
     dispatch_bytes_per_sample: the routed token copies (tokens · top_k · hidden, model dtype) that the
       all-to-all dispatch sends and the combine returns, per sample.
-    load_imbalance: tokens of the busiest expert ÷ the mean (autopar.capture.moe.DEFAULT_LOAD_IMBALANCE).
+    tokens_per_sample: the tokens (sequence positions) of one sample the router scores.
+    load_imbalance: the router's systematic skew, busiest expert-parallel rank's tokens ÷ the mean in
+      expectation (autopar.capture.moe.DEFAULT_LOAD_IMBALANCE); the sampling spread of a finite micro-batch
+      comes on top (autopar.planner.moe_load).
     """
 
     experts: str
@@ -219,13 +222,15 @@ class MoESpec:
     shared_params: int = 0
     ffn_hidden_size: int = 0
     dispatch_bytes_per_sample: int = 0
+    tokens_per_sample: int = 0
     load_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"MoESpec {self.experts}: top_k={self.top_k} of num_experts={self.num_experts}; "
                              "expected 1 ≤ top_k ≤ num_experts")
-        if min(self.expert_params, self.expert_param_bytes, self.shared_params, self.dispatch_bytes_per_sample) < 0:
+        if min(self.expert_params, self.expert_param_bytes, self.shared_params, self.dispatch_bytes_per_sample,
+               self.tokens_per_sample) < 0:
             raise ValueError(f"MoESpec {self.experts}: negative size")
         if not 1.0 <= self.load_imbalance <= self.num_experts / self.top_k + 1e-9:
             raise ValueError(f"MoESpec {self.experts}: load_imbalance={self.load_imbalance} must lie in "

@@ -34,13 +34,18 @@ __all__ = ["GROUPED_MM_OPS", "grouped_mm_any_dtype", "grouped_mm_groups", "find_
 aten = torch.ops.aten
 GROUPED_MM_OPS = frozenset({aten._grouped_mm}) if hasattr(aten, "_grouped_mm") else frozenset()
 
-# Tokens routed to the busiest expert ÷ the mean: the expert GEMMs and the all-to-all wait for the rank
-# with the most tokens. The default is the expert capacity factor that Switch Transformer trains with
-# (Fedus et al. 2022, JMLR 23, §2.2 and Table 1: capacity factor 1.25, i.e. each expert provisioned for
-# 25% more than its even share of the tokens, few tokens dropped with a load-balancing loss); a dropless
-# run's busiest expert carries about that much. It is a provisioning figure, not a measurement of one
-# router: set the factor a run measures with `ModelGraph.with_moe_load_imbalance`.
-DEFAULT_LOAD_IMBALANCE = 1.25
+# The router's systematic skew: the busiest expert-parallel rank's routed tokens ÷ the mean, in expectation
+# (the sampling spread of a finite micro-batch is derived on top of it: autopar.planner.moe_load). Default 1:
+# a router trained to balance its experts, the condition the published MoE throughputs were measured under —
+# NVIDIA's Megatron-Bridge MoE benchmarks "force-balance the token distribution among experts" and are
+# token-dropless (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 25.11 notes), and
+# DeepSeek-V3 trains with auxiliary-loss-free balancing to keep expert load even (arXiv 2412.19437 §2.1.2).
+# It is not a measurement of any one router (Megatron-Core's MoE README warns that dropless routing is badly
+# skewed in the first 100-300 steps from scratch): a run that measures its own sets it with
+# `ModelGraph.with_moe_load_imbalance` (`benchmarks/moe_plans.py --load-imbalance`). Switch Transformer's
+# capacity factor 1.25 (Fedus et al. 2022, Table 1), used before, provisions expert buffers with a margin
+# against dropping tokens; it is not the load a dropless layer waits for.
+DEFAULT_LOAD_IMBALANCE = 1.0
 
 
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> list[int]:
@@ -162,7 +167,7 @@ def find_moe(module: nn.Module, prefix: str, topks: tuple[tuple[int, int], ...],
             shared_params=sum(p.numel() for p in block.parameters() if id(p) not in exclude),
             ffn_hidden_size=_ffn_hidden(params, width, hidden),
             dispatch_bytes_per_sample=tokens_per_sample * k * hidden * dtype_bytes,
-            load_imbalance=load_imbalance)
+            tokens_per_sample=tokens_per_sample, load_imbalance=load_imbalance)
     return None
 
 

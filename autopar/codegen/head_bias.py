@@ -8,8 +8,9 @@ stay replicated (they are small: one value per head and position pair) and are c
 - at the output of a linear or embedding inside the attention module with one output per head (T5's
   bucketed bias table, the last linear of Swin v2's bias MLP), so code after it that reshapes with the
   (rewritten, local) head count sees this rank's heads;
-- inside the module's forward, wherever an element-wise op or fused attention kernel meets a tensor of
-  all heads next to one of the rank's per-head tensors (Swin's table, indexed by a parameter; a scale).
+- inside the module's forward, wherever an element-wise op, a concatenation or a fused attention kernel meets
+  a tensor of all heads next to one of the rank's per-head tensors (Swin's table, indexed by a parameter; a
+  scale; GPT-OSS's attention sinks, a parameter of one logit per head joined to the scores).
 
 The heads axis is the third from last, as in scores (batch, heads, queries, keys), a bias (1, heads,
 queries, keys) and a scale (heads, 1, 1). The slice is DTensor's Replicate → Shard redistribution, whose
@@ -33,8 +34,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = ["HEAD_AXIS", "cut_head_outputs", "slice_rank_blocks"]
 
 HEAD_AXIS = -3
-# element-wise ops between scores and a bias or mask, and the fused attention kernel (its attn_mask)
+# element-wise ops between scores and a bias or mask, the fused attention kernel (its attn_mask), and the
+# concatenations that join per-head logits to the scores (GPT-OSS's attention sinks: one learned logit per head
+# appended to each row of scores before the softmax)
 _OPS = frozenset({
+    "cat", "concat", "concatenate",
     "add", "sub", "mul", "div", "where", "masked_fill", "add_", "sub_", "mul_", "div_", "masked_fill_",
     "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__itruediv__", "scaled_dot_product_attention",

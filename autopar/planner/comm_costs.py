@@ -11,7 +11,7 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   ep ranks, twice forward and twice backward (the gradients return the same way; Lepikhin et
                   al. 2021, GShard §3.2; Megatron-Core's MoE token dispatcher), at the links the group crosses
                   (CommModel.all_to_all_time_s: ep consecutive data-parallel ranks, tp apart in the mesh), the
-                  busiest rank receiving MoESpec.load_imbalance × the mean
+                  busiest rank receiving more than the mean (autopar.planner.moe_load)
   p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across
   DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
   batch norm      under data parallelism each batch norm synchronises its statistics over the dp ranks
@@ -41,6 +41,7 @@ from autopar.capture.graph import ModelGraph, sequence_span
 from autopar.planner.dp_costs import DPTail
 from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
+from autopar.planner.moe_load import busiest_rank_factor
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import tp_collectives
 from cost_models import fleet
@@ -126,7 +127,8 @@ class CommCosts:
         if moe is None or ep == 1:
             return {"forward": 0.0, "backward": 0.0}
         n = moe.dispatch_bytes_per_sample * mbs
-        one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep)) * moe.load_imbalance
+        one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep)) * busiest_rank_factor(
+            moe, ep, mbs * moe.tokens_per_sample)
         one *= self.sharing_factor(ep)
         return {"forward": 2 * one, "backward": 2 * one}
 

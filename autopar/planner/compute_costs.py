@@ -23,7 +23,8 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
   experts         a mixture-of-experts bank's grouped GEMMs (Kernel.expert) run E / ep experts, each a GEMM of
                   its own tokens (ComputeModel.kernel_time_s groups); under expert parallelism (ep > 1) a rank
                   receives the tokens its ep peers route to its experts, on average its own tokens · k, and the
-                  busiest rank MoESpec.load_imbalance times that: the step waits for it
+                  busiest rank more than that (autopar.planner.moe_load: the router's skew and the sampling
+                  spread of the micro-batch): the step waits for it
   FP8             (Candidate.fp8) the weight GEMMs of every layer but the LM head at the device's FP8 peak, plus
                   torchao's casts, amaxes and transposes as memory-bound kernels (fp8_costs); emulated on CPU
   optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
@@ -40,6 +41,7 @@ from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
 from autopar.planner.dp_costs import FLOOR_S
 from autopar.planner.fp8_costs import FP8_DTYPE, cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
+from autopar.planner.moe_load import busiest_rank_factor
 from autopar.planner.problem import MODES
 from cost_models.compute import ComputeModel
 
@@ -145,8 +147,8 @@ class ComputeCosts:
         fp = self.memory.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
-            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype)
-            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep), gemm_dtype,
+            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep, mbs), gemm_dtype)
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep, mbs), gemm_dtype,
                                backward=True)
             casts = cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
                               compiled=compiled, weights_gathered_fp8=fp8_gathered, dp=dp)
@@ -187,7 +189,7 @@ class ComputeCosts:
             kf = layer.kernels_forward
             rerun = [k for k in kf.kernels if not k.op_sac_saved and (not compiled or k.kind in ("gemm", "attention"))]
             sac = self._pass_s(dataclasses.replace(kf, kernels=tuple(rerun) + (kf.fused if compiled else ())),
-                               tp, sp, mbs, experts=self._experts(layer, ep), gemm_dtype=gemm_dtype)
+                               tp, sp, mbs, experts=self._experts(layer, ep, mbs), gemm_dtype=gemm_dtype)
         else:  # not checkpointed by codegen (none), or captured before op_sac (full's time)
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
@@ -237,11 +239,12 @@ class ComputeCosts:
         return best_t
 
     @staticmethod
-    def _experts(layer: LayerSpec, ep: int) -> tuple[int, float]:
-        """(experts per rank's divisor ep, work factor of the busiest rank) for the layer's expert kernels."""
+    def _experts(layer: LayerSpec, ep: int, mbs: int) -> tuple[int, float]:
+        """(experts per rank's divisor ep, work factor of the busiest rank: autopar.planner.moe_load) for the
+        layer's expert kernels at micro-batch `mbs`."""
         if layer.moe is None or ep == 1:
             return 1, 1.0
-        return ep, layer.moe.load_imbalance
+        return ep, busiest_rank_factor(layer.moe, ep, mbs * layer.moe.tokens_per_sample)
 
     def _memory_pass_s(self, n_bytes: float, kernels: int) -> float:
         """`kernels` memory-bound kernels moving n_bytes in all (FP8 casts), at the memory tables' rate."""
