@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from hf_kinds import batch, build_kind, example
 from parity_models import RTOL, excess, make_plan, optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import autopar
@@ -24,6 +25,7 @@ from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.dataflow import model_logits
 from autopar.codegen.state import full_gradients
 from autopar.errors import PlanMismatchError
+from autopar.planner.tp_costs import tp_collectives
 
 BATCH, STEPS = 8, 3
 _GRAPHS: dict[str, Any] = {}
@@ -71,6 +73,28 @@ def scaled_excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
     return per[worst], worst
 
 
+class _Gathers(TorchDispatchMode):
+    """Bytes of every all-gather a step issues (functional collectives' outputs: nccl-tests' convention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "all_gather_into_tensor":
+            self.n_bytes += out.numel() * out.element_size()
+        return out
+
+
+def planned_gathers(graph, config) -> int:
+    """The all-gather bytes the cost model prices for one step (tp_collectives, as planner/comm_costs.py)."""
+    return config.num_microbatches * sum(
+        c.n_bytes for la in graph.layers for c in tp_collectives(graph, la, tp=config.tp, sp=config.sequence_parallel,
+                                                                 micro_batch=config.micro_batch_size)
+        if c.op == "all_gather" and c.phase != "step")
+
+
 def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
     """Run in every rank: the parallel losses per step, the reference's, and the largest weight/gradient error."""
     model = build_kind(kind)
@@ -90,7 +114,10 @@ def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str
                                                        plan.config.num_microbatches)
     pm = parallelize(model, plan, graph=graph, example_kwargs=example(kind), optimizer=optimizer,
                      loss_fn=lm_cross_entropy)
-    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
+    gathers = _Gathers()
+    with gathers:  # the first step's all-gathers, against what the cost model prices (tp only: no ZeRO-3)
+        losses = [pm.train_step(pm.local_batch(data[0][0]), pm.local_batch(data[0][1]))]
+    losses += [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data[1:]]
     full = pm.full_state_dict()
     grads = full_gradients(pm.modules, pm.mesh["pp"])
     weight_excess, weight_key = excess(full, ref_state)
@@ -98,7 +125,8 @@ def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str
     return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses,
             "weight_excess": weight_excess, "weight_key": weight_key,
             "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
-            "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}
+            "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state)),
+            "gathered_bytes": gathers.n_bytes, "planned_gathered_bytes": planned_gathers(graph, plan.config)}
 
 
 def kind_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS,

@@ -17,7 +17,9 @@ position-bias tables and MLP); conv nets under tp2 are refused (nothing to split
 take their own inputs (ids, mask, decoder ids) under every layout. Losses at every step, final weights
 and buffers (running statistics) element-wise and last gradients per tensor (of its largest entry:
 tests/parity_kinds.py says why) within rtol 1e-4 / atol 1e-5 (tests/test_parity.py's checks).
-tests/test_eight_ranks.py runs T5 under tp2 × pp2 × dp2.
+tests/test_eight_ranks.py runs T5 under tp2 × pp2 × dp2. The bytes every case's first step all-gathers
+(under tp2: the gradients of per-head tables cut to a rank's heads, codegen/head_bias.py) equal what the
+cost model prices (planner/tp_costs.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def test_model_kinds_train_as_one_process():
     _check(results)
     for other in per_rank[1:]:
         assert [r["losses"] for r in other if "refused" not in r] == [r["losses"] for r in results]
+    for r in results:  # the all-gathers of per-head tables' gradients (T5, Swin, Swin v2 under tp2) as priced
+        assert r["gathered_bytes"] == r["planned_gathered_bytes"], r
+    assert sum(r["gathered_bytes"] > 0 for r in results) == 3
     refusals = [r for r in per_rank[0] if "refused" in r]
     assert len(refusals) == len(REFUSED)
     for r in refusals:

@@ -5,6 +5,7 @@ GPT (hidden h, sequence s, micro-batch b, bf16) and the cost model's use of the 
 """
 
 import pytest
+import torch
 
 import autopar
 from autopar import Cluster
@@ -62,3 +63,41 @@ def test_cost_model_charges_the_listed_collectives(graph, sp):
         no_tp = cm.problem(Candidate(**{**cand.__dict__, "tp": 1, "sequence_parallel": False}))
         assert per_step == 0 or run.grad_sync_s > per_step * (1 - 1e-12)
         assert no_tp.runs[0].tp_comm_s[0] == 0.0
+
+
+class _TablesAttention(torch.nn.Module):
+    """Attention with every kind of per-head table codegen/head_bias.py cuts: a bucketed embedding of one value
+    per head (cut at its output), a table and a logit scale met by the scores (cut there), a table plus a mask
+    with the batch axis (cut there, one copy per sample), and a constant bias (no gradient, nothing gathered)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, tokens: int = 8) -> None:
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.buckets = torch.nn.Embedding(16, heads)
+        self.register_buffer("bucket_ids", torch.arange(tokens * tokens).reshape(tokens, tokens) % 16)
+        self.table = torch.nn.Parameter(torch.zeros(heads, tokens, tokens))
+        self.scale = torch.nn.Parameter(torch.zeros(heads, 1, 1))
+        self.shifted = torch.nn.Parameter(torch.zeros(1, heads, tokens, tokens))
+        self.register_buffer("mask", torch.zeros(64, 1, tokens, tokens))
+        self.register_buffer("zero_bias", torch.zeros(1, heads, tokens, tokens))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-1, -2)) * self.scale.exp()
+        scores = scores + self.buckets(self.bucket_ids).permute(2, 0, 1).unsqueeze(0) + self.table
+        scores = scores + (self.shifted + self.mask.narrow(0, 0, b)) + self.zero_bias
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_per_head_tables_are_priced_as_codegen_gathers_them():
+    heads, tokens, batch = 4, 8, 3
+    model = torch.nn.Sequential(_TablesAttention(), _TablesAttention())
+    graph = autopar.capture(model, (torch.randn(batch, tokens, 32),))
+    (pattern,) = [p for p in graph.layers[0].tp_patterns if p.kind == "attention"]
+    table = heads * tokens * tokens * 4  # fp32
+    assert pattern.head_table_bytes == table + table + heads * 4  # bucketed embedding, table, logit scale
+    assert pattern.head_table_bytes_per_sample == table  # the table plus the batch's mask
+    listed = [c for c in tp_collectives(graph, graph.layers[0], tp=2, sp=False, micro_batch=B) if c.op == "all_gather"]
+    assert listed == [TPCollective("all_gather", "backward", 2 * table + heads * 4 + B * table)]

@@ -61,7 +61,9 @@ def _pair_patterns(unit: str, stats: CallStats) -> list[TPPattern]:
             kv_width = pair.column_out_features - heads * pair.head_dim
             kv = kv_width // (2 * pair.head_dim) if kv_width > 0 and kv_width % (2 * pair.head_dim) == 0 else None
             out.append(TPPattern(kind="attention", column=cols, row=(row,), num_heads=heads, num_kv_heads=kv,
-                                 head_dim=pair.head_dim, allreduce_bytes_per_sample=pair.row_out_bytes))
+                                 head_dim=pair.head_dim, allreduce_bytes_per_sample=pair.row_out_bytes,
+                                 head_table_bytes=pair.head_table_bytes[0],
+                                 head_table_bytes_per_sample=pair.head_table_bytes[1]))
         else:
             out.append(TPPattern(kind="mlp", column=cols, row=(row,),
                                  allreduce_bytes_per_sample=pair.row_out_bytes))
@@ -350,7 +352,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             saved_activation_bytes_op_sac_tp_sharded=per_sample(s.saved_op_sac_tp_sharded),
             boundary_bytes=per_sample(boundary_bytes[i]),
             tp_patterns=tuple(dataclasses.replace(p, allreduce_bytes_per_sample=per_sample(
-                p.allreduce_bytes_per_sample)) for p in patterns),
+                p.allreduce_bytes_per_sample), head_table_bytes_per_sample=per_sample(p.head_table_bytes_per_sample))
+                for p in patterns),
             kernels_forward=s.kernels_forward.scaled(1 / batch),
             kernels_backward=s.kernels_backward.scaled(1 / batch),
             norm_param_numels=_norm_param_numels(model, g.units),

@@ -45,6 +45,10 @@ class TPPattern:
 
     allreduce_bytes_per_sample: the payload of the one all-reduce this pattern needs in forward
       (the row-parallel output, or the embedding output); backward needs one more of equal size.
+    head_table_bytes, head_table_bytes_per_sample: an attention's per-head tensors computed from
+      parameters (T5's relative position bias, Swin's window-bias table), kept whole and cut to each
+      rank's heads: backward all-gathers their gradients once per micro-batch, head_table_bytes whatever
+      its size plus head_table_bytes_per_sample per sample (capture.head_tables).
     """
 
     kind: str
@@ -55,6 +59,8 @@ class TPPattern:
     head_dim: int | None = None
     vocab_size: int | None = None
     allreduce_bytes_per_sample: int = 0
+    head_table_bytes: int = 0
+    head_table_bytes_per_sample: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in TP_KINDS:
@@ -402,6 +408,10 @@ class ModelGraph:
         for layer in payload["layers"]:
             if not layer.get("batch_norm_channels"):
                 layer.pop("batch_norm_channels", None)  # nor do graphs without batch norm
+            for p in layer.get("tp_patterns", ()):  # nor those without per-head tables
+                for key in ("head_table_bytes", "head_table_bytes_per_sample"):
+                    if not p.get(key):
+                        p.pop(key, None)
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -31,10 +31,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture.fusion import Step, StepLog, fused_kernels
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
+from autopar.capture.head_tables import HeadTables
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups
+from autopar.capture.tensors import ModelState, storage_key, tensor_bytes
 from autopar.capture.tp_pairs import Tag, merge_sources, tensor_parallel_pairs
-from autopar.capture.units import is_norm
+from autopar.capture.units import common_parent, is_norm
 from cost_models.optrace import OpRecord, describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
@@ -55,27 +57,6 @@ _REPLICATED: Tag = (None, False)
 _CONSTANT: Tag = (frozenset(), False)
 
 
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-class ModelState:
-    """Recognises parameters and buffers (and views of them), which are never activations."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.buffer_ids = {id(b) for b in model.buffers()}
-
-    def __contains__(self, t: torch.Tensor) -> bool:
-        base = t._base if t._base is not None else t
-        return isinstance(base, nn.Parameter) or isinstance(t, nn.Parameter) or id(base) in self.buffer_ids \
-            or id(t) in self.buffer_ids
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of all tensors in a (nested) value, by shape and dtype."""
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
 @dataclass(frozen=True, kw_only=True)
 class PairSpec:
     """A column→row linear group found in a call; names are relative to the measured module."""
@@ -86,6 +67,9 @@ class PairSpec:
     column_out_features: int
     row_in_features: int
     row_out_bytes: int  # the row output: the all-reduce payload under TP (whole example batch)
+    # per-head tensors from parameters cut to a rank's heads (capture.head_tables): bytes whatever the batch,
+    # and bytes for the whole example batch
+    head_table_bytes: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,6 +279,7 @@ class _Tracker(TorchDispatchMode):
         # storages computed from the call's inputs; the rest derive from parameters, buffers and fresh
         # constants (position tables, a position-bias MLP over fixed coordinates)
         self.from_call: set[int] = set()
+        self.heads = HeadTables()
 
     def mark_from_call(self, t: torch.Tensor) -> None:
         self.from_call.add(storage_key(t))
@@ -347,7 +332,9 @@ class _Tracker(TorchDispatchMode):
             out_tags = [(src, core)] * len(outs)
         for t, tag in zip(outs, out_tags, strict=True):
             self.set_tag(t, tag)
-        if any(self.is_from_call(t) for t in ins):
+        from_call = [self.is_from_call(t) for t in ins]
+        self.heads.on_op(packet.__name__, packet in SDPA_OPS, ins, outs, in_tags, from_call)
+        if any(from_call):
             for t in outs:
                 self.mark_from_call(t)
         linear = self.linear_stack[-1] if self.linear_stack else None
@@ -414,6 +401,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
                 # over parameters and constants only (Swin v2's position-bias MLP over fixed coordinates, T5's
                 # bucketed position table): a constant like them, never part of a TP pair
                 tracker.set_tag(output, _CONSTANT)
+                tracker.heads.on_table(name, output)
             elif isinstance(mod, nn.Linear):
                 tracker.set_tag(output, (frozenset({name}), False))
             else:  # an embedding lookup of the call's ids starts the residual stream
@@ -468,6 +456,9 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
             head_dim=head_dims[0] if head_dims else None,
             column_out_features=sum(linears[c].out_features for c in cols),
             row_in_features=linears[row].in_features, row_out_bytes=io[row][1],
+            head_table_bytes=tracker.heads.gathered_bytes(common_parent((*cols, row)), cols,
+                                                          linears[row].in_features // head_dims[0])
+            if head_dims else (0, 0),
         ))
     kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears, tracker.steps.steps, tracker.saved_ids)
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))

@@ -6,6 +6,9 @@ sequence parallelism, Korthikanti et al. 2022 §4.2.2):
 
   attention / mlp    forward all-reduce of the row output, backward all-reduce of the input gradient;
                      with SP: all-gather of the input + reduce-scatter of the row output, each way
+  per-head tables    an attention's tensors of all heads computed from parameters (T5's relative bias,
+                     Swin's window-bias table), cut to the rank's heads (codegen/head_bias.py): backward
+                     all-gathers their gradients: head_table_bytes + head_table_bytes_per_sample × b
   embedding          forward all-reduce of its output (vocab-parallel lookup); with SP it is also where
                      the sequence is split: free forward, an all-gather of the gradient backward
   lm_head            backward all-reduce of its input gradient; with SP and sequence-shard input (no
@@ -57,6 +60,9 @@ def tp_collectives(graph: ModelGraph, layer: LayerSpec, *, tp: int, sp: bool, mi
                         TPCollective("all_gather", "backward", n), TPCollective("reduce_scatter", "backward", n)]
             else:
                 out += [TPCollective("all_reduce", "forward", n), TPCollective("all_reduce", "backward", n)]
+            if p.head_table_bytes or p.head_table_bytes_per_sample:
+                tables = p.head_table_bytes + p.head_table_bytes_per_sample * b
+                out.append(TPCollective("all_gather", "backward", tables))
         elif p.kind == "embedding":
             out.append(TPCollective("all_reduce", "forward", n))
         elif p.kind == "lm_head":
