@@ -249,6 +249,16 @@ def write_bands(rows: list[loso.Row], path: Path = error_band.BANDS_FILE) -> Non
     path.write_text("\n".join(lines))
 
 
+def print_memory_notes(runs: list[dict], rows: list[Priced]) -> None:
+    """Each run priced as not fitting or with memory outside 10% of the published figure, and the reason its
+    row gives (`memory_note`), or that none is given."""
+    notes = {run["name"]: run.get("memory_note") for run in runs}
+    out = [r for r in rows if not r.fits or (r.memory_error is not None and abs(r.memory_error) > 0.10)]
+    for r in out:
+        what = "not fitting" if not r.fits else f"memory {r.memory_error:+.1%}"
+        print(f"  {r.name} ({what}): {notes.get(r.name) or 'no reason given'}")
+
+
 def print_speedups(runs: list[dict], rows: list[Priced]) -> None:
     """FP8 over 16-bit (or offload over none): each run that names its `baseline` run, published ratio beside
     the predicted one (the same two layouts priced by autopar)."""
@@ -346,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory      MAPE {statistics.fmean(mem):.1%} over {len(mem)} runs that publish it; "
               f"{sum(e <= 0.10 for e in mem)} within 10%")
     print(f"refused     {sum(not r.fits for r in rows)} of {len(rows)} published layouts priced as not fitting")
+    print_memory_notes(runs, rows)
     print_speedups(runs, rows)
     lrows = loso_rows(rows)
     if len({r.source_id for r in lrows}) >= 2:

@@ -44,6 +44,7 @@ class _Sums:
     saved_core: int = 0
     saved_op_sac: int = 0
     saved_op_sac_tp_sharded: int = 0
+    saved_op_sac_unread: int = 0
     kernels_forward: KernelMix = field(default_factory=KernelMix)
     kernels_backward: KernelMix = field(default_factory=KernelMix)
     signatures: list[str] = field(default_factory=list)
@@ -273,6 +274,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved_core += st.saved_bytes_attention_core
         s.saved_op_sac += st.saved_bytes_op_sac
         s.saved_op_sac_tp_sharded += st.saved_bytes_op_sac_tp_sharded
+        s.saved_op_sac_unread += st.saved_bytes_op_sac_unread
         s.signatures.append(call.signature)
         vocab_patterns = _vocab_patterns(call.unit, st, vocab_modules, vocab)
         vocab_names = {c for p in vocab_patterns for c in p.column}
@@ -350,6 +352,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             saved_activation_bytes_attention_core=per_sample(s.saved_core),
             saved_activation_bytes_op_sac=per_sample(s.saved_op_sac),
             saved_activation_bytes_op_sac_tp_sharded=per_sample(s.saved_op_sac_tp_sharded),
+            saved_activation_bytes_op_sac_unread=per_sample(s.saved_op_sac_unread),
             boundary_bytes=per_sample(boundary_bytes[i]),
             tp_patterns=tuple(dataclasses.replace(p, allreduce_bytes_per_sample=per_sample(
                 p.allreduce_bytes_per_sample), head_table_bytes_per_sample=per_sample(p.head_table_bytes_per_sample))

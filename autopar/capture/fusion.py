@@ -51,6 +51,20 @@ class StepLog:
                                kernel=kernel))
 
 
+def unread_save_bytes(steps: list[Step], saved: set[int], policy_bytes: list[int]) -> int:
+    """Bytes a checkpoint policy saves (`policy_bytes`: each step's saved output bytes, 0 for steps it
+    recomputes) that no backward reads: nothing autograd saves (`saved`) is among those outputs, nor among
+    the inputs of the steps recomputed to produce what it saves. Eager selective checkpointing keeps every
+    policy-saved output until backward; a compiled block's partitioner (AOTAutograd) saves only what the
+    backward graph reads, so these bytes go."""
+    needed = set(saved)
+    for st, kept in zip(reversed(steps), reversed(policy_bytes), strict=True):
+        if not kept and any(key in needed for key, _ in st.writes):  # recomputed: its inputs are needed
+            needed.update(key for key, _ in st.reads)
+    return sum(n for st, n in zip(steps, policy_bytes, strict=True)
+               if n and not any(key in needed for key, _ in st.writes))
+
+
 def fused_kernels(steps: list[Step], keep: frozenset[int] = frozenset()) -> tuple[Kernel, ...]:
     """One kernel per maximal chain of memory-bound steps: work = bytes read from outside the chain plus
     bytes written that outlive it (read by a later step, in `keep` (saved for backward) or never read

@@ -283,6 +283,9 @@ class LayerSpec:
     # graphs captured before op_sac existed: the planner then never prefers op_sac (planner/compute_costs.py).
     saved_activation_bytes_op_sac: int | None = None
     saved_activation_bytes_op_sac_tp_sharded: int | None = None
+    # Of saved_activation_bytes_op_sac, the outputs the policy saves that no backward reads (not even to
+    # recompute what it does read): a compiled block does not keep them (capture.fusion.unread_save_bytes).
+    saved_activation_bytes_op_sac_unread: int = 0
     # The layer's mixture-of-experts block, if any (its experts' parameters are part of num_params).
     moe: MoESpec | None = None
     # Channels of each batch norm the layer holds: under data parallelism codegen synchronises their

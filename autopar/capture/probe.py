@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capture.fusion import Step, StepLog, fused_kernels
+from autopar.capture.fusion import Step, StepLog, fused_kernels, unread_save_bytes
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.head_tables import HeadTables
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
@@ -93,6 +93,7 @@ class CallStats:
     # and the outputs of the ops its policy saves; and of that, the part inside TP patterns
     saved_bytes_op_sac: int = 0
     saved_bytes_op_sac_tp_sharded: int = 0
+    saved_bytes_op_sac_unread: int = 0  # of saved_bytes_op_sac, outputs no backward reads (fusion.unread_saves)
     # (k, width) of each top-k selection over a tensor's last dimension: a router choosing k of `width`
     # experts (autopar.capture.moe.find_moe)
     topks: tuple[tuple[int, int], ...] = ()
@@ -483,6 +484,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         kernels_backward=dataclasses.replace(_backward_mix(op_log.ops, kernels_forward, op_log.kernels),
                                              fused=fused_kernels(op_log.steps.steps)),
         saved_bytes_op_sac=inputs + sum(op.sac_saved_bytes for op in tracker.ops),
-        saved_bytes_op_sac_tp_sharded=sac_sharded,
+        saved_bytes_op_sac_tp_sharded=sac_sharded, saved_bytes_op_sac_unread=unread_save_bytes(
+            tracker.steps.steps, tracker.saved_ids, [op.sac_saved_bytes for op in tracker.ops]),
         topks=tuple(tracker.topks),
     )

@@ -145,8 +145,9 @@ class CostModel:
             rec = tuple(r + tp_fwd if again else r + cp.forward_s if k != "none" else r
                         for r, again, k in zip(t.recompute_s, t.recompute_tp, MODES, strict=True))
             compute_s = t.compute_s + cp.attention_extra_s
+            saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile)
             acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
-                         for a, k in zip(mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size), MODES, strict=True))
+                         for a, k in zip(saved, MODES, strict=True))
             local = mem.run_local_params(ri, c.tp, c.ep)
             grad_bytes = mem.grad_bytes(local)
             gather = mem.gathered_bytes(ri, c.tp, True, c.ep) if gathered else None

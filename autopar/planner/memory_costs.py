@@ -218,21 +218,26 @@ class MemoryCosts:
         return self.model_states(n, zero_stage, dp, offload)
 
     # ---- activations ----
-    def activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, ...]:
+    def activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> tuple[float, ...]:
         """Saved activation bytes of one layer of run `ri` per micro-batch in flight, per recompute mode
         (MODES). op_sac is priced from the bytes its policy keeps where capture measured them (blocks; other
-        layers are not checkpointed by codegen and keep everything), else as none."""
-        return self._acts(ri, tp, sp, mbs)
+        layers are not checkpointed by codegen and keep everything), else as none; a `compiled` block under
+        op_sac keeps only what its backward reads (LayerSpec.saved_activation_bytes_op_sac_unread goes, its
+        TP-sharded share taken as the policy's)."""
+        return self._acts(ri, tp, sp, mbs, compiled)
 
-    def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, ...]:
+    def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> tuple[float, ...]:
         layer = self.runs[ri][0]
         sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
 
         def acts_of(k: str) -> float:
             saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
-            if k == "op_sac":
-                saved = layer.saved_activation_bytes_op_sac if sac_known else saved
-                sharded = layer.saved_activation_bytes_op_sac_tp_sharded if sac_known else sharded
+            if k == "op_sac" and sac_known:
+                saved = layer.saved_activation_bytes_op_sac
+                sharded = layer.saved_activation_bytes_op_sac_tp_sharded
+                if compiled and layer.saved_activation_bytes_op_sac_unread and saved > 0:
+                    kept = saved - layer.saved_activation_bytes_op_sac_unread
+                    saved, sharded = kept, sharded * kept / saved
             return self.act_scale * memory.layer_activation_bytes(
                 saved_bytes=saved, tp_sharded_bytes=sharded,
                 attention_core_bytes=min(layer.saved_activation_bytes_attention_core, sharded),
