@@ -159,7 +159,8 @@ def source_id(run: dict) -> str:
 
 def _options(run: dict, **pins) -> PlannerOptions:
     """Planner options with every published field of `run` pinned (zero and recompute when published)."""
-    return PlannerOptions(tp=run["tp"], pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1), zero_stage=run.get("zero"),
+    return PlannerOptions(tp=run["tp"], cp=run.get("cp", 1), pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1),
+                          zero_stage=run.get("zero"),
                           recompute=run.get("recompute"), sequence_parallel=run["sp"],
                           loss_kernel=run.get("loss_impl", "fp32_logits"),
                           top_k=0, max_virtual_stages=8,
