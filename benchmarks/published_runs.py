@@ -124,6 +124,8 @@ def _cluster(run: dict, sustained: float | None = None) -> Cluster:
     device = catalog.device(run["device"]) if "device" in run else base.device
     if sustained is not None:
         device = dataclasses.replace(device, sustained_fraction=sustained)
+    if "attention_kernel" in run:
+        device = dataclasses.replace(device, attention_kernel=run["attention_kernel"])
     return dataclasses.replace(base, device=device)
 
 

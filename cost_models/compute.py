@@ -37,6 +37,7 @@ from cost_models.profile import GemmSample, Profile
 
 __all__ = ["ComputeModel", "GPU_GEMM_EFF_MAX", "GPU_GEMM_RAMP_S", "GPU_MEM_EFF", "GPU_LAUNCH_S", "GPU_TILE",
            "GPU_ATTENTION_EFF_MAX", "MEMORY_KINDS", "GEMM_EFF_MAX_BY_DEVICE", "ATTENTION_EFF_BY_DEVICE",
+           "FLASH3_ATTENTION_EFF_BY_DEVICE",
            "gemm_eff_max", "attention_eff", "CAUSAL_TIME_FRACTION", "FITTED_FILE", "sustained_fraction"]
 
 MEMORY_KINDS = ("elementwise", "reduction", "transcendental", "copy")
@@ -74,6 +75,13 @@ GPU_LAUNCH_S = 5e-6
 # then takes CAUSAL_TIME_FRACTION of that time. Devices by prefix.
 ATTENTION_EFF_BY_DEVICE = {"a100": 0.656, "h100": 0.313, "h200": 0.313}
 GPU_ATTENTION_EFF_MAX = 0.313
+# Hopper's asynchronous kernels (DeviceSpec.attention_kernel = "flash3"): FlashAttention-3 (Shah et al. 2024,
+# arXiv:2407.08608) and cuDNN's fused attention, which Transformer Engine (Megatron-Core, NeMo) runs and which
+# times within a few percent of FlashAttention-3 at head dim 128 (flash-attention issue #1310, benchmark_attn.py
+# on Hopper: "CuDNN" vs "Fav3" rows). H100 SXM, bf16, head dim 128, sequence 8,192, non-causal (meta-pytorch/
+# tritonbench PR #1254 forward "flash_v3" 638.6 TFLOP/s, PR #1256 backward 561.4): 3.5 / (1/638.6 + 2.5/561.4)
+# = 581.5 TFLOP/s, 58.8% of 989. Devices without a Hopper measurement run FlashAttention-2's rates.
+FLASH3_ATTENTION_EFF_BY_DEVICE = {"h100": 0.588, "h200": 0.588, "h800": 0.588}
 # A fused kernel under a causal mask computes only the score tiles on or below the diagonal (about half of
 # them: FlashAttention-2 §4.1 halves its FLOP count for causal), at a lower rate per computed tile (the
 # diagonal tiles are masked elementwise and the query blocks' work is unequal). Measured time of the causal
@@ -108,8 +116,11 @@ def gemm_eff_max(device: DeviceSpec) -> float:
 
 
 def attention_eff(device: DeviceSpec) -> float:
-    """The fraction of the dense peak a fused (FlashAttention-2) kernel reaches on `device`."""
-    return _by_prefix(ATTENTION_EFF_BY_DEVICE, device, GPU_ATTENTION_EFF_MAX)
+    """The fraction of the dense peak the fused attention kernel of `device` (its `attention_kernel`) reaches."""
+    flash2 = _by_prefix(ATTENTION_EFF_BY_DEVICE, device, GPU_ATTENTION_EFF_MAX)
+    if device.attention_kernel == "flash3":
+        return _by_prefix(FLASH3_ATTENTION_EFF_BY_DEVICE, device, flash2)
+    return flash2
 
 
 @functools.cache

@@ -27,12 +27,19 @@ class DeviceSpec:
     # the fraction of its short-benchmark tensor-core rate a GPU sustains inside a training step
     # (cost_models.compute.sustained_fraction); None: the value fitted on published runs
     sustained_fraction: float | None = None
+    # the fused attention kernel training runs on it (cost_models.compute.ATTENTION_KERNELS): "flash2", as
+    # PyTorch's scaled_dot_product_attention dispatches on CUDA, or "flash3" (Hopper's asynchronous kernels:
+    # FlashAttention-3, cuDNN's fused attention that Transformer Engine runs)
+    attention_kernel: str = "flash2"
 
     def __post_init__(self) -> None:
         if not (0 < self.memory_bytes < math.inf and 0 < self.memory_bandwidth_Bps < math.inf):
             raise ValueError(f"DeviceSpec {self.name}: memory_bytes and memory_bandwidth_Bps must be positive, finite")
         if self.sustained_fraction is not None and not 0.0 < self.sustained_fraction <= 1.0:
             raise ValueError(f"DeviceSpec {self.name}: sustained_fraction={self.sustained_fraction} must be in (0, 1]")
+        if self.attention_kernel not in ("flash2", "flash3"):
+            raise ValueError(f"DeviceSpec {self.name}: attention_kernel={self.attention_kernel!r} must be 'flash2' or "
+                             "'flash3'")
         if not self.peak_flops or not all(0 < v < math.inf for v in self.peak_flops.values()):
             raise ValueError(f"DeviceSpec {self.name}: peak_flops needs positive FLOP/s for at least one dtype")
         if not self.source:

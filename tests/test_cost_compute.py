@@ -1,5 +1,6 @@
 """Compute model: roofline, saturating efficiency, tile quantization, and profile precedence."""
 
+import dataclasses
 import math
 
 import pytest
@@ -245,6 +246,24 @@ def test_gemm_and_attention_ceilings_follow_the_published_measurements_per_devic
         s = sustained_fraction(dev)
         w_half = peak * gemm_eff_max(dev) * s * GPU_GEMM_RAMP_S
         assert t == pytest.approx(work / (peak * eff * s) * (1 + w_half / work) + GPU_LAUNCH_S, rel=2e-3)
+
+
+def test_hopper_asynchronous_attention_kernels_run_at_their_measured_rate():
+    """FlashAttention-3 on an H100 (tritonbench PRs #1254/#1256: forward 638.6, backward 561.4 TFLOP/s, head dim
+    128, 8k): a device whose training runs it (attention_kernel="flash3", as Transformer Engine's cuDNN attention
+    does) prices attention 3.5 / (1/638.6 + 2.5/561.4) / 989 of peak; an A100, which has no such kernel, keeps
+    FlashAttention-2's rate."""
+    h100 = catalog.device("h100-sxm-80gb")
+    flash3 = dataclasses.replace(h100, attention_kernel="flash3")
+    assert attention_eff(flash3) == pytest.approx(3.5 / (1 / 638.6 + 2.5 / 561.4) / 989, abs=1e-3)
+    assert attention_eff(h100) == pytest.approx(3.5 / (1 / 369.9 + 2.5 / 290.6) / 989, abs=1e-3)
+    assert attention_eff(dataclasses.replace(A100, attention_kernel="flash3")) == attention_eff(A100)
+    work = 1e13
+    ratio = ((ComputeModel(h100).kernel_time_s("attention", work) - GPU_LAUNCH_S)
+             / (ComputeModel(flash3).kernel_time_s("attention", work) - GPU_LAUNCH_S))
+    assert ratio == pytest.approx(attention_eff(flash3) / attention_eff(h100), rel=0.02)
+    with pytest.raises(ValueError, match="attention_kernel"):
+        dataclasses.replace(h100, attention_kernel="flash4")
 
 
 def test_a_causal_fused_kernel_takes_the_measured_share_of_its_pass():
