@@ -40,8 +40,11 @@ GROUPED_MM_OPS = frozenset({aten._grouped_mm}) if hasattr(aten, "_grouped_mm") e
 # NVIDIA's Megatron-Bridge MoE benchmarks "force-balance the token distribution among experts" and are
 # token-dropless (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary-archive.md, 25.11 notes), and
 # DeepSeek-V3 trains with auxiliary-loss-free balancing to keep expert load even (arXiv 2412.19437 §2.1.2).
-# It is not a measurement of any one router (Megatron-Core's MoE README warns that dropless routing is badly
-# skewed in the first 100-300 steps from scratch): a run that measures its own sets it with
+# It is not a measurement of any one router: Megatron-Core's MoE README warns that dropless routing is badly
+# skewed in the first 100-300 steps from scratch, and NVIDIA's MoE model zoo measured Qwen3-235B-A22B on 32
+# H100 nodes (mock data) dropless at 237, 277, 320 and 357 TFLOP/s per GPU against 295, 335, 368 and 389
+# force-balanced at 16k to 128k tokens (yanring/Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md): whole
+# steps 9-25% slower, a skew well above 1 on the expert part. A run that measures its own sets it with
 # `ModelGraph.with_moe_load_imbalance` (`benchmarks/moe_plans.py --load-imbalance`). Switch Transformer's
 # capacity factor 1.25 (Fedus et al. 2022, Table 1), used before, provisions expert buffers with a margin
 # against dropping tokens; it is not the load a dropless layer waits for.
