@@ -230,3 +230,27 @@ def test_llama3_70b_capture_peak_rss_under_2gb() -> None:
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) * 1024 < 2 * 2**30  # ru_maxrss is in KiB on Linux
+
+
+class _ScoringLinear(nn.Linear):
+    """A Linear subclass returning several tensors (PhiMoE's and Llama 4's routers do)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = super().forward(x)
+        return scores, scores.softmax(-1)
+
+
+class _Scored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.score, self.out = _ScoringLinear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, weights = self.score(x)
+        return self.out(logits * weights)
+
+
+def test_a_linear_returning_several_tensors_is_captured() -> None:
+    g = capture(nn.Sequential(_Scored(), _Scored()), (torch.zeros(2, 4, 8),))
+    # two 8×8 matmuls per block over 4 tokens, forward
+    assert sum(la.forward_flops for la in g.layers) == pytest.approx(2 * 2 * (2 * 4 * 8 * 8), rel=0.2)

@@ -292,9 +292,12 @@ class _Tracker(TorchDispatchMode):
     def tag(self, t: torch.Tensor) -> Tag:
         return self.tags.get(storage_key(t), _CONSTANT)
 
-    def set_tag(self, t: torch.Tensor, tag: Tag) -> None:
-        self.tags[storage_key(t)] = tag
-        self.keep.append(t)
+    def set_tag(self, out: Any, tag: Tag) -> None:
+        """Tag every tensor of a module's output (a Linear subclass may return several: PhiMoE's router)."""
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.tags[storage_key(t)] = tag
+                self.keep.append(t)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t in self.state:
