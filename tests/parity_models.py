@@ -124,6 +124,22 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, 
                 global_batch_size=cfg.global_batch_size, seq_len=graph.seq_len)
 
 
+def pipeline_failing_on_rank1(message: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+    """(parallel model, hook, inputs, targets): the zoo GPT under pp2 whose second stage raises ValueError(message)
+    before its last block on rank 1 (hook: the handle, to remove it; None on other ranks). For failure tests."""
+    model = build_model("gpt")
+    graph = graph_of("gpt", model)
+    pm = parallelize(model, make_plan(graph, pp=2, num_microbatches=2), graph=graph, optimizer=optimizer)
+
+    def boom(module: nn.Module, args: tuple) -> None:
+        raise ValueError(message)
+
+    rank1 = torch.distributed.get_rank() == 1  # parallelize has joined the process group
+    hook = pm.modules[0].get_submodule("blocks.1").register_forward_pre_hook(boom) if rank1 else None
+    x, t = batches(1)[0]
+    return pm, hook, x, t
+
+
 def batches(steps: int = STEPS, seed: int = 1, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (BATCH, seq), generator=g), torch.randint(0, VOCAB, (BATCH, seq), generator=g))

@@ -165,21 +165,9 @@ def test_forward_that_reads_values_is_refused_for_pipelining():
 
 def _one_rank_raises_mid_step() -> str:
     """Rank 1's stage raises inside the step; rank 0 is then blocked receiving from it."""
-    import torch.distributed as dist
-    from parity_models import batches, build_model, graph_of, make_plan, optimizer
+    from parity_models import pipeline_failing_on_rank1
 
-    from autopar.codegen import parallelize
-
-    model = build_model("gpt")
-    graph = graph_of("gpt", model)
-    pm = parallelize(model, make_plan(graph, pp=2, num_microbatches=2), graph=graph, optimizer=optimizer)
-
-    def boom(module, args):
-        raise ValueError("boom in the last block")
-
-    if dist.get_rank() == 1:
-        pm.modules[0].get_submodule("blocks.1").register_forward_pre_hook(boom)
-    x, t = batches(1)[0]
+    pm, _, x, t = pipeline_failing_on_rank1("boom in the last block")
     try:
         pm.train_step(pm.local_batch(x), pm.local_batch(t))
     except Exception as e:
@@ -199,18 +187,9 @@ def test_a_rank_failing_mid_step_is_named_by_its_peers():
 
 def _one_rank_raises_in_eval() -> str:
     """Rank 1's stage raises inside eval_loss and its process ends; rank 0 is then blocked receiving from it."""
-    import torch.distributed as dist
-    from parity_models import batches, build_model, graph_of, make_plan, optimizer
+    from parity_models import pipeline_failing_on_rank1
 
-    from autopar.codegen import parallelize
-
-    model = build_model("gpt")
-    graph = graph_of("gpt", model)
-    pm = parallelize(model, make_plan(graph, pp=2, num_microbatches=2), graph=graph, optimizer=optimizer)
-    if dist.get_rank() == 1:
-        pm.modules[0].get_submodule("blocks.1").register_forward_pre_hook(
-            lambda module, args: (_ for _ in ()).throw(ValueError("boom in eval")))
-    x, t = batches(1)[0]
+    pm, _, x, t = pipeline_failing_on_rank1("boom in eval")
     try:
         pm.eval_loss(pm.local_batch(x), pm.local_batch(t))
     except Exception as e:

@@ -66,23 +66,14 @@ def test_a_rank_outside_entry_points_is_not_stopped_and_a_stopped_peer_is_named_
 
 def _caught_and_lives_on(flag_dir: str) -> str:
     """Rank 1's stage raises in forward; user code catches it and lives on. Rank 0 is blocked receiving."""
-    from parity_models import batches, build_model, graph_of, make_plan, optimizer
-
-    from autopar.codegen import parallelize
+    from parity_models import pipeline_failing_on_rank1
 
     rank = int(os.environ["RANK"])
     flags = Path(flag_dir)
     if rank == 0:  # its last words, for the test to read
         err = os.open(flags / "rank0.stderr", os.O_WRONLY | os.O_CREAT)
         os.dup2(err, 2)
-    model = build_model("gpt")
-    graph = graph_of("gpt", model)
-    pm = parallelize(model, make_plan(graph, pp=2, num_microbatches=2), graph=graph, optimizer=optimizer)
-    hook = None
-    if rank == 1:
-        hook = pm.modules[0].get_submodule("blocks.1").register_forward_pre_hook(
-            lambda module, args: (_ for _ in ()).throw(ValueError("boom in the last block")))
-    x, t = batches(1)[0]
+    pm, hook, x, t = pipeline_failing_on_rank1("boom in the last block")
     try:
         pm.train_step(pm.local_batch(x), pm.local_batch(t))
     except ValueError:
