@@ -163,44 +163,24 @@ def test_forward_that_reads_values_is_refused_for_pipelining():
         trace_dataflow(_ReadsValues(), ["blocks.0", "blocks.1"], (torch.zeros(2, 8),))
 
 
-def _one_rank_raises_mid_step() -> str:
-    """Rank 1's stage raises inside the step; rank 0 is then blocked receiving from it."""
+def _one_rank_raises_in(entry: str) -> str:
+    """Rank 1's stage raises inside `entry` (train_step or eval_loss) and its process ends; rank 0 is then
+    blocked receiving from it."""
     from parity_models import pipeline_failing_on_rank1
 
-    pm, _, x, t = pipeline_failing_on_rank1("boom in the last block")
+    pm, _, x, t = pipeline_failing_on_rank1(f"boom in {entry}")
     try:
-        pm.train_step(pm.local_batch(x), pm.local_batch(t))
+        getattr(pm, entry)(pm.local_batch(x), pm.local_batch(t))
     except Exception as e:
         return f"{type(e).__name__}: {e}"
-    return "trained"
+    return "went on"
 
 
 @pytest.mark.multiproc
-def test_a_rank_failing_mid_step_is_named_by_its_peers():
+@pytest.mark.parametrize("entry", ["train_step", "eval_loss"])
+def test_a_rank_failing_mid_step_is_named_by_its_peers(entry):
     from dist_harness import run_distributed
 
-    messages = run_distributed(_one_rank_raises_mid_step, 2, timeout_s=180)
-    assert messages[1] == "ValueError: boom in the last block"
-    assert messages[0].startswith("PeerFailedError: rank 1 failed during train_step (ValueError: boom")
-
-
-
-def _one_rank_raises_in_eval() -> str:
-    """Rank 1's stage raises inside eval_loss and its process ends; rank 0 is then blocked receiving from it."""
-    from parity_models import pipeline_failing_on_rank1
-
-    pm, _, x, t = pipeline_failing_on_rank1("boom in eval")
-    try:
-        pm.eval_loss(pm.local_batch(x), pm.local_batch(t))
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "evaluated"
-
-
-@pytest.mark.multiproc
-def test_a_rank_failing_in_eval_is_named_by_its_peers():
-    from dist_harness import run_distributed
-
-    messages = run_distributed(_one_rank_raises_in_eval, 2, timeout_s=180)
-    assert messages[1] == "ValueError: boom in eval"
-    assert messages[0].startswith("PeerFailedError: rank 1 failed during eval_loss (ValueError: boom in eval")
+    messages = run_distributed(_one_rank_raises_in, 2, entry, timeout_s=180)
+    assert messages[1] == f"ValueError: boom in {entry}"
+    assert messages[0].startswith(f"PeerFailedError: rank 1 failed during {entry} (ValueError: boom in {entry}")
