@@ -42,6 +42,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).parent))
+import fused_attention  # noqa: E402, F401  (registers the fused attention rows select by name)
 import fused_llama  # noqa: E402  (beside this script)
 import loso  # noqa: E402
 
