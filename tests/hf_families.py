@@ -89,10 +89,12 @@ def _moe_families() -> dict[str, Callable[[], nn.Module]]:
                             n_group=2, topk_group=1),
         "gpt_oss": make(hf.GptOssConfig, hf.GptOssForCausalLM, "eager", **moe, num_local_experts=4,
                         intermediate_size=32, head_dim=HIDDEN // HEADS, sliding_window=8),
+        # PhiMoE routes by sparsemixer (repeated max and Gumbel sampling, no topk): found by its bank's call
+        "phimoe": make(hf.PhimoeConfig, hf.PhimoeForCausalLM, **moe, num_local_experts=4, intermediate_size=32),
     }
 
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe", "phimoe")
 
 FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo", "phi3",
             "stablelm", "granite", "gemma2", "phi", "falcon")

@@ -37,6 +37,9 @@ def _tiny(name: str) -> nn.Module:
                                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                   v_head_dim=16, n_group=2, topk_group=1)
         cls = hf.DeepseekV3ForCausalLM
+    elif name == "phimoe":  # routes by sparsemixer (repeated max, Gumbel sampling): no topk anywhere
+        cfg = hf.PhimoeConfig(**{**c, "intermediate_size": FFN}, num_local_experts=E, num_experts_per_tok=K)
+        cls = hf.PhimoeForCausalLM
     else:  # gpt_oss: transposed, interleaved gate|up with biases
         cfg = hf.GptOssConfig(**{**c, "intermediate_size": FFN}, num_local_experts=E, num_experts_per_tok=K,
                               head_dim=16, sliding_window=8)
@@ -48,7 +51,7 @@ def _tiny(name: str) -> nn.Module:
 @pytest.fixture(scope="module")
 def graphs() -> dict[str, tuple[nn.Module, ModelGraph]]:
     out = {}
-    for name in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"):
+    for name in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "phimoe"):
         model = _tiny(name)
         out[name] = model, autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),))
     return out
@@ -88,6 +91,7 @@ def test_grouped_mm_meta_matches_cpu_in_any_dtype(a_shape, b_shape, offs) -> Non
     ("qwen2_moe", FFN, 3 * 48 * H + H, "mlp.gate"),   # shared expert (gated FFN of 48) and its 1-output gate
     ("deepseek_v3", FFN, 3 * FFN * H, "mlp.gate"),    # one shared expert of the experts' width
     ("gpt_oss", FFN, 0, "mlp.router"),
+    ("phimoe", FFN, 0, "mlp.router"),  # found by the bank's call with the chosen experts [T, k]
 ])
 def test_moe_found_from_structure(graphs, name: str, ffn: int, shared: int, router: str) -> None:
     model, g = graphs[name]
@@ -107,7 +111,7 @@ def test_moe_found_from_structure(graphs, name: str, ffn: int, shared: int, rout
     assert g.num_params == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name,matrices", [("mixtral", 3), ("deepseek_v3", 3), ("gpt_oss", 3)])
+@pytest.mark.parametrize("name,matrices", [("mixtral", 3), ("deepseek_v3", 3), ("gpt_oss", 3), ("phimoe", 3)])
 def test_expert_flops_at_routed_tokens(graphs, name: str, matrices: int) -> None:
     """Each token goes to k experts: the grouped GEMMs do 2·s·k·(3·ffn·h) FLOPs per sample forward (gate, up,
     down of one expert per routed copy), twice that backward; one launch over the E experts each."""

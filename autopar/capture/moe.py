@@ -8,10 +8,12 @@ same output shapes for any dtype, and `register_grouped_mm_flops` teaches FlopCo
 (2·M·K·N summed over the groups: the rows of all groups together are the routed token copies).
 
 An MoE is found from the call's data flow and the module structure, never a family's class names
-(`find_moe`): a `topk` over the last dimension of a tensor of width E selects the experts (the router);
-the expert bank is the module of the layer whose own parameters stack E matrices (leading dimension E)
-or a list of E identical modules; the router is the module whose weight has E rows. What else the MoE
-block holds (shared experts that every token passes through, a shared expert's gate) is dense.
+(`find_moe`): a `topk` over the last dimension of a tensor of width E selects the experts (the router), or
+the bank is called with the choice itself, an integer tensor [T, k] of expert indices (`record_bank_calls`:
+routers that pick by sampling or repeated max instead of `topk`, PhiMoE's sparsemixer); the expert bank
+is the module of the layer whose own parameters stack E matrices (leading dimension E) or a list of E
+identical modules; the router is the module whose weight has E rows. What else the MoE block holds
+(shared experts that every token passes through, a shared expert's gate) is dense.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 from autopar.capture.graph import MoESpec
 
 __all__ = ["GROUPED_MM_OPS", "grouped_mm_any_dtype", "grouped_mm_groups", "find_moe", "bank_width",
-           "DEFAULT_LOAD_IMBALANCE"]
+           "record_bank_calls", "DEFAULT_LOAD_IMBALANCE"]
 
 aten = torch.ops.aten
 GROUPED_MM_OPS = frozenset({aten._grouped_mm}) if hasattr(aten, "_grouped_mm") else frozenset()
@@ -128,6 +130,23 @@ def _bank(module: nn.Module) -> tuple[int, list[nn.Parameter]] | None:
         return None
     experts = int(stacked[0].shape[0])
     return experts, [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == experts]
+
+
+def record_bank_calls(module: nn.Module, topks: list[tuple[int, int]]) -> list[Any]:
+    """Forward pre-hooks on every expert bank under `module` that append (k, E) to `topks` when the bank is
+    called with an integer [T, k] tensor (k < E): the experts each token chose, however the router chose
+    them. Returns the hook handles (remove them after the call)."""
+
+    def hook(experts: int) -> Any:
+        def pre(mod: nn.Module, inputs: tuple) -> None:
+            for t in inputs:
+                if (isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
+                        and t.dtype != torch.bool and 0 < t.shape[-1] < experts):
+                    topks.append((int(t.shape[-1]), experts))
+                    return
+        return pre
+
+    return [m.register_forward_pre_hook(hook(b[0])) for _, m in module.named_modules() if (b := _bank(m))]
 
 
 def _router(module: nn.Module, experts: int, bank: set[int]) -> str | None:

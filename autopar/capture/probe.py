@@ -33,7 +33,7 @@ from autopar.capture.fusion import Step, StepLog, fused_kernels, unread_save_byt
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.head_tables import HeadTables
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
-from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups
+from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups, record_bank_calls
 from autopar.capture.tensors import ModelState, storage_key, tensor_bytes
 from autopar.capture.tp_pairs import Tag, merge_sources, tensor_parallel_pairs
 from autopar.capture.units import common_parent, is_norm
@@ -426,6 +426,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         handles.append(m.register_forward_pre_hook(pre_hook(name)))
         handles.append(m.register_forward_hook(post_hook(name)))
     handles.extend(m.register_forward_pre_hook(norm_hook(name)) for name, m in module.named_modules() if is_norm(m))
+    handles.extend(record_bank_calls(module, tracker.topks))
     try:
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
