@@ -18,7 +18,14 @@ never the TP-sharded one: column-parallel shards N, row-parallel K):
                FSDP's float8 all-gather the weight is cast on its shard before the gather (P/dp, and no
                per-micro-batch weight cast), its amax from one all-reduce per step for all weights
   rowwise      every operand cast twice (row scales for one GEMM, column scales for the other): input,
-               weight and output gradient each twice, with their amaxes; the all-gather stays 16-bit
+               weight and output gradient each twice, with their amaxes; the all-gather stays 16-bit.
+               The two backward GEMMs run without fast accumulation (Float8LinearConfig's grad_input and
+               grad_weight Float8GemmConfig default, torchao/float8/config.py), and for row/column scales
+               without it torchao calls cuBLAS's tensorwise kernel with unit scales and multiplies the
+               output by the outer product of the scales afterwards (torchao/float8/float8_ops.py,
+               addmm_float8_unwrapped, since pytorch/ao PR #1325: "the rowwise CUTLASS-based kernel is so
+               slow without fast-accum"); under torch.compile that is at least one extra kernel per GEMM
+               (pytorch/ao issue #2184): a read and a write of grad_input (T·K) and grad_weight (P)
 A cast of n elements of e bytes reads n·e for its amax and n·e again for the cast and writes n bytes; a
 compiled block fuses the amax into the cast and the transposes into it (torchtitan: "torch.compile
 required for competitive performance ... to fuse the float8 scaling/casting kernels"): n·e read, n (and
@@ -36,10 +43,12 @@ from autopar.capture.graph import Kernel, LayerSpec, ModelGraph
 from autopar.errors import InfeasiblePlanError
 from cost_models.hardware import DeviceSpec
 
-__all__ = ["FP8_DTYPE", "CastWork", "is_fp8_layer", "fp8_gemm", "cast_work", "check_fp8_device", "fp8_param_share",
-           "fp8_recipes", "fp8_copy_bytes"]
+__all__ = ["FP8_DTYPE", "RESCALE_PASSES", "CastWork", "is_fp8_layer", "fp8_gemm", "cast_work", "check_fp8_device",
+           "fp8_param_share", "fp8_recipes", "fp8_copy_bytes"]
 
 FP8_DTYPE = "fp8"  # the catalog's peak_TFLOPs key for FP8 tensor-core throughput
+# A rowwise backward GEMM's output is rescaled after cuBLAS (module docstring): read once, written once
+RESCALE_PASSES = 2
 
 
 def fp8_recipes(device: DeviceSpec) -> tuple[str, ...]:
@@ -120,8 +129,9 @@ def cast_work(layer: LayerSpec, graph: ModelGraph, *, recipe: str, elem_bytes: f
         else:  # rowwise: each operand cast along both axes
             fwd += n * cast * (act_in + weight)
             bwd += n * cast * (act_out * 2 + act_in + weight)
+            bwd += n * RESCALE_PASSES * elem_bytes * (act_in + weight)  # the backward outputs' rescale
             fwd_k += n * (2 if compiled else 4)
-            bwd_k += n * (4 if compiled else 8)
+            bwd_k += n * (4 if compiled else 8) + 2 * n
     return CastWork(forward_bytes=fwd, backward_bytes=bwd, forward_kernels=fwd_k, backward_kernels=bwd_k,
                     amax_allreduces=amax)
 
