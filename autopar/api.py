@@ -81,7 +81,8 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
-                                  options.loss_kernel, precision=options.precision)
+                                  options.loss_kernel, precision=options.precision,
+                                  pipeline_p2p=options.pipeline_p2p)
     cluster.check_precision(costs.precision.name)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
@@ -114,7 +115,8 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     cluster.check_precision(config.precision)
     costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
-                                  options.loss_kernel, precision=config.precision)
+                                  options.loss_kernel, precision=config.precision,
+                                  pipeline_p2p=options.pipeline_p2p)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)

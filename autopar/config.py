@@ -17,6 +17,7 @@ from typing import Any
 
 from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
 from autopar.errors import AutoparError, ConfigError
+from cost_models.comm import PIPELINE_P2P
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
 from cost_models.precision import PRECISIONS
 
@@ -213,6 +214,11 @@ class PlannerOptions:
     # how the training code computes the loss (cost_models.memory.LOSS_KERNELS): "fp32_logits" as autopar's
     # runtime and plain torch do; "fused" for a fused or chunked cross-entropy kernel (another framework's)
     loss_kernel: str = "fp32_logits"
+    # how the runtime issues pipeline sends and receives (cost_models.comm.PIPELINE_P2P): "batched" as
+    # autopar's runtime (torch.distributed.pipelining) does; another framework's: "scatter_gather"
+    # (Megatron-LM), "blocking" (one blocking call per transfer) or "blocking_scatter_gather" (DeepSpeed's
+    # PipelineEngine)
+    pipeline_p2p: str = "batched"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
@@ -256,6 +262,9 @@ class PlannerOptions:
             raise ConfigError(f"PlannerOptions.objective={self.objective!r}; expected one of {OBJECTIVES}")
         if self.loss_kernel not in LOSS_KERNELS:
             raise ConfigError(f"PlannerOptions.loss_kernel={self.loss_kernel!r}; expected one of {LOSS_KERNELS}")
+        if self.pipeline_p2p not in PIPELINE_P2P:
+            raise ConfigError(f"PlannerOptions.pipeline_p2p={self.pipeline_p2p!r}; expected one of "
+                              f"{tuple(PIPELINE_P2P)}")
 
 
 def check_options(options: Any) -> PlannerOptions:

@@ -33,9 +33,33 @@ from cost_models.hardware import LinkSpec
 from cost_models.monotone import nondecreasing_fit
 from cost_models.profile import CollectiveSample, Profile
 
-__all__ = ["Topology", "CommModel", "ALGORITHMS", "fit_link", "interpolate_time_s"]
+__all__ = ["Topology", "CommModel", "ALGORITHMS", "PIPELINE_P2P", "fit_link", "interpolate_time_s"]
 
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+
+# How a pipeline runtime moves a stage-boundary tensor, as (transfer times per boundary and micro-batch, TP
+# slices): in the 1F1B steady state the activation goes forward and its gradient comes back across every
+# boundary once per micro-batch.
+#   batched         the send and the receive of a boundary are issued together and run at once on the two
+#                   directions of the full-duplex link (torch.distributed.batch_isend_irecv: autopar's
+#                   runtime, torch.distributed.pipelining's schedules): one transfer time
+#   scatter_gather  batched, and each of the t tensor-parallel ranks, which all hold the same boundary
+#                   tensor, sends only its 1/t slice; the receiver all-gathers the slices over the TP group
+#                   inside the node (Narayanan et al. SC'21 §4.1, "scatter/gather optimization"; Megatron-LM
+#                   p2p_communication, --scatter-gather-tensors-in-pipeline, on by default); with sequence
+#                   parallelism the tensor is already sharded and nothing changes
+#   blocking        every send and every receive is a call of its own that blocks the compute stream until
+#                   the peer has matched it: the activation and the gradient of a boundary cross one after
+#                   the other, two transfer times. A discrete-event replay of DeepSpeed's TrainSchedule
+#                   with rendezvous transfers (tests/test_pipeline_p2p.py) gives 4 transfer times per
+#                   micro-batch on a middle stage and 2 on the last, where batched issue gives 2 and 1
+#   blocking_scatter_gather  both: DeepSpeed's PipelineEngine (deepspeed/runtime/pipe/p2p.py send/recv assert
+#                   async_op == False and call dist.send / dist.recv; schedule.py TrainSchedule issues
+#                   RecvActivation then SendGrad, SendActivation then RecvGrad; engine.py partitions the
+#                   boundary tensors over the model-parallel group, PartitionedTensor, and all-gathers them
+#                   with `full()` on arrival, and the sender re-gathers its own output before backward)
+PIPELINE_P2P = {"batched": (1, False), "scatter_gather": (1, True), "blocking": (2, False),
+                "blocking_scatter_gather": (2, True)}
 
 
 @dataclass(frozen=True, kw_only=True)

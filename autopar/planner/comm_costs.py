@@ -12,7 +12,10 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   al. 2021, GShard §3.2; Megatron-Core's MoE token dispatcher), at the links the group crosses
                   (CommModel.all_to_all_time_s: ep consecutive data-parallel ranks, tp apart in the mesh), the
                   busiest rank receiving more than the mean (autopar.planner.moe_load)
-  p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across
+  p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across;
+                  the two directions of a boundary run at once when the runtime batches them, one after
+                  the other when each is a blocking call; under TP, Megatron-LM and DeepSpeed send 1/t
+                  slices and all-gather them over NVLink (cost_models.comm.PIPELINE_P2P)
   DP / ZeRO       the collectives the runtime issues, counted and priced one by one (autopar.planner.dp_costs)
   batch norm      under data parallelism each batch norm synchronises its statistics over the dp ranks
                   every micro-batch (autopar.codegen.batch_norm): forward, an all-reduce of its C channel
@@ -45,7 +48,7 @@ from autopar.planner.moe_load import busiest_rank_factor
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import tp_collectives
 from cost_models import fleet
-from cost_models.comm import CommModel
+from cost_models.comm import PIPELINE_P2P, CommModel
 from cost_models.compute import ComputeModel
 
 __all__ = ["CommCosts", "AMAX_BYTES"]
@@ -57,8 +60,10 @@ class CommCosts:
     """Seconds of communication per layer, stage boundary and step; cached per (run, tp, …) and per layout."""
 
     def __init__(self, graph: ModelGraph, memory: MemoryCosts, *, comm: CommModel, compute: ComputeModel,
-                 devices_per_node: int, nodes: int, cpu_cores: int, host_floor_s: float) -> None:
+                 devices_per_node: int, nodes: int, cpu_cores: int, host_floor_s: float,
+                 pipeline_p2p: str = "batched") -> None:
         self.graph = graph
+        self.pipeline_p2p = pipeline_p2p
         self.memory = memory
         self.model = comm
         self.compute = compute  # for the memory-bound packing passes of the data-parallel tail
@@ -165,9 +170,15 @@ class CommCosts:
 
     # ---- pipeline parallelism ----
     def send_s(self, ri: int, tp: int, sp: bool, mbs: int) -> tuple[float, float]:
-        """One send of run `ri`'s boundary tensor per micro-batch: (inside a node, across nodes)."""
+        """A stage boundary's transfers of run `ri`'s boundary tensor per micro-batch, as the runtime issues
+        them (PIPELINE_P2P): (inside a node, across nodes)."""
         send_bytes = self.memory.act_scale * self.memory.runs[ri][0].boundary_bytes * mbs / (tp if sp else 1)
-        return self.p2p_s(send_bytes, False), self.p2p_s(send_bytes, True)
+        k, sliced = PIPELINE_P2P[self.pipeline_p2p]
+        if sliced and tp > 1 and not sp and tp <= self.devices_per_node:
+            gather = self.collective_s("all_gather", send_bytes, tp, tp)
+            return (k * (self.p2p_s(send_bytes / tp, False) + gather),
+                    k * (self.p2p_s(send_bytes / tp, True) + gather))
+        return k * self.p2p_s(send_bytes, False), k * self.p2p_s(send_bytes, True)
 
     def inter_node(self, c: Candidate) -> tuple[bool, ...]:
         """Whether the p2p between stage s and s+1 crosses nodes (mesh (pp, dp, cp, tp), tp innermost)."""

@@ -54,9 +54,10 @@ class CostModel:
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
                  host: HostSpec | None = None, loss_kernel: str = "fp32_logits",
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, pipeline_p2p: str = "batched") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
-        practitioner default, cost_models.precision.default_precision)."""
+        practitioner default, cost_models.precision.default_precision). pipeline_p2p: how the runtime
+        issues stage-boundary transfers (cost_models.comm.PIPELINE_P2P)."""
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -81,18 +82,20 @@ class CostModel:
                                     host_floor_s=host_floor_s, straggler=straggler)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
-                              host_floor_s=host_floor_s)
+                              host_floor_s=host_floor_s, pipeline_p2p=pipeline_p2p)
         self._runs = lru_cache(maxsize=None)(self._run_list)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
-                    loss_kernel: str = "fp32_logits", precision: str | None = None) -> CostModel:
+                    loss_kernel: str = "fp32_logits", precision: str | None = None,
+                    pipeline_p2p: str = "batched") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
-                   host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision)
+                   host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision,
+                   pipeline_p2p=pipeline_p2p)
 
     @property
     def world_size(self) -> int:
