@@ -12,7 +12,7 @@ from typing import Any
 from autopar.capture.graph import ModelGraph
 from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
 from autopar.config import ParallelConfig, PlannerOptions, check_options
-from autopar.errors import AutoparError, PlanMismatchError
+from autopar.errors import AutoparError, ConfigError, PlanMismatchError
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.planner.assemble import build_estimate, build_plan
 from autopar.planner.costs import CostModel
@@ -55,6 +55,16 @@ def _cluster(cluster: Any, *, or_plan: bool = False) -> Any:
     return cluster
 
 
+def _priced(graph: ModelGraph, options: PlannerOptions) -> ModelGraph:
+    """The graph as the cost model prices it: its MoE layers at `options.router_skew` when set."""
+    if options.router_skew is None:
+        return graph
+    try:
+        return graph.with_moe_load_imbalance(options.router_skew)
+    except ValueError as e:
+        raise ConfigError(f"PlannerOptions.router_skew={options.router_skew:g}: {e}") from None
+
+
 def _check_stages(stages: Any, config: ParallelConfig, graph: ModelGraph) -> list[StagePlan]:
     """A plan's stages, in index order, that fit `config` and hold `graph`'s layers exactly once, in order."""
     if not all(isinstance(st, StagePlan) for st in stages):
@@ -80,13 +90,14 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     options = check_options(options)
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
-    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
+    costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=options.precision,
                                   pipeline_p2p=options.pipeline_p2p)
     cluster.check_precision(costs.precision.name)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
-                      global_batch_size=global_batch_size)
+                      global_batch_size=global_batch_size, graph_fingerprint=graph.fingerprint,
+                      router_skew=options.router_skew)
 
 
 def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs: tuple | None = None,
@@ -114,7 +125,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     cluster = _cluster(cluster)
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     cluster.check_precision(config.precision)
-    costs = CostModel.for_cluster(graph, cluster, profile, options.memory_reserve_fraction,
+    costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=config.precision,
                                   pipeline_p2p=options.pipeline_p2p)
     if stages is None:

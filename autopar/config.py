@@ -2,9 +2,12 @@
 
 Vocabulary: tp / cp / pp / dp are the *degrees* of tensor, context (sequence split across ranks),
 pipeline and data parallelism (mesh axis sizes, mesh order ("pp", "dp", "cp", "tp"), tp innermost); ep is
-the expert-parallel degree of mixture-of-experts layers, folded over a stage's data-parallel ranks
-(docs/design.md §8: experts see the mesh ("pp", "edp", "ep", "etp") with etp = 1 here, their bank
-replicated over tp as dense linears are not, and ep · edp = dp); `virtual_stages` is the number of model
+the expert-parallel degree of mixture-of-experts layers (docs/design.md §8: experts see the mesh
+("pp", "edp", "ep", "etp") with etp = 1 here, the experts not tensor-parallel). The EP group takes the
+innermost ranks, as Megatron-Core's Parallel Folding lays it out (Liu et al. 2025, arXiv:2504.14960): where
+tp divides ep it is folded over the tp ranks and ep / tp consecutive data-parallel ranks (ep · edp = tp · dp,
+`ep_folded`), else it spans ep data-parallel ranks, the bank replicated over tp (ep · edp = dp);
+`virtual_stages` is the number of model
 chunks per pipeline rank (v in Narayanan et al. 2021, §2.2); a *micro-batch* is what one pipeline
 slot processes on one data-parallel rank.
 """
@@ -21,7 +24,8 @@ from cost_models.comm import PIPELINE_P2P
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
 from cost_models.precision import PRECISIONS
 
-__all__ = ["ParallelConfig", "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
+__all__ = ["ParallelConfig", "ep_folds", "ep_fits", "ep_invalid", "expert_dp",
+           "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
            "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "PRECISIONS", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -34,6 +38,36 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")
 # "optimizer": fp32 masters and moments in host memory, the step on the CPU (ZeRO-Offload, Ren et al. 2021);
 # "params": FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer states on the host)
 OFFLOAD_MODES = ("none", "optimizer", "params")
+
+
+def ep_folds(tp: int, ep: int) -> bool:
+    """Whether expert parallelism ep folds over tensor-parallel degree tp: Megatron-Core's Parallel Folding at
+    ETP = 1, the EP group taking the innermost ranks (the tp ranks, then data-parallel ones) when tp divides ep."""
+    return tp > 1 and ep > 1 and ep % tp == 0
+
+
+def expert_dp(tp: int, dp: int, ep: int) -> int:
+    """Ranks holding the same experts (per cp rank): dp · tp / ep when ep folds over tp, else dp / ep."""
+    return dp * tp // ep if ep_folds(tp, ep) else dp // ep
+
+
+def ep_invalid(tp: int, dp: int, ep: int) -> str | None:
+    """Why expert-parallel degree ep cannot lay out over tp × dp (None when it can): it must divide dp (experts
+    over data-parallel ranks, replicated over tp) or, folded, be a multiple of tp whose ep / tp divides dp."""
+    if ep_fits(tp, dp, ep):
+        return None
+    ok = [e for e in range(1, dp * tp + 1) if ep_fits(tp, dp, e)]
+    if tp == 1:
+        return (f"ep={ep} must divide dp={dp}: experts are split over ep of each stage's data-parallel ranks "
+                f"(ep · edp = dp); possible ep: {ok}")
+    return (f"ep={ep} must divide dp={dp} (experts over data-parallel ranks, replicated over tp={tp}) or be a "
+            f"multiple of tp={tp} dividing dp · tp = {dp * tp} (folded over tp × ep/tp data-parallel ranks, "
+            f"Parallel Folding); possible ep: {ok}")
+
+
+def ep_fits(tp: int, dp: int, ep: int) -> bool:
+    """Whether expert-parallel degree ep lays out over tp × dp (`ep_invalid` says why not)."""
+    return dp % (ep // tp) == 0 if ep_folds(tp, ep) else dp % ep == 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +92,9 @@ class ParallelConfig:
     fp8: str = "none"
     # where the optimizer states (and with "params" the parameters) live: one of OFFLOAD_MODES
     offload: str = "none"
-    # expert parallelism: each MoE layer's experts split over ep of the dp ranks (E / ep each), tokens moved by
-    # all-to-all; ZeRO shards expert states over the edp = dp / ep ranks holding the same experts
+    # expert parallelism: each MoE layer's experts split over ep ranks (E / ep each), tokens moved by all-to-all:
+    # folded over tp × ep/tp dp ranks where tp divides ep, else over ep dp ranks (module docstring); ZeRO shards
+    # expert states over the edp ranks holding the same experts
     ep: int = 1
     # training precision policy (cost_models.precision): "bf16"/"fp16" compute in 16 bits over fp32 master
     # weights, optimizer states and gradient reductions; "fp32" computes on the masters
@@ -99,14 +134,32 @@ class ParallelConfig:
         if self.cp > 1 and self.compile:
             raise ConfigError("compile=True with cp > 1 is not supported (context-parallel attention runs in a "
                               "torch function mode); set compile=False or cp=1")
-        if self.dp % self.ep:
-            raise ConfigError(f"ParallelConfig.ep={self.ep} must divide dp={self.dp}: experts are split over ep of "
-                              "each stage's data-parallel ranks (ep · edp = dp); use an ep that divides dp")
+        if why := ep_invalid(self.tp, self.dp, self.ep):
+            raise ConfigError(f"ParallelConfig.{why}")
+
+    @property
+    def ep_folded(self) -> bool:
+        """Whether the EP group folds over the tp ranks (tp divides ep): the module docstring."""
+        return ep_folds(self.tp, self.ep)
+
+    @property
+    def ep_dp(self) -> int:
+        """The data-parallel ranks one EP group spans: ep / tp when folded, else ep."""
+        return self.ep // self.tp if self.ep_folded else self.ep
 
     @property
     def edp(self) -> int:
-        """Expert data parallelism: the dp ranks holding the same experts (ZeRO shards expert states over them)."""
-        return self.dp // self.ep
+        """Expert data parallelism: the ranks of a stage (per cp rank) holding the same experts, dp · tp / ep when
+        folded, else dp / ep (the bank then also replicated over tp); ZeRO shards expert states over them."""
+        return expert_dp(self.tp, self.dp, self.ep)
+
+    def ep_text(self) -> str:
+        """"ep=8 (over tp2 x dp4)": the EP degree and the ranks its group spans ("" for ep = 1)."""
+        if self.ep == 1:
+            return ""
+        over = f"tp{self.tp} x dp{self.ep_dp}" if self.ep_folded else f"dp{self.ep}"
+        tp = f" x tp{self.tp} replicas" if self.tp > 1 and not self.ep_folded else ""
+        return f"ep={self.ep} (over {over}{tp}, edp={self.edp})"
 
     @property
     def world_size(self) -> int:
@@ -219,6 +272,10 @@ class PlannerOptions:
     # (Megatron-LM), "blocking" (one blocking call per transfer) or "blocking_scatter_gather" (DeepSpeed's
     # PipelineEngine)
     pipeline_p2p: str = "batched"
+    # the router's load imbalance the MoE layers are priced at (busiest expert-parallel rank's routed tokens ÷
+    # the mean, autopar.planner.moe_load); None: the captured graph's (MoESpec.load_imbalance, by default
+    # autopar.capture.moe.DEFAULT_LOAD_IMBALANCE). A plan records it (Plan.router_skew)
+    router_skew: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
@@ -265,6 +322,9 @@ class PlannerOptions:
         if self.pipeline_p2p not in PIPELINE_P2P:
             raise ConfigError(f"PlannerOptions.pipeline_p2p={self.pipeline_p2p!r}; expected one of "
                               f"{tuple(PIPELINE_P2P)}")
+        if self.router_skew is not None and (not is_real(self.router_skew) or not 1.0 <= self.router_skew < 1e6):
+            raise ConfigError(f"PlannerOptions.router_skew={self.router_skew!r}; it must be a number ≥ 1 (the "
+                              "busiest expert-parallel rank's routed tokens ÷ the mean; 1 = balanced)")
 
 
 def check_options(options: Any) -> PlannerOptions:

@@ -135,6 +135,9 @@ class Plan:
     solver: SolverInfo | None = None
     alternatives: tuple[tuple[ParallelConfig, Estimate], ...] = ()
     schema_version: int = PLAN_SCHEMA_VERSION
+    # the router load imbalance the MoE layers were priced at (PlannerOptions.router_skew); None: the captured
+    # graph's own. graph_fingerprint is the captured model's either way, so the plan runs on it
+    router_skew: float | None = None
 
     def __post_init__(self) -> None:
         expected = self.config.pp * self.config.virtual_stages
@@ -153,6 +156,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["alternatives"] = [{"config": c.to_dict(), "estimate": dataclasses.asdict(e)} for c, e in self.alternatives]
+        if d["router_skew"] is None:  # plans priced at the captured graph's own imbalance read as before
+            del d["router_skew"]
         return d
 
     @classmethod
@@ -293,6 +298,8 @@ def _check_plan(plan: Plan, where: str) -> None:
     for name in ("model_name", "graph_fingerprint", "cluster_name", "cluster_fingerprint"):
         if not isinstance(getattr(plan, name), str) or not getattr(plan, name):
             raise plan_error(where, f"{name} = {getattr(plan, name)!r} must be a non-empty string")
+    if plan.router_skew is not None and (not is_real(plan.router_skew) or not 1.0 <= plan.router_skew < 1e6):
+        raise plan_error(where, f"router_skew = {plan.router_skew!r} must be a number ≥ 1 or null")
     n = len(plan.stages)
     if [st.index for st in plan.stages] != list(range(n)):
         raise plan_error(where, f"stage indices {[st.index for st in plan.stages]} must be 0..{n - 1} in order")

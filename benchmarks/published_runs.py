@@ -98,10 +98,7 @@ def _graph(run: dict, cache: dict):
     if key not in cache:
         build = {"fused": fused_llama.build, "transformers": _transformers_model}.get(impl, autopar.zoo.build)
         model, x = build(run["model"], seq_len=run["seq_len"], **run.get("overrides", {}))
-        graph = autopar.capture(model, x)
-        if "load_imbalance" in run:
-            graph = graph.with_moe_load_imbalance(run["load_imbalance"])
-        cache[key] = graph
+        cache[key] = autopar.capture(model, x)
     return cache[key]
 
 
@@ -167,7 +164,7 @@ def _options(run: dict, **pins) -> PlannerOptions:
                           recompute=run.get("recompute"), sequence_parallel=run["sp"],
                           loss_kernel=run.get("loss_impl", "fp32_logits"),
                           pipeline_p2p=run.get("pipeline_p2p", "batched"),
-                          top_k=0, max_virtual_stages=8,
+                          top_k=0, max_virtual_stages=8, router_skew=run.get("load_imbalance"),
                           **_run_options(run), **pins)
 
 

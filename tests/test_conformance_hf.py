@@ -54,9 +54,10 @@ def test_tp2_dp2_on_four_ranks():
     tied to it) and Gemma (scaled, tied embedding) under tp2 × dp2; Phi-3 (grouped-query attention in one
     fused q|k|v projection of unequal blocks, 4 query and 2 key/value heads) under tp2 × pp2.
     Then expert parallelism (autopar.codegen.experts) on the MoE families: ep2 × edp2 (dp4; ZeRO-1 for
-    Mixtral and Qwen3-MoE, expert states owned within the ranks holding them), ep2 under tp2 (the bank
-    replicated over tp; Mixtral and Qwen3-MoE with sequence parallelism, Qwen3-MoE with ZeRO-2; DeepSeek's MLA is
-    refused under SP) and under pp2 1F1B."""
+    Mixtral and Qwen3-MoE, expert states owned within the ranks holding them); ep2 under tp2, folded over the
+    tp pair (edp2: Mixtral and Qwen3-MoE with sequence parallelism, Qwen3-MoE with ZeRO-2 over edp; DeepSeek,
+    whose MLA is refused under SP, splitting its replicated tokens over tp); ep4 folded over tp2 × dp2
+    (Mixtral, Qwen3-MoE: the tokens split over tp, dispatched over all four ranks); and under pp2 1F1B."""
     from hf_families import MOE_FAMILIES
 
     moe = MOE_FAMILIES[:4]
@@ -65,7 +66,8 @@ def test_tp2_dp2_on_four_ranks():
          + [(f, dict(dp=4, ep=2, zero_stage=1 if f in moe[:2] else 0)) for f in moe]
          + [("mixtral", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
             ("qwen3_moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True, zero_stage=2)),
-            ("deepseek_v3", dict(tp=2, dp=2, ep=2))] + [(f, dict(PP, dp=2, ep=2)) for f in moe], 4)
+            ("deepseek_v3", dict(tp=2, dp=2, ep=2))] + [(f, dict(tp=2, dp=2, ep=4)) for f in moe[:2]]
+         + [(f, dict(PP, dp=2, ep=2)) for f in moe], 4)
 
 
 def test_own_model_with_skip_connection_tied_head_and_root_parameter():
@@ -85,11 +87,13 @@ def test_moe_families_dp_tp_pp():
     autopar.codegen.head_bias) under dp2, tp2 (experts replicated over the TP group; Mixtral also with
     sequence parallelism, its MoE block on sequence shards, the gradients of the router and the experts
     summed over tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the router and the permutation
-    run as the model's own code on every layout. Expert parallelism runs on four ranks
-    (test_tp2_dp2_on_four_ranks: ep2 alone inside each stage of pp2 × ep2, ep2 × edp2, ep2 under tp2) and
-    eight (tests/test_eight_ranks.py)."""
+    run as the model's own code on every layout; Mixtral and Qwen3-MoE also under tp2 × ep2, the experts
+    folded over the tp pair (Parallel Folding: each tp rank dispatches half the tokens both hold). Expert
+    parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each stage of pp2 × ep2,
+    ep2 × edp2, ep2 and ep4 folded over tp2) and eight (tests/test_eight_ranks.py)."""
     from hf_families import MOE_FAMILIES
 
     families = MOE_FAMILIES[:4]
     _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families]
-         + [(f, PP) for f in families] + [("mixtral", dict(tp=2, sequence_parallel=True))], 2)
+         + [(f, PP) for f in families] + [("mixtral", dict(tp=2, sequence_parallel=True))]
+         + [(f, dict(tp=2, ep=2)) for f in families[:2]], 2)

@@ -53,15 +53,36 @@ def test_config_ep_round_trip_and_checks() -> None:
     assert c.edp == 2 and "ep=2" in str(c)
     assert ParallelConfig.parse(str(c)) == c == ParallelConfig.from_dict(c.to_dict())
     assert "ep" not in str(ParallelConfig(dp=4))  # dense layouts print as before
-    with pytest.raises(ConfigError, match="ep=3 must divide dp=4"):
+    with pytest.raises(ConfigError, match=r"ep=3 must divide dp=4.*possible ep: \[1, 2, 4\]"):
         ParallelConfig(dp=4, ep=3)
     with pytest.raises(ConfigError, match="ep"):
         PlannerOptions(ep=0)
 
 
+def test_config_ep_folds_over_tp() -> None:
+    """Parallel Folding at ETP = 1: where tp divides ep the EP group is the tp ranks of ep / tp consecutive
+    data-parallel ranks, edp = dp · tp / ep; otherwise ep data-parallel ranks, the bank replicated over tp."""
+    qwen = ParallelConfig(tp=2, dp=128, ep=8)  # Megatron's Qwen3-235B row: TP2 EP8 ETP1 EDP32 DP128
+    assert qwen.ep_folded and qwen.ep_dp == 4 and qwen.edp == 32
+    assert qwen.ep_text() == "ep=8 (over tp2 x dp4, edp=32)"
+    two = ParallelConfig(tp=2, dp=1, ep=2)  # ep needs no data parallelism when folded
+    assert two.ep_folded and two.edp == 1 and ParallelConfig.parse(str(two)) == two
+    assert ParallelConfig(tp=2, dp=2, ep=4).edp == 1
+    apart = ParallelConfig(tp=4, dp=2, ep=2)  # tp does not divide ep: over dp, replicated over tp
+    assert not apart.ep_folded and apart.edp == 1 and apart.ep_text() == "ep=2 (over dp2 x tp4 replicas, edp=1)"
+    with pytest.raises(ConfigError, match=r"ep=3 must divide dp=4 .*or be a multiple of tp=2 dividing dp · tp = 8"
+                                          r".*possible ep: \[1, 2, 4, 8\]"):
+        ParallelConfig(tp=2, dp=4, ep=3)
+    with pytest.raises(ConfigError, match=r"ep=8 must divide dp=2.*possible ep: \[1, 2, 4\]"):
+        ParallelConfig(tp=2, dp=2, ep=8)
+
+
 def test_ep_degrees_follow_dp_and_expert_count(moe) -> None:
     _, g = moe
     assert ep_degrees(g, 8) == [1, 2, 4]  # 4 experts: ep 8 would leave ranks without one
+    assert ep_degrees(g, 1, tp=2) == [1, 2]  # folded over the tp pair
+    assert ep_degrees(g, 2, tp=2) == [1, 2, 4]  # 4: tp2 x dp2
+    assert ep_degrees(g, 2, tp=4) == [1, 2, 4]  # 2: over dp2, replicated over tp4; 4: folded over tp4
     dense, x = autopar.zoo.build("gpt-tiny", seq_len=8)
     assert ep_degrees(autopar.capture(dense, x), 8) == [1]
     cands = enumerate_candidates(g, world_size=8, devices_per_node=8, global_batch_size=8, options=PlannerOptions())
@@ -136,13 +157,13 @@ def test_all_to_all_priced_by_links_crossed(moe) -> None:
         k = ep
         a2a = ((local - 1) * 3e-6 + (local - 1) / k * n / 300e9
                + (k - local) * 1e-5 + (k - local) / k * n / 25e9)
-        got = costs.comm.ep_times(ri, 1, mbs, ep)
+        got = costs.comm.ep_times(ri, 1, False, mbs, ep)
         f = _busiest(m, ep, mbs * SEQ)
         assert got["forward"] == pytest.approx(2 * a2a * f)
         assert got["backward"] == pytest.approx(2 * a2a * f)
-    assert costs.comm.ep_times(ri, 1, mbs, 1) == {"forward": 0.0, "backward": 0.0}
+    assert costs.comm.ep_times(ri, 1, False, mbs, 1) == {"forward": 0.0, "backward": 0.0}
     dense_ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is None)
-    assert costs.comm.ep_times(dense_ri, 1, mbs, 2)["forward"] == 0.0
+    assert costs.comm.ep_times(dense_ri, 1, False, mbs, 2)["forward"] == 0.0
 
 
 def test_grouped_gemm_is_its_groups() -> None:
@@ -220,3 +241,131 @@ def test_cli_ep_flag_show_explain_diff(tmp_path, capsys) -> None:
     assert main(["plan", model, "--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "16",
                  "--ep", "3"]) == 1
     assert "ep=3" in capsys.readouterr().err
+
+
+def test_folded_states_sharded_over_edp(moe) -> None:
+    """Folded (tp2, dp4, ep4): experts E / 4 per rank, their ZeRO states over edp = dp · tp / ep = 2 ranks."""
+    _, g = moe
+    costs = CostModel.for_cluster(g, fake_cluster())
+    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
+    layer = costs.memory.runs[ri][0]
+    dense = costs.memory.local_dense_params(layer, 2)
+    for zero in (1, 3):
+        want = _states(dense, zero, 4) + _states(layer.moe.expert_params / 4, zero, 2)
+        assert costs.memory.run_state_bytes(ri, 2, zero, 4, 4) == pytest.approx(want)
+
+
+def test_folded_all_to_all_stays_in_the_node_and_wins(moe) -> None:
+    """tp2 x dp4 on 2 nodes of 4: ep4 folded is the tp pairs of 2 consecutive dp ranks (4 ranks, one node),
+    each rank sending half its replicated tokens, plus the tp all-gather of the outputs (forward) and of the
+    tokens' gradients (backward). Against the hand-written formula, and cheaper than the same ep4 laid over 4
+    data-parallel ranks (8 ranks apart by tp: two nodes, whole tokens), what autopar ran before folding."""
+    _, g = moe
+    cluster = fake_cluster(nodes=2, per_node=4, intra_GBps=300, inter_GBps=25)
+    costs = CostModel.for_cluster(g, cluster)
+    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
+    m = costs.memory.runs[ri][0].moe
+    mbs, ep = 2, 4
+    intra_a, inter_a = 3e-6, 1e-5  # fake_cluster's link latencies
+
+    def a2a(n: float, k: int, local: int) -> float:
+        return ((local - 1) * intra_a + (local - 1) / k * n / 300e9
+                + (k - local) * inter_a + (k - local) / k * n / 25e9)
+
+    n = m.dispatch_bytes_per_sample * mbs
+    out_bytes = n / m.top_k  # the combined outputs: tokens × hidden
+    gather = costs.comm.collective_s("all_gather", out_bytes, 2, 2)
+    folded = 2 * a2a(n / 2, ep, 4) * _busiest(m, ep, mbs * SEQ // 2) + gather
+    got = costs.comm.ep_times(ri, 2, False, mbs, ep)
+    assert got["forward"] == pytest.approx(folded) and got["backward"] == pytest.approx(folded)
+    assert costs.comm.ep_ranks_per_node(2, ep) == 4
+    over_dp = 2 * a2a(n, ep, 2) * _busiest(m, ep, mbs * SEQ)  # ep4 over dp ranks 2 apart: 2 per node
+    assert folded < over_dp
+    sp = costs.comm.ep_times(ri, 2, True, mbs, ep)  # SP: tokens already split, nothing to gather
+    assert sp["forward"] == pytest.approx(2 * a2a(n / 2, ep, 4) * _busiest(m, ep, mbs * SEQ // 2))
+
+
+def test_folded_expert_compute_on_half_the_tokens(moe) -> None:
+    """Folded over tp2 (or under SP) a rank's expert GEMMs run on its half of the tokens, at the busiest
+    rank's load of that half; everything else in the layer is priced as at ep = 1."""
+    _, g = moe
+    costs = CostModel.for_cluster(g, fake_cluster())
+    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
+    layer = costs.memory.runs[ri][0]
+    cm = costs.compute.model
+    experts = [k for k in layer.kernels_forward.kernels if k.expert]
+
+    def expert_s(share: float, ep: int) -> float:
+        load = _busiest(layer.moe, ep, int(2 * SEQ * share))
+        return sum(k.count * cm.kernel_time_s("gemm", 2 * share * load * k.work, dtype=g.dtype,
+                                               groups=max(1, k.groups // ep)) for k in experts)
+
+    base = costs.compute.run(ri, 2, False, 2, False, 1).forward_s
+    folded = costs.compute.run(ri, 2, False, 2, False, 2).forward_s
+    want = (expert_s(0.5, 2) - expert_s(1.0, 1)) * costs.compute.straggler
+    assert folded - base == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert folded < base
+
+
+def test_router_skew_option_prices_and_is_recorded(moe) -> None:
+    """PlannerOptions(router_skew=...) prices every MoE layer at that imbalance (the busiest rank's factor,
+    moe_load), the plan records it beside the captured model's own fingerprint, and estimate reproduces it."""
+    _, g = moe
+    cluster = fake_cluster(nodes=1, per_node=4)
+    pins = dict(tp=1, pp=1, dp=4, ep=4, zero_stage=0, micro_batch_size=1, top_k=0)
+    flat = autopar.plan(g, cluster, global_batch_size=4, options=PlannerOptions(**pins))
+    skewed = autopar.plan(g, cluster, global_batch_size=4, options=PlannerOptions(**pins, router_skew=1.5))
+    assert skewed.router_skew == 1.5 and flat.router_skew is None
+    assert skewed.graph_fingerprint == flat.graph_fingerprint == g.fingerprint  # it still runs on this model
+    assert skewed.estimate.step_time_s > flat.estimate.step_time_s
+    assert autopar.Plan.from_dict(skewed.to_dict()) == skewed
+    est = autopar.estimate(g, cluster, skewed.config, options=PlannerOptions(router_skew=1.5))
+    assert est.step_time_s == pytest.approx(skewed.estimate.step_time_s, rel=1e-6)
+    same = autopar.estimate(g.with_moe_load_imbalance(1.5), cluster, skewed.config)
+    assert same.step_time_s == pytest.approx(est.step_time_s, rel=1e-12)
+    with pytest.raises(ConfigError, match="router_skew"):
+        PlannerOptions(router_skew=0.5)
+    with pytest.raises(ConfigError, match="router_skew=3.*load_imbalance"):  # 4 experts, top-2: at most E/k + 1
+        autopar.estimate(g, cluster, skewed.config, options=PlannerOptions(router_skew=3.5))
+    dense, x = autopar.zoo.build("gpt-tiny", seq_len=8)
+    with pytest.raises(ConfigError, match="no mixture-of-experts layer"):
+        autopar.estimate(autopar.capture(dense, x), cluster, ParallelConfig(dp=4),
+                         options=PlannerOptions(router_skew=1.2))
+
+
+def test_cli_fold_and_router_skew(tmp_path, capsys) -> None:
+    """`autopar plan --ep 4 --tp 2 --router-skew`: show, explain and diff print the fold and do not refuse a
+    plan priced at a non-default skew; `autopar estimate --router-skew` prices the same layout the same."""
+    import json
+
+    from autopar.cli.main import main
+
+    factory = tmp_path / "moe_factory.py"
+    factory.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from hf_families import build_family\n"
+        "def make(seq_len=16):\n"
+        "    return build_family('mixtral').to(torch.bfloat16), (torch.zeros(1, seq_len, dtype=torch.long),)\n")
+    model, a, b = f"{factory}:make", tmp_path / "a.json", tmp_path / "b.json"
+    common = ["--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "16", "--top", "0"]
+    assert main(["plan", model, *common, "--tp", "2", "--pp", "1", "--ep", "4", "--router-skew", "1.25",
+                 "--out", str(a)]) == 0
+    assert "experts ep=4 (over tp2 x dp2, edp=2)" in capsys.readouterr().out
+    plan = autopar.Plan.load(a)
+    assert plan.router_skew == 1.25 and plan.config.ep_folded
+    assert main(["show", str(a)]) == 0
+    out = capsys.readouterr().out
+    assert "ep=4 (over tp2 x dp2, edp=2)" in out and "router skew 1.25" in out
+    assert main(["explain", str(a), "--config", "ep=2", "--model", model]) == 0
+    out = capsys.readouterr().out
+    assert "experts ep=4 (over tp2 x dp2, edp=2)" in out and "experts ep=2 (over tp2 x dp1, edp=4)" in out
+    assert main(["plan", model, *common, "--tp", "2", "--pp", "1", "--ep", "2", "--out", str(b)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(a), str(b)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "ep_over" in line)
+    assert row.split() == ["*", "ep_over", "tp2", "x", "dp2,", "edp=2", "tp2", "x", "dp1,", "edp=4"]
+    assert main(["estimate", model, "--cluster", "dgx-h100", "--seq-len", "16", "--config", str(plan.config),
+                 "--router-skew", "1.25", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)["estimate"]
+    assert est["step_time_s"] == pytest.approx(plan.estimate.step_time_s, rel=1e-6)

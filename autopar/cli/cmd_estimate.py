@@ -8,8 +8,8 @@ import dataclasses
 import json
 
 from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
-from autopar.cli.cmd_plan import add_model_and_cluster, add_precision
-from autopar.config import ParallelConfig
+from autopar.cli.cmd_plan import add_model_and_cluster, add_precision, add_router_skew
+from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError
 from cost_models.precision import default_precision
 
@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
     add_precision(p, "the layout's precision (or precision= in --config; default: bf16 on GPUs with bf16 tensor "
                      "throughput, fp32 on CPU)")
+    add_router_skew(p)
     p.add_argument("--json", action="store_true", help="print the layout and its estimate as JSON")
     p.set_defaults(func=_estimate)
 
@@ -54,7 +55,8 @@ def _estimate(args: argparse.Namespace) -> int:
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
         cluster.check_trains(dtype)
-    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args=args), cluster, config)
+    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args=args), cluster, config,
+                           options=PlannerOptions(router_skew=args.router_skew))
     if args.json:
         print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))
     else:

@@ -21,6 +21,7 @@ from autopar.config import (
     ZERO_STAGES,
     ParallelConfig,
     PlannerOptions,
+    ep_fits,
 )
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.plan import Plan
@@ -45,6 +46,13 @@ def add_loss_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--external-loss", action="store_true",
                    help="the model will train on a loss_fn given to parallelize, not on its own loss: capture it "
                         "without targets")
+
+
+def add_router_skew(p: argparse.ArgumentParser) -> None:
+    """--router-skew: the MoE router load imbalance to price at (PlannerOptions.router_skew)."""
+    p.add_argument("--router-skew", type=float, default=None, metavar="FACTOR",
+                   help="price mixture-of-experts layers at this router load imbalance (busiest expert-parallel "
+                        "rank's routed tokens ÷ the mean, ≥ 1; default: the captured model's, balanced)")
 
 
 def add_precision(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -75,7 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, help="pin data parallelism")
     p.add_argument("--cp", type=int, help="pin context parallelism (each sequence split over cp ranks)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="pin the ZeRO stage")
-    p.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; a divisor of dp)")
+    p.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; a divisor of dp, or "
+                                         "folded over tp: a multiple of tp whose ep/tp divides dp)")
+    add_router_skew(p)
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin recompute on every layer")
@@ -197,7 +207,7 @@ def _plan(args: argparse.Namespace) -> int:
                           fp8=None if args.fp8 == "auto" else args.fp8,
                           offload=None if args.offload == "auto" else args.offload,
                           top_k=args.top, time_limit_s=args.time_limit, objective=args.objective,
-                          precision=args.precision)
+                          precision=args.precision, router_skew=args.router_skew)
     from autopar.models import training_dtype
 
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
@@ -288,7 +298,7 @@ def _explain(args: argparse.Namespace) -> int:
     est, reason = None, None
     try:
         own = plan.stages if alt == plan.config else None  # the plan itself: price its own stages exactly
-        est = autopar.estimate(graph, cluster, alt, stages=own)
+        est = autopar.estimate(graph, cluster, alt, stages=own, options=PlannerOptions(router_skew=plan.router_skew))
     except AutoparError as e:
         reason = str(e)
     if est is not None and not est.fits:  # priced, but over memory: the constraint it breaks
@@ -335,6 +345,6 @@ def _alternative(plan: Plan, text: str, precision: str | None = None) -> Paralle
         fill.update(schedule="1f1b", virtual_stages=1)
     if tp == 1:
         fill["sequence_parallel"] = False
-    if dp % fill["ep"]:  # experts fold over dp: an inherited ep that no longer divides it goes back to 1
+    if not ep_fits(tp, dp, fill["ep"]):  # an inherited ep that no longer lays out over tp × dp goes back to 1
         fill["ep"] = 1
     return ParallelConfig.parse(text, **fill)

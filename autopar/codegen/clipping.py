@@ -8,9 +8,10 @@ squares of its local gradient shards, except where another rank holds the same v
 - a plain tensor is replicated over the data-parallel, context-parallel and tensor-parallel axes its
   DTensor mesh (if any) does not cover, and counts only at coordinate 0 of each (cp ranks hold the same
   weights and, after the gradient average over dp·cp, the same gradients);
-- an expert parameter (expert parallelism: its bank split over the ep ranks, which are dp ranks) counts
-  on every ep rank, once among the ranks holding the same experts (`ExpertParallel.grad_mesh`: edp·cp, and
-  tp under sequence parallelism) unless FSDP shards it over them, and once over tp otherwise;
+- an expert parameter (expert parallelism: its bank split over the ep ranks, dp ranks or folded over tp and
+  dp) counts on every ep rank, once among the ranks holding the same experts (`ExpertParallel.grad_mesh`:
+  edp·cp, and tp under unfolded sequence parallelism) unless FSDP shards it over them, and once over tp
+  where the tp ranks hold the same experts (not folded);
 - a weight several pipeline stages hold (a tied embedding and head, a root-level parameter) counts on
   the first stage holding it only (`SharedGradients.counted_once`), and a weight tied inside one stage
   is one parameter;
@@ -56,7 +57,7 @@ def counted_locally(p: nn.Parameter, mesh: DeviceMesh) -> bool:
 def _expert_counted_locally(experts: ExpertParallel, mesh: DeviceMesh) -> bool:
     """Whether this rank counts its expert shards: the first of the ranks holding the same experts (all of
     them when FSDP shards the experts over those ranks), and the first tp rank unless they include tp."""
-    tp_inside = "tp" in expert_grad_axes(experts.config)
+    tp_inside = "tp" in expert_grad_axes(experts.config) or experts.config.ep_folded  # tp ranks: other experts
     return ((experts.fsdp or experts.grad_mesh.get_local_rank() == 0)
             and (tp_inside or mesh["tp"].get_local_rank() == 0))
 

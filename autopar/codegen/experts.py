@@ -1,10 +1,20 @@
 """Expert parallelism: each MoE layer's expert bank split over the EP ranks, tokens moved by all-to-all.
 
-The experts fold over a stage's data-parallel ranks (docs/design.md §8; Megatron-Core's Parallel Folding,
-Liu et al. 2025, arXiv:2504.14960): the dense mesh ("pp", "dp", "cp", "tp") is viewed as
-("pp", "edp", "ep", "cp", "tp") with dp = edp · ep, ep innermost of the dp axis, so the ep ranks of one
-group are consecutive data-parallel ranks. EP rank r holds experts [r·E/ep, (r+1)·E/ep) of every bank of
-its stage, as a DTensor sharded on dim 0 over "ep" (state dicts, full gathers and DCP see global tensors).
+The experts fold over a stage's ranks (docs/design.md §8; Megatron-Core's Parallel Folding, Liu et al. 2025,
+arXiv:2504.14960, at ETP = 1: the experts are not tensor-parallel). The dense mesh ("pp", "dp", "cp", "tp")
+is viewed as ("pp", "edp", "ep_dp", "cp", "tp"), dp = edp · ep_dp with ep_dp innermost of the dp axis, and
+the EP group is
+
+- folded (autopar.config.ep_folds: tp divides ep): the tp ranks of ep_dp = ep / tp consecutive data-parallel
+  ranks, flattened ("ep_dp", "tp"), edp = dp · tp / ep. Without sequence parallelism the tp ranks hold the
+  same tokens: each takes its 1/tp share of the bank call's rows (`take_share`, whose backward all-gathers
+  the rows' gradients) and dispatches them; after the combine the tp ranks all-gather the outputs
+  (`gather_shares`, whose backward keeps the rank's own rows). Under sequence parallelism each tp rank's
+  MoE block already runs on its own sequence shard;
+- otherwise ep_dp = ep consecutive data-parallel ranks, the bank replicated over tp, edp = dp / ep.
+
+EP rank r holds experts [r·E/ep, (r+1)·E/ep) of every bank of its stage, as a DTensor sharded on dim 0 over
+the EP group's mesh (state dicts, full gathers and DCP see global tensors).
 
 The bank is found by capture (`MoESpec.experts`, from the data flow and the module structure), and the
 model's own bank code still computes the experts: a bank is called with the tokens [T, H], the expert
@@ -21,8 +31,9 @@ call becomes (Lepikhin et al. 2021, GShard §2.2; dropless, as Gale et al. 2023,
 The all-to-all is an autograd function whose backward is the reverse all-to-all, so gradients of the
 tokens, the routing weights and the experts flow as in one process. An expert's gradient sums what every
 rank of its EP group routed to it; the ranks holding the same experts (the edp · cp group, and tp under
-sequence parallelism, whose ranks hold other tokens) sum theirs, and the sum is divided by dp · cp, the
-replicas the loss is averaged over (`ExpertParallel.sync_gradients`; FSDP's divide factor under ZeRO-2/3).
+sequence parallelism when not folded: those tp ranks hold other tokens) sum theirs, and the sum is divided
+by dp · cp, the replicas the loss is averaged over (`ExpertParallel.sync_gradients`; FSDP's divide factor
+under ZeRO-2/3). Every token reaches its experts exactly once per data-parallel replica in both layouts.
 """
 
 from __future__ import annotations
@@ -45,10 +56,11 @@ from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
 __all__ = ["EXPERT_AXES", "ExpertParallel", "expert_mesh", "expert_grad_axes", "all_to_all", "check_bank",
-           "sequence_sharded_moe_params", "TokenShardGradients"]
+           "sequence_sharded_moe_params", "TokenShardGradients", "take_share", "gather_shares"]
 
-EXPERT_AXES = ("pp", "edp", "ep", "cp", "tp")
-EXPERT_GRAD_AXIS = "edp_cp"  # the ranks holding the same experts (sequence parallelism adds tp)
+EXPERT_AXES = ("pp", "edp", "ep_dp", "cp", "tp")
+EXPERT_GRAD_AXIS = "edp_cp"  # the ranks holding the same experts (sequence parallelism adds tp when not folded)
+EP_AXIS = "ep"  # the EP group: ("ep_dp", "tp") flattened when folded, else "ep_dp"
 
 
 class _AllToAll(torch.autograd.Function):
@@ -75,17 +87,79 @@ def all_to_all(x: torch.Tensor, recv: Sequence[int], send: Sequence[int], group:
     return _AllToAll.apply(x, list(recv), list(send), group)
 
 
-def expert_mesh(mesh: DeviceMesh, config: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
-    """The experts' view of the dense mesh, ("pp", "edp", "ep", "cp", "tp"), and the flattened group of the
-    ranks that hold the same experts (edp · cp, and tp under sequence parallelism)."""
-    view = mesh._unflatten("dp", (config.edp, config.ep), ("edp", "ep"))
-    return view, view[expert_grad_axes(config)]._flatten(EXPERT_GRAD_AXIS)
+def expert_mesh(mesh: DeviceMesh, config: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """The experts' view of the dense mesh, ("pp", "edp", "ep_dp", "cp", "tp"); the EP group's 1-D mesh
+    (("ep_dp", "tp") flattened when folded, else "ep_dp"); and the flattened group of the ranks that hold
+    the same experts (`expert_grad_axes`)."""
+    edp_dp = config.dp // config.ep_dp  # the data-parallel part of edp (all of it unless folded)
+    view = mesh._unflatten("dp", (edp_dp, config.ep_dp), ("edp", "ep_dp"))
+    ep = view["ep_dp", "tp"]._flatten(EP_AXIS) if config.ep_folded else view["ep_dp"]
+    return view, ep, view[expert_grad_axes(config)]._flatten(EXPERT_GRAD_AXIS)
 
 
 def expert_grad_axes(config: ParallelConfig) -> tuple[str, ...]:
-    """The axes of the ranks holding the same experts: edp and cp, and tp under sequence parallelism (each tp
-    rank's MoE block then runs on its own sequence shard)."""
-    return ("edp", "cp", "tp") if config.sequence_parallel and config.tp > 1 else ("edp", "cp")
+    """The axes of the ranks holding the same experts: edp and cp, and tp under sequence parallelism when the
+    EP group does not fold over tp (each tp rank's MoE block then runs on its own sequence shard)."""
+    if config.sequence_parallel and config.tp > 1 and not config.ep_folded:
+        return ("edp", "cp", "tp")
+    return ("edp", "cp")
+
+
+def _share_rows(total: int, parts: int) -> list[int]:
+    """Rows of each of `parts` ranks when `total` rows are split as evenly as possible (the first get one more)."""
+    return [total // parts + (r < total % parts) for r in range(parts)]
+
+
+def _all_gather_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's rows (sizes[r] of them on rank r) concatenated in rank order; padded to one size, as
+    gloo's all_gather needs equal tensors."""
+    width = max(sizes)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
+class _TakeShare(torch.autograd.Function):
+    """This tp rank's rows of a tensor every tp rank holds alike; backward all-gathers the rows' gradients (every
+    tp rank then holds the whole, equal gradient, as for the replicated tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+        sizes = _share_rows(x.shape[0], dist.get_world_size(group))
+        ctx.sizes, ctx.group = sizes, group
+        lo = sum(sizes[:rank])
+        return x[lo:lo + sizes[rank]]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Every tp rank's rows, concatenated; backward keeps this rank's rows of the gradient (the tp ranks compute
+    the same loss from the gathered rows, so their gradients of it are equal and each is the whole)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, total: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+        sizes = _share_rows(total, dist.get_world_size(group))
+        ctx.lo, ctx.n = sum(sizes[:rank]), sizes[rank]
+        return _all_gather_rows(x.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.lo:ctx.lo + ctx.n], None, None, None
+
+
+def take_share(x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable: rank `rank`'s share of the rows of `x`, which every rank of `group` holds alike."""
+    return _TakeShare.apply(x, rank, group)
+
+
+def gather_shares(x: torch.Tensor, total: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable: the `total` rows whose shares (`take_share`) the ranks of `group` hold, in rank order."""
+    return _GatherShares.apply(x, total, rank, group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,9 +240,12 @@ class ExpertParallel:
 
     def __init__(self, config: ParallelConfig, mesh: DeviceMesh) -> None:
         self.config = config
-        self.mesh, self.grad_mesh = expert_mesh(mesh, config)
-        self.ep_mesh = self.mesh["ep"]
+        self.mesh, self.ep_mesh, self.grad_mesh = expert_mesh(mesh, config)
         self.group = self.ep_mesh.get_group()
+        # folded without sequence parallelism: the tp ranks split the tokens they hold alike (module docstring)
+        self.split = config.ep_folded and not config.sequence_parallel
+        self.tp_group = mesh["tp"].get_group() if self.split else None
+        self.tp_rank = mesh["tp"].get_local_rank() if self.split else 0
         self.rank = self.ep_mesh.get_local_rank()
         self.banks: dict[str, nn.Module] = {}
         self.local_experts: dict[str, int] = {}  # experts of each bank this rank holds (E / ep)
@@ -213,6 +290,11 @@ class ExpertParallel:
         def run(*args, **kwargs):
             call = _routing_call(name, args, kwargs)
             x, index, weights = call.hidden, call.index, call.weights
+            whole = index.shape[0]
+            if self.split:  # folded: this tp rank's share of the tokens all tp ranks hold
+                x = take_share(x, self.tp_rank, self.tp_group)
+                weights = take_share(weights, self.tp_rank, self.tp_group)
+                index = index[sum(_share_rows(whole, self.config.tp)[:self.tp_rank]):][:x.shape[0]]
             tokens, k = index.shape
             expert = index.reshape(-1)
             dest = torch.div(expert, local, rounding_mode="floor")
@@ -243,7 +325,8 @@ class ExpertParallel:
                     setattr(bank, a, v)
             back = all_to_all(out, send_n, recv_n, group)
             combined = torch.zeros((tokens, *back.shape[1:]), dtype=back.dtype, device=back.device)
-            return combined.index_add(0, token, back).to(x.dtype)
+            out = combined.index_add(0, token, back).to(x.dtype)
+            return gather_shares(out, whole, self.tp_rank, self.tp_group) if self.split else out
 
         return run
 

@@ -117,10 +117,14 @@ def build_stages(solved: Solved, costs: CostModel) -> tuple[StagePlan, ...]:
 
 
 def build_plan(result: SearchResult, costs: CostModel, *, cluster_name: str, cluster_fingerprint: str,
-               global_batch_size: int) -> Plan:
+               global_batch_size: int, graph_fingerprint: str | None = None,
+               router_skew: float | None = None) -> Plan:
+    """The plan of `result`. graph_fingerprint: the captured model's (default: the priced graph's), which
+    differs from the priced one where `router_skew` set the MoE layers' load imbalance."""
     best = result.best
     return Plan(config=best.config, stages=build_stages(best, costs), estimate=build_estimate(best, costs),
-                model_name=costs.graph.model_name, graph_fingerprint=costs.graph.fingerprint,
+                model_name=costs.graph.model_name, graph_fingerprint=graph_fingerprint or costs.graph.fingerprint,
+                router_skew=router_skew,
                 cluster_name=cluster_name, cluster_fingerprint=cluster_fingerprint,
                 global_batch_size=global_batch_size, seq_len=costs.graph.seq_len,
                 solver=SolverInfo(status=result.status, gap=result.gap, solver=result.solver,

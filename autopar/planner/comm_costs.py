@@ -10,8 +10,12 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   routed token copies (MoESpec.dispatch_bytes_per_sample × b, one rank's send buffer) over the
                   ep ranks, twice forward and twice backward (the gradients return the same way; Lepikhin et
                   al. 2021, GShard §3.2; Megatron-Core's MoE token dispatcher), at the links the group crosses
-                  (CommModel.all_to_all_time_s: ep consecutive data-parallel ranks, tp apart in the mesh), the
-                  busiest rank receiving more than the mean (autopar.planner.moe_load)
+                  (CommModel.all_to_all_time_s: ep consecutive data-parallel ranks, tp · cp apart in the mesh;
+                  folded over tp (autopar.config.ep_folds), the tp ranks of ep / tp consecutive data-parallel
+                  ranks), the busiest rank receiving more than the mean (autopar.planner.moe_load), each rank
+                  sending its own tokens' copies (÷ tp under SP or folding: moe_load.moe_token_share). Folded
+                  without SP, the tp ranks hold the same tokens and split them: the combined outputs are
+                  all-gathered over tp in forward, the tokens' gradients in backward (autopar.codegen.experts)
   p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across;
                   the two directions of a boundary run at once when the runtime batches them, one after
                   the other when each is a blocking call; under TP, Megatron-LM and DeepSpeed send 1/t
@@ -41,10 +45,11 @@ import math
 from functools import lru_cache
 
 from autopar.capture.graph import ModelGraph, sequence_span
+from autopar.config import ep_folds
 from autopar.planner.dp_costs import DPTail
 from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
-from autopar.planner.moe_load import busiest_rank_factor
+from autopar.planner.moe_load import busiest_rank_factor, moe_token_share
 from autopar.planner.space import Candidate
 from autopar.planner.tp_costs import tp_collectives
 from cost_models import fleet
@@ -118,24 +123,33 @@ class CommCosts:
         return tp_s
 
     # ---- expert parallelism ----
-    def ep_times(self, ri: int, tp: int, mbs: int, ep: int) -> dict[str, float]:
-        """Seconds of one layer of run `ri`'s all-to-alls per micro-batch: "forward" (dispatch + combine)
-        and "backward" (their gradients); zero for a dense layer or ep = 1."""
-        return self._ep(ri, tp, mbs, ep)
+    def ep_times(self, ri: int, tp: int, sp: bool, mbs: float, ep: int, cp: int = 1) -> dict[str, float]:
+        """Seconds of one layer of run `ri`'s expert-parallel collectives per micro-batch: "forward" (dispatch
+        + combine, and the folded tp all-gather) and "backward" (their gradients); zero for a dense layer or
+        ep = 1."""
+        return self._ep(ri, tp, sp, mbs, ep, cp)
 
-    def ep_ranks_per_node(self, tp: int, ep: int) -> int:
-        """Ranks of one EP group on one node: ep consecutive data-parallel ranks are tp apart in the mesh."""
-        return math.gcd(ep, max(1, self.devices_per_node // tp))
+    def ep_ranks_per_node(self, tp: int, ep: int, cp: int = 1) -> int:
+        """Ranks of one EP group on one node. Consecutive data-parallel ranks are tp · cp apart in the mesh;
+        folded over tp, the group is the tp ranks of ep / tp of them."""
+        per_node = self.devices_per_node
+        if ep_folds(tp, ep):
+            return tp * math.gcd(ep // tp, max(1, per_node // (tp * cp))) if tp <= per_node else per_node
+        return math.gcd(ep, max(1, per_node // (tp * cp)))
 
-    def _ep_times(self, ri: int, tp: int, mbs: int, ep: int) -> dict[str, float]:
+    def _ep_times(self, ri: int, tp: int, sp: bool, mbs: float, ep: int, cp: int) -> dict[str, float]:
         moe = self.memory.runs[ri][0].moe
         if moe is None or ep == 1:
             return {"forward": 0.0, "backward": 0.0}
-        n = moe.dispatch_bytes_per_sample * mbs
-        one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep)) * busiest_rank_factor(
-            moe, ep, mbs * moe.tokens_per_sample)
+        share = moe_token_share(tp, sp, ep)
+        n = moe.dispatch_bytes_per_sample * mbs * share
+        one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep, cp)) * busiest_rank_factor(
+            moe, ep, mbs * share * moe.tokens_per_sample)
         one *= self.sharing_factor(ep)
-        return {"forward": 2 * one, "backward": 2 * one}
+        # folded without SP: the outputs (forward) and the tokens' gradients (backward) gathered over tp
+        gather = (self.collective_s("all_gather", moe.dispatch_bytes_per_sample / moe.top_k * mbs, tp, tp)
+                  if ep_folds(tp, ep) and not sp else 0.0)
+        return {"forward": 2 * one + gather, "backward": 2 * one + gather}
 
     # ---- FP8 scales ----
     def fp8_amax_s(self, ri: int, c: Candidate) -> float:

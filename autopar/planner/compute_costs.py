@@ -24,7 +24,8 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
                   its own tokens (ComputeModel.kernel_time_s groups); under expert parallelism (ep > 1) a rank
                   receives the tokens its ep peers route to its experts, on average its own tokens · k, and the
                   busiest rank more than that (autopar.planner.moe_load: the router's skew and the sampling
-                  spread of the micro-batch): the step waits for it
+                  spread of the micro-batch): the step waits for it. A rank's own tokens are the
+                  micro-batch's ÷ tp under sequence parallelism or EP folded over tp (moe_token_share)
   FP8             (Candidate.fp8) the weight GEMMs of every layer but the LM head at the device's FP8 peak, plus
                   torchao's casts, amaxes and transposes as memory-bound kernels (fp8_costs); emulated on CPU
   optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
@@ -38,10 +39,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
+from autopar.config import expert_dp
 from autopar.planner.dp_costs import FLOOR_S
 from autopar.planner.fp8_costs import FP8_DTYPE, cast_work, fp8_gemm, is_fp8_layer
 from autopar.planner.memory_costs import MemoryCosts
-from autopar.planner.moe_load import busiest_rank_factor
+from autopar.planner.moe_load import busiest_rank_factor, moe_token_share
 from autopar.planner.problem import MODES
 from cost_models.compute import ComputeModel
 
@@ -132,7 +134,7 @@ class ComputeCosts:
 
     def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
-        and its experts' over shards / ep (the ranks holding the same experts)."""
+        and its experts' over the ranks of those holding the same experts (autopar.config.expert_dp)."""
         return self._opt_run(ri, tp, shards, ep)
 
     def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
@@ -147,9 +149,9 @@ class ComputeCosts:
         fp = self.memory.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
-            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, self._experts(layer, ep, mbs), gemm_dtype)
-            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, self._experts(layer, ep, mbs), gemm_dtype,
-                               backward=True)
+            experts = self._experts(layer, ep, mbs, tp, sp)
+            fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, experts, gemm_dtype)
+            bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, experts, gemm_dtype, backward=True)
             casts = cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
                               compiled=compiled, weights_gathered_fp8=fp8_gathered, dp=dp)
             fwd += self._memory_pass_s(casts.forward_bytes, casts.forward_kernels)
@@ -189,7 +191,7 @@ class ComputeCosts:
             kf = layer.kernels_forward
             rerun = [k for k in kf.kernels if not k.op_sac_saved and (not compiled or k.kind in ("gemm", "attention"))]
             sac = self._pass_s(dataclasses.replace(kf, kernels=tuple(rerun) + (kf.fused if compiled else ())),
-                               tp, sp, mbs, experts=self._experts(layer, ep, mbs), gemm_dtype=gemm_dtype)
+                               tp, sp, mbs, experts=self._experts(layer, ep, mbs, tp, sp), gemm_dtype=gemm_dtype)
         else:  # not checkpointed by codegen (none), or captured before op_sac (full's time)
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
@@ -239,12 +241,16 @@ class ComputeCosts:
         return best_t
 
     @staticmethod
-    def _experts(layer: LayerSpec, ep: int, mbs: int) -> tuple[int, float]:
-        """(experts per rank's divisor ep, work factor of the busiest rank: autopar.planner.moe_load) for the
-        layer's expert kernels at micro-batch `mbs`."""
-        if layer.moe is None or ep == 1:
-            return 1, 1.0
-        return ep, busiest_rank_factor(layer.moe, ep, mbs * layer.moe.tokens_per_sample)
+    def _experts(layer: LayerSpec, ep: int, mbs: int, tp: int = 1, sp: bool = False) -> tuple[int, float, float]:
+        """(experts per rank's divisor ep, work factor of the busiest rank: autopar.planner.moe_load, share of
+        the micro-batch's tokens the rank's experts run on: moe_token_share) for the layer's expert kernels
+        at micro-batch `mbs`."""
+        if layer.moe is None:
+            return 1, 1.0, 1.0
+        share = moe_token_share(tp, sp, ep)
+        if ep == 1:
+            return 1, 1.0, share
+        return ep, busiest_rank_factor(layer.moe, ep, mbs * share * layer.moe.tokens_per_sample), share
 
     def _memory_pass_s(self, n_bytes: float, kernels: int) -> float:
         """`kernels` memory-bound kernels moving n_bytes in all (FP8 casts), at the memory tables' rate."""
@@ -254,14 +260,16 @@ class ComputeCosts:
                                          memory_bytes=n_bytes, memory_count=kernels, dtype=self.dtype)
 
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False,
-                experts: tuple[int, float] = (1, 1.0), gemm_dtype: str | None = None, backward: bool = False) -> float:
+                experts: tuple[int, float, float] = (1, 1.0, 1.0), gemm_dtype: str | None = None,
+                backward: bool = False) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
         list by their per-kind totals (ComputeModel.kernels_time_s). `compiled`: the memory-bound kernels
         as TorchInductor fuses them (KernelMix.fused), GEMMs and attention unchanged. `experts` = (ep,
-        imbalance): expert GEMMs run groups / ep experts on imbalance × their work (module docstring).
+        imbalance, token share): expert GEMMs run groups / ep experts on imbalance × share × their work
+        (module docstring).
         `backward`: the mix is a backward pass (a causal attention kernel's time fraction is its pass's)."""
-        ep, imbalance = experts
+        ep, imbalance, token_share = experts
         if mix.kernels:
             total = 0.0
             kernels = mix.kernels
@@ -269,7 +277,7 @@ class ComputeCosts:
                 kernels = tuple(k for k in mix.kernels if k.kind in ("gemm", "attention")) + mix.fused
             for k in kernels:
                 memory = k.kind not in ("gemm", "attention")
-                share = 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
+                share = token_share if k.expert else 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
                 load = imbalance if k.expert else 1.0
                 dtype = gemm_dtype if gemm_dtype and fp8_gemm(k) else self.dtype
                 total += k.count * self.model.kernel_time_s(
@@ -298,6 +306,6 @@ class ComputeCosts:
     def _run_optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         layer = self.memory.runs[ri][0]
         local = (self.memory.local_dense_params(layer, tp) / shards
-                 + self.memory.local_expert_params(layer, ep) / max(1, shards // ep))
+                 + self.memory.local_expert_params(layer, ep) / (expert_dp(tp, shards, ep) if shards > 1 else 1))
         return (self.model.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
                 + self.optimizer_host_s(ri, tp, shards))

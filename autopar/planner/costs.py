@@ -131,7 +131,7 @@ class CostModel:
         for ri, group in enumerate(mem.runs):
             t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group)
             tp = comm.tp_times(ri, c.tp, sp, mbs)
-            ep = comm.ep_times(ri, c.tp, mbs, c.ep)  # expert all-to-alls: in the layer, counted as its tp_comm
+            ep = comm.ep_times(ri, c.tp, sp, mbs, c.ep, c.cp)  # expert all-to-alls: in the layer, as its tp_comm
             amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
             cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
                                 attention_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, backward=b)

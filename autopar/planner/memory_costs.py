@@ -10,7 +10,8 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
   model states    cost_models.memory.model_state_bytes on those parameters, each state at the bytes per
                   element of the layout's precision policy (cost_models.precision, ParallelConfig.precision):
                   the parameters are the fp32 masters, fp32 gradients, AdamW's two fp32 moments; ZeRO shards
-                  dense states over dp and expert states over edp = dp / ep. Compute copies, held from a
+                  dense states over dp and expert states over the edp ranks holding the same experts (dp / ep,
+                  or dp · t / ep with EP folded over tp: autopar.config.expert_dp). Compute copies, held from a
                   step's first forward to its last backward: ZeRO-2's FSDP2 gathered weights (compute
                   dtype), and under ZeRO-0/1 with a 16-bit policy autocast's casts of the weights, cast once
                   per step (codegen.precision.weight_cast_cache); ZeRO-3's gathered layers are its buffers
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.config import expert_dp
 from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
 from autopar.planner.offload_costs import OffloadCosts, OffloadSummary
 from autopar.planner.problem import MODES
@@ -176,11 +178,12 @@ class MemoryCosts:
 
     def layer_states(self, layer: LayerSpec, tp: int, zero_stage: int, dp: int, ep: int = 1,
                      offload: str = "none") -> memory.ModelStateBytes:
-        """Model states of `layer` on one device: dense ones sharded over dp, expert ones over dp / ep."""
+        """Model states of `layer` on one device: dense ones sharded over dp, expert ones over the ranks holding
+        the same experts (autopar.config.expert_dp: dp / ep, or dp · tp / ep folded)."""
         dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp, offload)
         if layer.moe is None:
             return dense
-        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, dp // ep, offload)
+        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, expert_dp(tp, dp, ep), offload)
         return memory.ModelStateBytes(weights_bytes=dense.weights_bytes + expert.weights_bytes,
                                       grads_bytes=dense.grads_bytes + expert.grads_bytes,
                                       optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes,

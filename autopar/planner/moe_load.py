@@ -22,6 +22,11 @@ of the rank receiving the most. Relative to the mean (each rank's own tokens · 
 
 At ep = 1 the rank runs every expert on its own tokens: the total routed work is the same whatever the
 routing, so the factor is 1.
+
+A rank's own tokens are the micro-batch's ÷ tp where its MoE block runs on a share of them
+(`moe_token_share`): under sequence parallelism (each tp rank's sequence shard) and under expert parallelism
+folded over tp (autopar.config.ep_folds: the tp ranks split the replicated tokens between them before the
+dispatch, autopar.codegen.experts); otherwise every tp rank runs the whole micro-batch's experts.
 """
 
 from __future__ import annotations
@@ -30,8 +35,15 @@ import math
 from statistics import NormalDist
 
 from autopar.capture.graph import MoESpec
+from autopar.config import ep_folds
 
-__all__ = ["busiest_rank_factor", "expected_max_z"]
+__all__ = ["busiest_rank_factor", "expected_max_z", "moe_token_share"]
+
+
+def moe_token_share(tp: int, sp: bool, ep: int) -> float:
+    """The share of a micro-batch's tokens one rank's expert bank runs on (module docstring): 1 / tp under
+    sequence parallelism or expert parallelism folded over tp, else 1."""
+    return 1.0 / tp if tp > 1 and (sp or ep_folds(tp, ep)) else 1.0
 
 
 def expected_max_z(n: int) -> float:

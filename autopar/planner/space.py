@@ -1,8 +1,9 @@
 """The outer search space (docs/design.md §5): every discrete layout choice except stage cuts and recompute.
 
 A `Candidate` fixes tp, cp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages,
-sequence parallelism, compiled blocks and the expert-parallel degree ep (a divisor of dp and of every MoE
-layer's expert count; 1 for dense models); the ILP (`autopar.planner.ilp`) then places the cuts and picks
+sequence parallelism, compiled blocks and the expert-parallel degree ep (a divisor of every MoE layer's
+expert count that lays out over the stage's ranks: a divisor of dp, or folded over tp, a multiple of tp whose
+ep / tp divides dp; 1 for dense models); the ILP (`autopar.planner.ilp`) then places the cuts and picks
 recompute per layer.
 Equivalent layouts are enumerated once: with dp = 1 every ZeRO stage is ZeRO-0, and with pp = 1 GPipe
 and 1F1B are the same schedule (named 1f1b).
@@ -14,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from autopar.capture.graph import ModelGraph
-from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions
+from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits
 from autopar.errors import InfeasiblePlanError
 
 __all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees", "cp_degrees",
@@ -88,12 +89,14 @@ def tp_degrees(graph: ModelGraph, devices_per_node: int) -> list[int]:
     return [t for t in divisors(devices_per_node) if all(pat.max_degree_ok(t) for pat in patterns)]
 
 
-def ep_degrees(graph: ModelGraph, dp: int) -> list[int]:
-    """Expert-parallel degrees: divisors of dp that split every MoE layer's experts evenly ([1] when dense)."""
+def ep_degrees(graph: ModelGraph, dp: int, tp: int = 1) -> list[int]:
+    """Expert-parallel degrees that lay out over tp × dp (autopar.config.ep_fits: divisors of dp, or folded
+    over tp, multiples of tp whose ep / tp divides dp) and split every MoE layer's experts evenly ([1] when
+    dense)."""
     moes = [la.moe for la in graph.layers if la.moe is not None]
     if not moes:
         return [1]
-    return [e for e in divisors(dp) if all(m.max_degree_ok(e) for m in moes)]
+    return [e for e in divisors(dp * tp) if ep_fits(tp, dp, e) and all(m.max_degree_ok(e) for m in moes)]
 
 
 def cp_degrees(graph: ModelGraph, ranks: int) -> list[int]:
@@ -130,7 +133,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
             dp = world_size // (tp * cp * pp)
             if (o.dp is not None and dp != o.dp) or global_batch_size % dp:
                 continue
-            eps = _pinned(ep_degrees(graph, dp), o.ep)
+            eps = _pinned(ep_degrees(graph, dp, tp), o.ep)
             for mbs in _pinned(divisors(global_batch_size // dp), o.micro_batch_size):
                 m = global_batch_size // (dp * mbs)
                 if o.num_microbatches is not None and m != o.num_microbatches:

@@ -83,10 +83,14 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
              + f"pp={c.pp} × dp={c.dp}, ZeRO-{c.zero_stage}, "
              f"{_count(c.num_microbatches, 'micro-batch', 'micro-batches')} of {c.micro_batch_size}, {c.schedule}"
              + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else ""),
+             *([f"                experts {c.ep_text()}"] if c.ep > 1 else []),
              f"predicted       {_estimate_line(e)}", "", "time per step"]
     lines += _breakdown(e)
     lines += ["", "stages (memory per device)"] + _stage_table(plan)
     lines += [f"note            {n}" for n in e.notes]
+    if plan.router_skew is not None:
+        lines.append(f"note            MoE layers priced at router skew {plan.router_skew:g} (busiest expert-parallel "
+                     "rank's routed tokens ÷ the mean)")
     alts = plan.alternatives[:top] if top is not None else plan.alternatives
     if alts:
         lines += ["", "runner-ups"]
@@ -107,6 +111,9 @@ def render_diff(a: Plan, b: Plan) -> str:
     for k in ca:
         mark = " " if ca[k] == cb[k] else "*"
         lines.append(f"{mark} {k:<18} {ca[k]!s:>24} {cb[k]!s:>24}")
+    if a.config.ep > 1 or b.config.ep > 1:  # the ranks each EP group spans (folded over tp or not)
+        fold_a, fold_b = (_ep_span(c) for c in (a.config, b.config))
+        lines.append(f"{' ' if fold_a == fold_b else '*'} {'ep_over':<18} {fold_a:>24} {fold_b:>24}")
     ea, eb = a.estimate, b.estimate
     for name, va, vb in (("step_time_s", ea.step_time_s, eb.step_time_s), ("tokens_per_s", ea.tokens_per_s,
                          eb.tokens_per_s), ("mfu", ea.mfu, eb.mfu), ("peak_memory_GiB", ea.peak_memory_bytes / 2**30,
@@ -144,9 +151,17 @@ def render_estimate(config: ParallelConfig, e: Estimate) -> str:
                       *memory_lines(e), *(f"  note           {n}" for n in e.notes)])
 
 
+def _ep_span(c: ParallelConfig) -> str:
+    """"tp2 x dp4, edp=32": what `ParallelConfig.ep_text` puts in brackets ("-" without expert parallelism)."""
+    return c.ep_text().partition("(over ")[2].rstrip(")") or "-"
+
+
 def render_explain(plan: Plan, config: ParallelConfig, estimate: Estimate | None, reason: str | None) -> str:
-    lines = [f"chosen       {plan.config}", f"             {_estimate_line(plan.estimate)}",
-             f"alternative  {config}"]
+    def experts(c: ParallelConfig) -> list[str]:
+        return [f"             experts {c.ep_text() or 'ep=1'}"] if plan.config.ep > 1 or config.ep > 1 else []
+
+    lines = [f"chosen       {plan.config}", *experts(plan.config), f"             {_estimate_line(plan.estimate)}",
+             f"alternative  {config}", *experts(config)]
     if estimate is None:
         lines.append(f"             not possible: {reason}")
         return "\n".join(lines)
