@@ -5,7 +5,8 @@ Its parity runs in the shared gloo jobs of tests/test_conformance_hf.py and test
 (transformers' Mixtral, Qwen3-MoE,
 DeepSeek-V3 with multi-head latent attention and a shared expert, GPT-OSS with biased, transposed experts):
 ep2 on 2 ranks, and folded over tp2 (Parallel Folding); ep2 × edp2 (dp4), ep2 folded over tp2 (edp2), ep4
-folded over tp2 × dp2 and ep2 under pp2 on 4 ranks; ep2 × pp2 × edp2 with ZeRO-3 on 8 ranks; 3 AdamW steps against one process, losses, weights and gradients within rtol 1e-4, each bank's experts
+folded over tp2 × dp2 and ep2 under pp2 on 4 ranks; ep2 × pp2 × edp2 with ZeRO-3 on 8 ranks; 3 AdamW steps
+against one process, losses, weights and gradients within rtol 1e-4, each bank's experts
 split E / ep per rank.
 """
 

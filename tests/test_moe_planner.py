@@ -369,3 +369,29 @@ def test_cli_fold_and_router_skew(tmp_path, capsys) -> None:
                  "--router-skew", "1.25", "--json"]) == 0
     est = json.loads(capsys.readouterr().out)["estimate"]
     assert est["step_time_s"] == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
+
+
+def test_plan_with_folded_ep_is_the_brute_force_minimum(moe) -> None:
+    """The planner's optimum over a space with folded EP is the minimum of every layout priced one by one
+    (tests/test_planner_search.py's enumeration, with ep written out from the fold rule: a divisor of the 4
+    experts that divides dp, or a multiple of tp whose ep / tp divides dp) and every cut and recompute
+    assignment (test_ilp.brute_force)."""
+    from test_ilp import brute_force
+    from test_planner_search import every_layout
+
+    _, g = moe
+    cluster = fake_cluster(nodes=2, per_node=4, intra_GBps=300, inter_GBps=2.5)
+    costs = CostModel.for_cluster(g, cluster)
+    best, n = None, 0
+    for base in every_layout(g, 8, 4, 8, PlannerOptions().max_virtual_stages):
+        for ep in (1, 2, 4):
+            folded = base.tp > 1 and ep % base.tp == 0
+            if base.dp % (ep // base.tp if folded else ep):
+                continue
+            n += 1
+            val = brute_force(costs.problem(dataclasses.replace(base, ep=ep)))
+            if val is not None and (best is None or val < best[0]):
+                best = (val, dataclasses.replace(base, ep=ep))
+    plan = autopar.plan(g, cluster, global_batch_size=8, options=PlannerOptions(top_k=0, offload="none"))
+    assert n > 100 and plan.solver.gap == 0.0
+    assert plan.estimate.step_time_s == pytest.approx(best[0], rel=1e-7)
