@@ -228,7 +228,7 @@ def test_cli_ep_flag_show_explain_diff(tmp_path, capsys) -> None:
         "    return build_family('mixtral').to(torch.bfloat16), (torch.zeros(1, seq_len, dtype=torch.long),)\n")
     model, a, b = f"{factory}:make", tmp_path / "a.json", tmp_path / "b.json"
     assert main(["plan", model, "--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "16",
-                 "--ep", "2", "--top", "0", "--out", str(a)]) == 0
+                 "--ep", "2", "--tp", "1", "--pp", "1", "--top", "0", "--out", str(a)]) == 0
     plan = autopar.Plan.load(a)
     assert plan.config.ep == 2 and "ep=2" in capsys.readouterr().out
     assert main(["show", str(a)]) == 0 and "ep=2" in capsys.readouterr().out
@@ -395,3 +395,27 @@ def test_plan_with_folded_ep_is_the_brute_force_minimum(moe) -> None:
     plan = autopar.plan(g, cluster, global_batch_size=8, options=PlannerOptions(top_k=0, offload="none"))
     assert n > 100 and plan.solver.gap == 0.0
     assert plan.estimate.step_time_s == pytest.approx(best[0], rel=1e-7)
+
+
+def test_expert_gradients_reduce_over_the_ranks_holding_them(moe) -> None:
+    """The experts' gradient tail runs over their own group (autopar.codegen.experts.expert_grad_axes), not
+    dp: folded tp2 x dp4 x ep4 on 2 nodes of 4, rank 0's experts are also on rank 4 (the next EP group, in the
+    other node), so ZeRO-3's all-gathers (2 per micro-batch) and reduce-scatter of them span 2 ranks, one per
+    node; with edp = 1 they are not reduced at all, and a dense layer's tail is unchanged by them."""
+    _, g = moe
+    cluster = fake_cluster(nodes=2, per_node=4, intra_GBps=300, inter_GBps=25)
+    costs = CostModel.for_cluster(g, cluster)
+    comm = costs.comm
+    assert comm.expert_group_ranks(2, 4, 1, 4, False) == [0, 4]
+    assert comm.expert_group_ranks(2, 4, 1, 2, True) == [0, 2, 4, 6]  # folded over the tp pair: 4 dp ranks
+    assert comm.expert_group_ranks(4, 2, 1, 2, False) == [0]  # ep over both dp ranks (replicated over tp4): edp 1
+    assert comm.expert_group_ranks(4, 4, 1, 2, True) == [0, 1, 2, 3, 8, 9, 10, 11]  # unfolded SP adds tp
+    c = _cand(tp=2, dp=4, ep=4, zero_stage=3, num_microbatches=1, micro_batch_size=2)
+    tail = comm.expert_tail(c)
+    n = 1.0e6
+    ag = comm.collective_s("all_gather", n * tail.gather_ratio, 2, 1)
+    rs = comm.collective_s("reduce_scatter", n, 2, 1)
+    copies = 2 * tail._mem_per_byte * (2 * n * tail.gather_ratio + n)
+    assert tail.dp == 2 and tail.layer_s(n) == pytest.approx(2 * ag + rs + copies)
+    alone = comm.expert_tail(_cand(tp=2, dp=2, ep=4, zero_stage=1))  # edp = 1: nothing to reduce
+    assert alone.layer_s(n) == 0.0 and alone.flat_collectives == 0  # (the norm still reads them: fixed_s)

@@ -42,6 +42,7 @@ gets C/N of a core when all N are busy (the same time-slicing Cluster.local appl
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import lru_cache
 
 from autopar.capture.graph import ModelGraph, sequence_span
@@ -80,6 +81,8 @@ class CommCosts:
         self._tp = lru_cache(maxsize=None)(self._tp_times)
         self._ep = lru_cache(maxsize=None)(self._ep_times)
         self._sync = lru_cache(maxsize=None)(self._dp_tail_key)
+        self._expert_sync = lru_cache(maxsize=None)(self._expert_tail_key)
+        self._expert_group = lru_cache(maxsize=None)(self._expert_group_key)
         self._inter = lru_cache(maxsize=None)(self._inter_node_key)
 
     # ---- one collective, one send ----
@@ -208,16 +211,21 @@ class CommCosts:
 
     # ---- data parallelism ----
     def dp_tail(self, c: Candidate) -> DPTail:
-        return self._sync(c.tp, c.pp, c.shard_group, c.zero_stage, c.num_microbatches, c.ep)  # over dp·cp
+        """The data-parallel tail of the rank's dense gradients, over dp·cp, with the step's loss and norm."""
+        return self._sync(c.tp, c.pp, c.shard_group, c.zero_stage, c.num_microbatches)
 
-    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int, ep: int = 1) -> DPTail:
-        """The data-parallel tail over this rank's gradients: dense ones reduce over dp, expert ones over
-        edp = dp / ep; both are priced as the dp group's collectives on their bytes (a ring's bandwidth term
-        differs by (K−1)/K between the two group sizes)."""
+    def expert_tail(self, c: Candidate) -> DPTail:
+        """The tail of the rank's expert gradients, over the ranks holding the same experts (edp·cp, tp too
+        under unfolded SP: autopar.codegen.experts.expert_grad_axes), which reduce them apart."""
+        return self._expert_sync(c.tp, c.pp, c.dp, c.cp, c.zero_stage, c.num_microbatches, c.ep,
+                                 c.sequence_parallel)
+
+    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int) -> DPTail:
+        """The data-parallel tail over this rank's dense gradients (the experts': `expert_tail`)."""
         rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
         mem = self.memory
-        grad_bytes = mem.grad_bytes(sum(len(g) * mem.run_local_params(ri, tp, ep)
-                                        for ri, g in enumerate(mem.runs))) / pp
+        grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_dense_params(g[0], tp)
+                                        for g in mem.runs)) / pp
 
         def coll(op: str, n: float, k: int) -> float:
             return self.collective_s(op, n, k, rpn if k == dp else None)
@@ -227,6 +235,35 @@ class CommCosts:
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
                       host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
                       gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0))
+
+    def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
+                         sp: bool) -> DPTail:
+        mem = self.memory
+        grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_expert_params(g[0], ep) for g in mem.runs)) / pp
+        size, per_node = self._expert_group(tp, dp, cp, ep, sp) if grad_bytes > 0 else (1, 1)
+
+        def coll(op: str, n: float, k: int) -> float:
+            return self.collective_s(op, n, k, per_node if k == size else None)
+
+        return DPTail(zero_stage=zero_stage, dp=size, world=self.world_size, microbatches=m,
+                      rank_grad_bytes=grad_bytes, collective_s=coll,
+                      memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
+                      host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
+                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=False)
+
+    def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool) -> tuple[int, int]:
+        """(size, most ranks on one node) of the group holding rank 0's experts."""
+        ranks = self.expert_group_ranks(tp, dp, cp, ep, sp)
+        return len(ranks), max(Counter(r // self.devices_per_node for r in ranks).values())
+
+    @staticmethod
+    def expert_group_ranks(tp: int, dp: int, cp: int, ep: int, sp: bool) -> list[int]:
+        """Global ranks holding rank 0's experts, in the mesh (pp, dp, cp, tp), tp innermost: every ep_dp-th
+        data-parallel rank (ep_dp = ep / tp folded, else ep), every cp rank, and every tp rank where the
+        tp ranks hold the same experts on other tokens (unfolded SP; autopar.codegen.experts)."""
+        step = ep // tp if ep_folds(tp, ep) else ep
+        tps = range(tp) if sp and tp > 1 and not ep_folds(tp, ep) else range(1)
+        return [(d * cp + c) * tp + t for d in range(0, dp, step) for c in range(cp) for t in tps]
 
     def shared_sync_s(self, ri: int, c: Candidate) -> float:
         """The cross-stage all-reduce of shared weights held by run `ri`'s layer, per step.

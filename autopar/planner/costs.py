@@ -117,11 +117,12 @@ class CostModel:
         return InnerProblem(runs=runs, num_ranks=c.pp, virtual_stages=c.virtual_stages,
                             num_microbatches=c.num_microbatches, inflight=self.memory.inflight(c),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.comm.inter_node(c),
-                            modes=modes, grad_sync_latency_s=self.comm.dp_tail(c).fixed_s, per_layer=per_layer)
+                            modes=modes, per_layer=per_layer,
+                            grad_sync_latency_s=self.comm.dp_tail(c).fixed_s + self.comm.expert_tail(c).fixed_s)
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         mem, comm = self.memory, self.comm
-        tail = comm.dp_tail(c)
+        tail, expert_tail = comm.dp_tail(c), comm.expert_tail(c)  # dense gradients over dp·cp, experts' apart
         group_size = c.shard_group  # ranks averaging gradients and sharding ZeRO states: dp·cp
         shards = group_size if c.zero_stage >= 1 else 1
         overlaps = self.backend == "nccl" and c.zero_stage >= 2 and group_size > 1  # module docstring: what hides
@@ -153,10 +154,15 @@ class CostModel:
                          for a, k in zip(saved, MODES, strict=True))
             local = mem.run_local_params(ri, c.tp, c.ep)
             grad_bytes = mem.grad_bytes(local)
+            # the experts' gradients (their share of the layer's) reduce over the ranks holding them
+            expert_share = mem.local_expert_params(group[0], c.ep) / local if local > 0 else 0.0
             gather = mem.gathered_bytes(ri, c.tp, True, c.ep) if gathered else None
             # offload="params": every gather copies the shard in from the host, the reduce-scatter's goes back
             copy = (mem.offload.gather_copy_s(grad_bytes / group_size) if c.offload == "params" and grad_bytes > 0
                     else 0.0)
+            parts = tuple((pt, grad_bytes * s, gather * s if gather is not None else None,
+                           mem.offload.gather_copy_s(grad_bytes * s / pt.dp) if copy else 0.0)
+                          for pt, s in ((tail, 1.0 - expert_share), (expert_tail, expert_share)) if s > 0)
             host_step = mem.offload.step_s(local / shards, c.offload)
             if c.offload == "params" and tail.gathers_per_step == 0:  # one rank: FSDP copies without collectives
                 host_step += (2 * c.num_microbatches + 1) * copy
@@ -170,12 +176,24 @@ class CostModel:
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
                 act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
-                backward_s=tail.hidden_s(grad_bytes, t.forward_s + cp.attention_extra_forward_s,
-                                         t.backward_s + cp.attention_extra_backward_s, gather, copy)
+                backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
+                                     t.backward_s + cp.attention_extra_backward_s)
                 if overlaps else 0.0,
-                grad_sync_s=(tail.layer_s(grad_bytes, gather, copy) + tp["step"] + comm.shared_sync_s(ri, c)
-                             + (comm.fp8_scales_s(c) if ri == 0 else 0.0)),
+                grad_sync_s=(sum(pt.layer_s(g, gb, cs) for pt, g, gb, cs in parts) + tp["step"]
+                             + comm.shared_sync_s(ri, c) + (comm.fp8_scales_s(c) if ri == 0 else 0.0)),
                 optimizer_s=device_opt + host_step + opt_host,
                 send_s=comm.send_s(ri, c.tp, sp, mbs), host_s=t.host_s + hooks,
                 optimizer_host_s=self.compute.optimizer_host_s(ri, c.tp, shards) + opt_host))
         return tuple(runs)
+
+
+def _hidden_s(parts: tuple, forward_s: float, backward_s: float) -> float:
+    """What a layer's passes hide of its FSDP collectives (DPTail.hidden_s) when its gradients reduce in
+    parts over different groups (dense over dp·cp, experts over the ranks holding them): each part hides
+    behind what of the passes the parts before it left."""
+    hidden = 0.0
+    for tail, grad_bytes, gather_bytes, copy_s in parts:
+        hidden += tail.hidden_s(grad_bytes, forward_s, backward_s, gather_bytes, copy_s)
+        ag, ag_b, rs = tail.overlapped_s(grad_bytes, gather_bytes, copy_s)
+        forward_s, backward_s = max(0.0, forward_s - ag), max(0.0, backward_s - ag_b - rs)
+    return hidden

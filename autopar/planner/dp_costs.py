@@ -68,10 +68,13 @@ class DPTail:
 
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
-                 host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0) -> None:
+                 host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0,
+                 loss_and_norm: bool = True) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
         where they are not charged. interference: the share of compute an overlapped collective takes
-        (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte."""
+        (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte.
+        loss_and_norm: False for a tail over part of the gradients (the experts' over the ranks holding
+        them), the step's loss and norm all-reduces being counted in the dense tail."""
         self.interference = interference
         self.gather_ratio = gather_ratio
         self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
@@ -79,12 +82,13 @@ class DPTail:
         self._coll, self._mem = collective_s, memory_s
         g = rank_grad_bytes
         self._mem_per_byte = memory_s(g) / g if g > 0 else 0.0
+        world = world if loss_and_norm else 1
         self.fixed_s = (collective_s("all_reduce", LOSS_BYTES, world) + collective_s("all_reduce", NORM_BYTES, world)
                         if world > 1 else 0.0)  # the loss and the gradient norm
-        self.fixed_s += memory_s(g / dp if zero_stage >= 2 else g)  # the norm reads the gradients once
+        self.fixed_s += memory_s(g / dp if zero_stage >= 2 else g) if g > 0 else 0.0  # the norm reads them once
         self.per_byte_s = 0.0
         self.flat_collectives = 2 if world > 1 else 0  # the loss and the gradient-norm all-reduces
-        if dp == 1 or zero_stage >= 2:
+        if dp == 1 or zero_stage >= 2 or g <= 0:
             return
         buckets = max(1, math.ceil(g / BUCKET_BYTES))
         slope, lat = affine(lambda n: collective_s("all_reduce", n, dp), min(g, BUCKET_BYTES))
@@ -141,14 +145,22 @@ class DPTail:
         if grad_bytes <= 0 or self.gathers_per_step == 0:
             return 0.0
         m, f = self.microbatches, self.interference
+        ag, ag_b, rs = self.overlapped_s(grad_bytes, gather_bytes, host_copy_s)
+        return (m * hidden_beside_s(ag, forward_s, f) + (m - 1) * hidden_beside_s(ag_b, backward_s, f)
+                + hidden_beside_s(ag_b + rs, backward_s, f))
+
+    def overlapped_s(self, grad_bytes: float, gather_bytes: float | None = None,
+                     host_copy_s: float = 0.0) -> tuple[float, float, float]:
+        """FSDP2's collectives of one layer that run beside its passes: (the forward all-gather, the backward
+        all-gather (ZeRO-3, else 0), the reduce-scatter), each with its host copy; zeros without FSDP."""
+        if grad_bytes <= 0 or self.gathers_per_step == 0:
+            return 0.0, 0.0, 0.0
         ag = self._coll("all_gather", grad_bytes * self.gather_ratio if gather_bytes is None else gather_bytes,
                         self.dp)
         rs = self._coll("reduce_scatter", grad_bytes, self.dp)
         if host_copy_s:
             ag, rs = ag + host_copy_s, rs + host_copy_s
-        ag_b = ag if self.zero_stage == 3 else 0.0
-        return (m * hidden_beside_s(ag, forward_s, f) + (m - 1) * hidden_beside_s(ag_b, backward_s, f)
-                + hidden_beside_s(ag_b + rs, backward_s, f))
+        return ag, ag if self.zero_stage == 3 else 0.0, rs
 
     def collectives_per_step(self, layers_with_params: int) -> int:
         """Collectives one rank issues per step for data parallelism and the loss."""
