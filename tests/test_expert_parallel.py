@@ -114,3 +114,34 @@ def test_expert_parallel_checkpoint_loads_into_another_layout(tmp_path):
     assert out["split"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert out["max_weight_diff"] == 0.0
     assert out["losses_ep1"] == pytest.approx(out["losses_ep2"], rel=1e-5)  # weights, then moments, restored
+
+
+# ---- the folded layout's token split over tp (uneven shares) ----
+
+def _split_and_gather() -> dict:
+    """5 rows both ranks hold alike: rank r takes its share (3 rows, then 2), scales it by its own factor,
+    and the shares are gathered back; the loss is computed alike on both ranks from the gathered rows."""
+    import torch.distributed as dist
+
+    from autopar.codegen.experts import gather_shares, take_share
+
+    dist.init_process_group("gloo")  # from the harness's environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE)
+    group, rank = dist.group.WORLD, dist.get_rank()
+    x = torch.arange(15.0).reshape(5, 3).requires_grad_()
+    share = take_share(x, rank, group)
+    y = gather_shares(share * (rank + 2.0), 5, rank, group)
+    (y * torch.arange(5.0).unsqueeze(1)).sum().backward()
+    return {"rows": share.shape[0], "y": y.detach(), "grad": x.grad}
+
+
+@pytest.mark.multiproc
+def test_token_share_split_and_gather_are_each_others_backward():
+    from dist_harness import run_distributed
+
+    out = run_distributed(_split_and_gather, 2)
+    scale = torch.tensor([2.0, 2.0, 2.0, 3.0, 3.0]).unsqueeze(1)  # rank 0's rows ×2, rank 1's ×3
+    x = torch.arange(15.0).reshape(5, 3)
+    for r in out:  # both ranks hold the whole output and the whole input gradient, as one process would
+        assert torch.equal(r["y"], x * scale)
+        assert torch.equal(r["grad"], (scale * torch.arange(5.0).unsqueeze(1)).expand(5, 3))
+    assert [r["rows"] for r in out] == [3, 2]

@@ -110,6 +110,13 @@ def _share_rows(total: int, parts: int) -> list[int]:
     return [total // parts + (r < total % parts) for r in range(parts)]
 
 
+def _share(total: int, parts: int, rank: int) -> slice:
+    """Rank `rank`'s rows of `total` split `parts` ways (`_share_rows`)."""
+    sizes = _share_rows(total, parts)
+    lo = sum(sizes[:rank])
+    return slice(lo, lo + sizes[rank])
+
+
 def _all_gather_rows(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's rows (sizes[r] of them on rank r) concatenated in rank order; padded to one size, as
     gloo's all_gather needs equal tensors."""
@@ -127,10 +134,8 @@ class _TakeShare(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
-        sizes = _share_rows(x.shape[0], dist.get_world_size(group))
-        ctx.sizes, ctx.group = sizes, group
-        lo = sum(sizes[:rank])
-        return x[lo:lo + sizes[rank]]
+        ctx.sizes, ctx.group = _share_rows(x.shape[0], dist.get_world_size(group)), group
+        return x[_share(x.shape[0], dist.get_world_size(group), rank)]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -143,13 +148,12 @@ class _GatherShares(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, total: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
-        sizes = _share_rows(total, dist.get_world_size(group))
-        ctx.lo, ctx.n = sum(sizes[:rank]), sizes[rank]
-        return _all_gather_rows(x.contiguous(), sizes, group)
+        ctx.rows = _share(total, dist.get_world_size(group), rank)
+        return _all_gather_rows(x.contiguous(), _share_rows(total, dist.get_world_size(group)), group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.lo:ctx.lo + ctx.n], None, None, None
+        return grad[ctx.rows], None, None, None
 
 
 def take_share(x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -294,7 +298,7 @@ class ExpertParallel:
             if self.split:  # folded: this tp rank's share of the tokens all tp ranks hold
                 x = take_share(x, self.tp_rank, self.tp_group)
                 weights = take_share(weights, self.tp_rank, self.tp_group)
-                index = index[sum(_share_rows(whole, self.config.tp)[:self.tp_rank]):][:x.shape[0]]
+                index = index[_share(whole, self.config.tp, self.tp_rank)]
             tokens, k = index.shape
             expert = index.reshape(-1)
             dest = torch.div(expert, local, rounding_mode="floor")
