@@ -21,7 +21,7 @@ from typing import Any
 from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
 from autopar.errors import AutoparError, ConfigError
 from cost_models.comm import PIPELINE_P2P
-from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
+from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, PIPELINE_RUNTIMES, RECOMPUTE_MODES
 from cost_models.precision import PRECISIONS
 
 __all__ = ["ParallelConfig", "ep_folds", "ep_fits", "ep_invalid", "expert_dp",
@@ -276,6 +276,9 @@ class PlannerOptions:
     # the mean, autopar.planner.moe_load); None: the captured graph's (MoESpec.load_imbalance, by default
     # autopar.capture.moe.DEFAULT_LOAD_IMBALANCE). A plan records it (Plan.router_skew)
     router_skew: float | None = None
+    # the pipeline runtime memory is priced for (cost_models.memory.PIPELINE_RUNTIMES): "torch", the one
+    # autopar runs (torch.distributed.pipelining); "megatron" for another framework's (Megatron-LM, DeepSpeed)
+    pipeline_runtime: str = "torch"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
@@ -325,6 +328,9 @@ class PlannerOptions:
         if self.router_skew is not None and (not is_real(self.router_skew) or not 1.0 <= self.router_skew < 1e6):
             raise ConfigError(f"PlannerOptions.router_skew={self.router_skew!r}; it must be a number ≥ 1 (the "
                               "busiest expert-parallel rank's routed tokens ÷ the mean; 1 = balanced)")
+        if self.pipeline_runtime not in PIPELINE_RUNTIMES:
+            raise ConfigError(f"PlannerOptions.pipeline_runtime={self.pipeline_runtime!r}; expected one of "
+                              f"{PIPELINE_RUNTIMES}")
 
 
 def check_options(options: Any) -> PlannerOptions:

@@ -7,7 +7,9 @@ Sources:
   Large Transformer Models", §4 and Table 2 (16-bit activations, dropout masks at 1 byte).
 - In-flight micro-batches: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
   Clusters Using Megatron-LM", §2.2 (1F1B keeps at most p − i micro-batches on stage i; GPipe keeps m),
-  and Megatron-LM's interleaved schedule warm-up count (schedules.py: (p − i − 1)·2 + (v − 1)·p).
+  and the interleaved schedule's warm-up as torch.distributed.pipelining runs it (schedules.py,
+  _get_warmup_ops and ScheduleInterleaved1F1B: (p − i − 1)·2 + (v − 1)·N chunk-micro-batches, N the
+  micro-batches per round, m // max(1, m // p); Megatron-LM's is the same with N = p).
 All byte counts are per device.
 """
 
@@ -21,9 +23,11 @@ __all__ = [
     "korthikanti_activation_bytes",
     "layer_activation_bytes",
     "inflight_microbatches",
+    "interleaved_round",
     "zero3_gathered_param_bytes",
     "logits_bytes",
     "LOSS_KERNELS",
+    "PIPELINE_RUNTIMES",
     "ALLOCATOR_RESERVE_FRACTION",
     "ALLOCATOR_FRAGMENTATION",
     "reserved_bytes",
@@ -42,6 +46,17 @@ RECOMPUTE_MODES = ("none", "selective", "op_sac", "full")
 # gradient into the logits' own buffer (flash-attn's `flash_attn/losses/cross_entropy.py`, inplace_backward,
 # which llm-foundry's MPT uses by default; Liger's and torchtitan's chunked losses hold less still).
 LOSS_KERNELS = ("fp32_logits", "fused")
+# The pipeline runtime a layout with pp > 1 runs on, for what it holds beyond the layers' activations and
+# the ZeRO stage's states (autopar.planner.memory_costs): "torch", torch.distributed.pipelining (autopar's
+# runtime, torchtitan's), whose stages allocate a receive buffer per micro-batch for their input and their
+# output's gradient, keep each in-flight micro-batch's output until its backward, and run FSDP's backward
+# without gradient sync until the step's last (unsharded gradients accumulated for the whole step);
+# "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs freed once sent:
+# deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's pipeline engine
+# (buffers for the in-flight micro-batches only, num_pipe_buffers) and Meta's Llama 3 trainer (stage inputs
+# and outputs freed as soon as used, Dubey et al. 2024 §3.3.2): nothing beyond the in-flight inputs the
+# activations count, and each ZeRO stage's states as Rajbhandari et al. define them.
+PIPELINE_RUNTIMES = ("torch", "megatron")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # Fraction of device memory a layout may not fill with tensors (autopar.PlannerOptions.memory_reserve_fraction):
@@ -164,12 +179,22 @@ def layer_activation_bytes(*, saved_bytes: float, tp_sharded_bytes: float, atten
     return micro_batch * (replicated / sp_div + (tp_sharded_bytes - dropped) / tp)
 
 
+def interleaved_round(pp: int, num_microbatches: int) -> int:
+    """Micro-batches per round N of torch.distributed.pipelining's ScheduleInterleaved1F1B: m // max(1, m // p)
+    (a rank runs N micro-batches through one chunk before moving to its next; Megatron-LM's N is p, and
+    Dubey et al. 2024 §3.3.2 make it a knob). N ≥ p whenever m ≥ p, so it is p only when p divides m."""
+    _check_positive_int("pp", pp)
+    _check_positive_int("num_microbatches", num_microbatches)
+    return num_microbatches // max(1, num_microbatches // pp)
+
+
 def inflight_microbatches(schedule: str, pp: int, num_microbatches: int, stage: int,
                           virtual_stages: int = 1) -> float:
     """Micro-batches whose activations pipeline rank `stage` (0-based) holds at its peak.
 
     In units of one micro-batch through the whole rank's layers: with interleaving a rank holds v
-    chunks of 1/v of its layers, so chunk-micro-batches count 1/v each.
+    chunks of 1/v of its layers, so chunk-micro-batches count 1/v each; its peak is the warm-up's forwards
+    plus the first steady-state forward, before the first backward frees one.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
@@ -184,7 +209,7 @@ def inflight_microbatches(schedule: str, pp: int, num_microbatches: int, stage: 
     if schedule == "1f1b":
         return float(min(m, pp - stage))
     v = virtual_stages
-    warmup = (pp - stage - 1) * 2 + (v - 1) * pp
+    warmup = (pp - stage - 1) * 2 + (v - 1) * interleaved_round(pp, m)
     chunks = min(warmup + 1, m * v)
     return chunks / v
 

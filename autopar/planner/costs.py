@@ -54,10 +54,12 @@ class CostModel:
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
                  host: HostSpec | None = None, loss_kernel: str = "fp32_logits",
-                 precision: str | None = None, pipeline_p2p: str = "batched") -> None:
+                 precision: str | None = None, pipeline_p2p: str = "batched",
+                 pipeline_runtime: str = "torch") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
         practitioner default, cost_models.precision.default_precision). pipeline_p2p: how the runtime
-        issues stage-boundary transfers (cost_models.comm.PIPELINE_P2P)."""
+        issues stage-boundary transfers (cost_models.comm.PIPELINE_P2P); pipeline_runtime: what it holds
+        in memory (cost_models.memory.PIPELINE_RUNTIMES)."""
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -74,6 +76,7 @@ class CostModel:
                                   precision=precision or default_precision(device.kind, device.peak_flops),
                                   memory_reserve_fraction=memory_reserve_fraction, host=host,
                                   devices_per_node=devices_per_node, loss_kernel=loss_kernel,
+                                  pipeline_runtime=pipeline_runtime,
                                   host_adam_bytes_per_param=ADAM_BYTES_PER_PARAM)
         self.precision = self.memory.precision
         # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
@@ -89,13 +92,15 @@ class CostModel:
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
                     loss_kernel: str = "fp32_logits", precision: str | None = None,
-                    pipeline_p2p: str = "batched") -> CostModel:
+                    pipeline_p2p: str = "batched",
+                    pipeline_runtime: str = "torch") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
                    host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision,
-                   pipeline_p2p=pipeline_p2p)
+                   pipeline_p2p=pipeline_p2p,
+                   pipeline_runtime=pipeline_runtime)
 
     @property
     def world_size(self) -> int:
@@ -174,7 +179,8 @@ class CostModel:
                 time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),
                 compute_s=(compute_s + hooks,) * len(MODES),
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
-                act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload),
+                act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload,
+                                                             mem.pipelined(c)),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
                 backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
                                      t.backward_s + cp.attention_extra_backward_s)

@@ -14,11 +14,21 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   or dp · t / ep with EP folded over tp: autopar.config.expert_dp). Compute copies, held from a
                   step's first forward to its last backward: ZeRO-2's FSDP2 gathered weights (compute
                   dtype), and under ZeRO-0/1 with a 16-bit policy autocast's casts of the weights, cast once
-                  per step (codegen.precision.weight_cast_cache); ZeRO-3's gathered layers are its buffers
+                  per step (codegen.precision.weight_cast_cache); ZeRO-3's gathered layers are its buffers.
+                  FSDP under pipeline parallelism (ZeRO-2/3, pp > 1) holds more: torch.distributed.pipelining
+                  runs every micro-batch's backward without gradient sync and without resharding
+                  (stage.py, backward_maybe_with_nosync: set_requires_gradient_sync(False),
+                  set_reshard_after_backward(False)) and reduce-scatters once after the last
+                  (perform_reduce_grad), so each stage keeps its gathered 16-bit weights and accumulates its
+                  unsharded gradients in the reduce dtype (fsdp/_fully_shard/_fsdp_param.py,
+                  to_accumulated_grad_if_needed: fp32 under the mixed policies) from its first backward to the
+                  step's end: compute copy and gradients whole, fp32 masters and moments ÷ dp (`pipelined`;
+                  under pipeline_runtime="megatron" each stage's states are ZeRO's, cost_models.memory)
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode,
                   in the compute dtype (captured bytes × compute bytes ÷ the model dtype's)
   per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
-                  or unsharded buffers (ZeRO-2/3), the in-flight micro-batches of the schedule
+                  or unsharded buffers (ZeRO-2/3), the in-flight micro-batches of the schedule, and the
+                  pipeline runtime's buffers (`pipeline_buffer_bytes`)
   offload         what stays on the device and what goes to the host (offload_costs.OffloadCosts): under
                   "optimizer" the optimizer states leave the device, under "params" every state does (FSDP2
                   keeps only its gathered buffers); host bytes per node are checked against the host
@@ -75,7 +85,8 @@ class RankMemory:
 
     logits_bytes: float
     zero3_buffer_bytes: float
-    capacity_bytes: float  # device memory less the reserve and the two terms above
+    pipeline_buffer_bytes: float = 0.0  # torch.distributed.pipelining's per-micro-batch buffers (pp > 1)
+    capacity_bytes: float  # device memory less the reserve and the three terms above
 
 
 class MemoryCosts:
@@ -84,10 +95,13 @@ class MemoryCosts:
     def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
                  devices_per_node: int = 1, loss_kernel: str = "fp32_logits",
-                 host_adam_bytes_per_param: float) -> None:
+                 host_adam_bytes_per_param: float, pipeline_runtime: str = "torch") -> None:
         """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
+        if pipeline_runtime not in memory.PIPELINE_RUNTIMES:
+            raise ValueError(f"pipeline_runtime={pipeline_runtime!r}; expected one of {memory.PIPELINE_RUNTIMES}")
         self.graph = graph
         self.loss_kernel = loss_kernel  # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits
+        self.pipeline_runtime = pipeline_runtime  # cost_models.memory.PIPELINE_RUNTIMES
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.precision: Precision = policy(precision)
         self.elem = self.precision.compute_bytes  # one activation, logit or gathered-weight element
@@ -144,19 +158,25 @@ class MemoryCosts:
         """Bytes of one FSDP2 all-gather of num_params parameters (in the compute dtype)."""
         return self.precision.gather_bytes(num_params)
 
-    def model_states(self, num_params: float, zero_stage: int, dp: int, offload: str = "none"
-                     ) -> memory.ModelStateBytes:
+    def model_states(self, num_params: float, zero_stage: int, dp: int, offload: str = "none",
+                     pipelined: bool = False) -> memory.ModelStateBytes:
         """Weights, gradients and optimizer states of num_params on one device, in this model's dtype (what
-        stays on the device under `offload`)."""
-        return self.offload.device_states(self._all_states(num_params, zero_stage, dp), offload)
+        stays on the device under `offload`); `pipelined`: the layer is in a stage of a pipeline (pp > 1)."""
+        return self.offload.device_states(self._all_states(num_params, zero_stage, dp, pipelined), offload)
 
-    def _all_states(self, num_params: float, zero_stage: int, dp: int) -> memory.ModelStateBytes:
+    def _all_states(self, num_params: float, zero_stage: int, dp: int, pipelined: bool = False
+                    ) -> memory.ModelStateBytes:
         """Each state at the policy's bytes per element, and the compute copies (module docstring): the fp32
         masters are the parameters (sharded by ZeRO-3, and by ZeRO-2's FSDP2, which holds the gathered
-        weights from forward to backward instead)."""
+        weights from forward to backward instead). Under a pipeline FSDP keeps the gathered weights and
+        accumulates unsharded gradients for the whole step (module docstring)."""
         pol = self.precision
         states = memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=pol.weight_bytes,
                                           grad_bytes=pol.grad_bytes, optimizer_bytes=pol.optimizer_bytes)
+        if pipelined and zero_stage >= 2 and dp > 1:
+            return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
+                                       grads_bytes=num_params * pol.grad_bytes,
+                                       compute_copy_bytes=num_params * pol.compute_bytes)
         if zero_stage == 2 and dp > 1:
             return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
                                        compute_copy_bytes=num_params * pol.compute_bytes)
@@ -165,25 +185,29 @@ class MemoryCosts:
         return states
 
     def host_state_bytes(self, num_params: float, zero_stage: int, dp: int, offload: str) -> float:
-        """Host bytes one rank keeps for num_params of its parameters under `offload`."""
+        """Host bytes one rank keeps for num_params of its parameters under `offload` (the sharded states: the
+        same with or without a pipeline)."""
         stepped = num_params / (dp if zero_stage >= 1 else 1)
         return self.offload.host_bytes(self._all_states(num_params, zero_stage, dp), stepped, offload)
 
-    def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none") -> float:
+    def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none",
+                        pipelined: bool = False) -> float:
         """Model-state bytes of one layer of run `ri` on one device."""
-        return self._state_run(ri, tp, zero_stage, dp, ep, offload)
+        return self._state_run(ri, tp, zero_stage, dp, ep, offload, pipelined)
 
-    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none") -> float:
-        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep, offload).total_bytes
+    def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none",
+                    pipelined: bool = False) -> float:
+        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep, offload, pipelined).total_bytes
 
     def layer_states(self, layer: LayerSpec, tp: int, zero_stage: int, dp: int, ep: int = 1,
-                     offload: str = "none") -> memory.ModelStateBytes:
+                     offload: str = "none", pipelined: bool = False) -> memory.ModelStateBytes:
         """Model states of `layer` on one device: dense ones sharded over dp, expert ones over the ranks holding
         the same experts (autopar.config.expert_dp: dp / ep, or dp · tp / ep folded)."""
-        dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp, offload)
+        dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp, offload, pipelined)
         if layer.moe is None:
             return dense
-        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, expert_dp(tp, dp, ep), offload)
+        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, expert_dp(tp, dp, ep), offload,
+                                   pipelined)
         return memory.ModelStateBytes(weights_bytes=dense.weights_bytes + expert.weights_bytes,
                                       grads_bytes=dense.grads_bytes + expert.grads_bytes,
                                       optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes,
@@ -196,7 +220,8 @@ class MemoryCosts:
         gathers = c.num_microbatches * (2 if c.zero_stage == 3 else 1)
         return self.offload.summary(
             mode=c.offload,
-            device_state_bytes=self.model_states(params, c.zero_stage, c.shard_group, c.offload).total_bytes,
+            device_state_bytes=self.model_states(params, c.zero_stage, c.shard_group, c.offload,
+                                                 self.pipelined(c)).total_bytes,
             host_bytes_per_node=self.host_fits(c)[1], stepped_params=stepped,
             shard_bytes=params * self.precision.weight_bytes / c.shard_group, gathers_per_step=gathers,
             overlapped=overlapped)
@@ -256,11 +281,15 @@ class MemoryCosts:
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.shard_group, c.zero_stage, c.schedule, c.num_microbatches,
-                           c.virtual_stages, c.micro_batch_size, c.ep, c.fp8, c.offload, c.cp)
+                           c.virtual_stages, c.micro_batch_size, c.ep, c.fp8, c.offload, c.cp, c.sequence_parallel)
 
     def fp8_gathered(self, c: Candidate) -> bool:
         """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
         return c.fp8 == "tensorwise" and self.fsdp(c.zero_stage, c.shard_group, c.offload)
+
+    def pipelined(self, c: Candidate) -> bool:
+        """Whether c's stages run under torch.distributed.pipelining's FSDP handling (module docstring)."""
+        return c.pp > 1 and self.pipeline_runtime == "torch"
 
     @staticmethod
     def fsdp(zero_stage: int, dp: int, offload: str) -> bool:
@@ -277,7 +306,7 @@ class MemoryCosts:
 
     def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
                          mbs: int, ep: int = 1, fp8: str = "none", offload: str = "none",
-                         cp: int = 1) -> tuple[RankMemory, ...]:
+                         cp: int = 1, sp: bool = False) -> tuple[RankMemory, ...]:
         """dp: the ranks ZeRO shards over (dp·cp); cp: each rank holds 1/cp of every sequence's logits."""
         g = self.graph
         zero3_bytes = 0.0
@@ -291,6 +320,10 @@ class MemoryCosts:
             zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest,
                                                              grad_bytes_ratio=grad_ratio) if zero_stage == 3
                            else largest * grad_ratio)
+            if pp > 1 and self.pipeline_runtime == "torch":
+                # gathered weights and accumulated gradients are model states here (module docstring): what
+                # remains is the running layer's 16-bit gradient before it is accumulated
+                zero3_bytes = largest
         logits = 0.0
         if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
             # the loss's logits live from the head's forward to its backward: with interleaving the head is in
@@ -304,19 +337,49 @@ class MemoryCosts:
             zero3_bytes += max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
         shared = self.shared_duplicate_states(tp, zero_stage, dp, offload).total_bytes if pp == 1 else 0.0
-        ranks = [RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes,
-                            capacity_bytes=self.usable_bytes - lg - zero3_bytes + shared) for lg in (0.0, logits)]
-        return (ranks[0],) * (pp - 1) + (ranks[1],)  # only the last rank holds the logits
+        inflight = self._inflight(schedule, pp, m, v)
+        out = []
+        for q in range(pp):
+            lg = logits if q == pp - 1 else 0.0  # only the last rank holds the logits
+            buf = self.pipeline_buffer_bytes(q, pp=pp, v=v, m=m, inflight=inflight[q], mbs=mbs, tp=tp, sp=sp, cp=cp)
+            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes, pipeline_buffer_bytes=buf,
+                                  capacity_bytes=self.usable_bytes - lg - zero3_bytes - buf + shared))
+        return tuple(out)
+
+    def pipeline_buffer_bytes(self, q: int, *, pp: int, v: int, m: int, inflight: float, mbs: int, tp: int,
+                              sp: bool, cp: int = 1) -> float:
+        """Bytes pipeline rank q holds in torch.distributed.pipelining's buffers beyond its layers' activations.
+
+        A PipelineStage allocates, when the schedule starts, one receive buffer per micro-batch for its input
+        (every stage but the first) and one for its output's gradient (every stage but the last), and keeps
+        them for the step (stage.py, _setup_forward_recv_info and _setup_backward_recv_info: a buffer per
+        micro-batch index); it also keeps each in-flight micro-batch's output until that micro-batch's backward
+        (forward_one_chunk's fwd_cache), which no layer of the stage saves. The input buffers of in-flight
+        micro-batches are the inputs the stage's first layer saves, counted with its activations. Megatron-LM
+        frees outputs once sent (deallocate_output_tensor), as Meta's trainer frees stage inputs and outputs
+        (Dubey et al. 2024, §3.3.2); torch's runtime, which autopar runs, does not. `inflight`: micro-batches
+        in flight per stage of the rank (inflight_microbatches); one buffer is a stage boundary's tensor, the
+        largest the graph has (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp.
+        Under pipeline_runtime="megatron" (another framework's runtime, cost_models.memory.PIPELINE_RUNTIMES)
+        there is nothing beyond the activations."""
+        if pp == 1 or self.pipeline_runtime == "megatron":
+            return 0.0
+        layers = self.graph.layers[:-1]  # a cut never follows the last layer
+        boundary = max((la.boundary_bytes for la in layers), default=0)
+        one = self.act_scale * boundary * mbs / (tp if sp else 1) / cp
+        receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
+        sending = v - (1 if q == pp - 1 else 0)  # nor its last
+        return one * (receiving * (m - inflight) + sending * (inflight + m))
 
     def memory_breakdown(self, c: Candidate, layer_names_by_rank: list[list[str]], act_bytes_by_rank: list[float],
                          workspace_by_rank: list[float]) -> list[dict[str, int]]:
-        """Per rank: weights, grads, optimizer, compute_copies, activations, workspace, logits, zero3_buffer
-        (bytes/device)."""
+        """Per rank: weights, grads, optimizer, compute_copies, activations, workspace, logits, zero3_buffer,
+        pipeline_buffers (bytes/device)."""
         ranks = self.rank_memory(c)
         out = []
         for q, names in enumerate(layer_names_by_rank):
-            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.shard_group, c.ep, c.offload)
-                  for n in names]
+            st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.shard_group, c.ep, c.offload,
+                                    self.pipelined(c)) for n in names]
             if c.pp == 1:  # held once (see _rank_memory_key)
                 dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.shard_group, c.offload)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,
@@ -326,5 +389,6 @@ class MemoryCosts:
                         "compute_copies": int(sum(s.compute_copy_bytes for s in st)),
                         "activations": int(act_bytes_by_rank[q]),
                         "workspace": int(workspace_by_rank[q]), "logits": int(ranks[q].logits_bytes),
-                        "zero3_buffer": int(ranks[q].zero3_buffer_bytes)})
+                        "zero3_buffer": int(ranks[q].zero3_buffer_bytes),
+                        "pipeline_buffers": int(ranks[q].pipeline_buffer_bytes)})
         return out

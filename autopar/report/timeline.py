@@ -87,7 +87,8 @@ def timeline_figure(plan: Plan):  # -> matplotlib.figure.Figure (matplotlib is o
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in drawn],
               labels=[names[k] for k in drawn], ncol=len(drawn),
               bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-30, units="points"), **below)
-    cats = ("weights", "grads", "optimizer", "compute_copies", "activations", "workspace", "logits", "zero3_buffer")
+    cats = ("weights", "grads", "optimizer", "compute_copies", "activations", "workspace", "logits", "zero3_buffer",
+            "pipeline_buffers")
     firsts = [s for s in plan.stages if s.index < pp]
     left = [0.0] * len(firsts)
     for cat in cats:
