@@ -26,6 +26,7 @@ __all__ = [
     "interleaved_round",
     "zero3_gathered_param_bytes",
     "logits_bytes",
+    "FP32_LOSS_PEAK_BYTES_PER_LOGIT",
     "LOSS_KERNELS",
     "PIPELINE_RUNTIMES",
     "ALLOCATOR_RESERVE_FRACTION",
@@ -225,13 +226,22 @@ def zero3_gathered_param_bytes(*, largest_layer_param_bytes: float, prefetch_lay
     return largest_layer_param_bytes * (1 + prefetch_layers + grad_bytes_ratio)
 
 
+# Peak bytes per logit of torch's cross-entropy over upcast logits (F.cross_entropy(logits.float(), t)),
+# beyond the logits themselves: its backward holds the saved fp32 log-softmax, nll_loss's dense fp32 gradient
+# and log-softmax's fp32 gradient at once (3 × 4 B), more than its forward's fp32 upcast and log-softmax
+# (2 × 4 B). Measured: peak resident bytes of that forward and backward on CPU, tests/test_loss_memory.py
+# (12.00 B per logit above bf16 logits the caller drops before backward, 14.00 when it keeps them); autopar's
+# vocab-parallel cross-entropy (codegen/loss.py) peaks at the same 12 B plus its input, in its forward.
+FP32_LOSS_PEAK_BYTES_PER_LOGIT = 12
+
+
 def logits_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dtype_bytes: int = 2,
-                 fp32_copies: int = 2, loss_kernel: str = "fp32_logits") -> float:
-    """Bytes of the last stage's logits for one micro-batch: the [b, s, V/t] output in the model dtype
-    plus, with the "fp32_logits" loss kernel, the fp32 upcast and the fp32 log-softmax that cross-entropy
-    keeps for backward (`fp32_copies`), the largest transient of a language model (Megatron-LM
-    vocab-parallel cross entropy upcasts likewise); with "fused", the 16-bit logits and a fp32 log-sum-exp
-    per row (LOSS_KERNELS).
+                 loss_kernel: str = "fp32_logits", held: bool = False) -> float:
+    """Peak bytes of the loss over one micro-batch's [b, s, V/t] logits on the last stage: with the
+    "fp32_logits" loss kernel, FP32_LOSS_PEAK_BYTES_PER_LOGIT, plus the logits in the model dtype where they
+    stay referenced while the loss runs (`held`: torch.distributed.pipelining's last stage keeps its output
+    for backward; autopar's vocab-parallel loss holds its input through its forward); with "fused", the
+    16-bit logits and a fp32 log-sum-exp per row (LOSS_KERNELS).
     """
     for name, v in (("micro_batch", micro_batch), ("seq_len", seq_len), ("vocab", vocab), ("tp", tp)):
         _check_positive_int(name, v)
@@ -239,7 +249,7 @@ def logits_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dty
         raise ValueError(f"loss_kernel={loss_kernel!r}; expected one of {LOSS_KERNELS}")
     if loss_kernel == "fused":
         return micro_batch * seq_len * ((vocab / tp) * dtype_bytes + 4)
-    return micro_batch * seq_len * (vocab / tp) * (dtype_bytes + 4 * fp32_copies)
+    return micro_batch * seq_len * (vocab / tp) * (FP32_LOSS_PEAK_BYTES_PER_LOGIT + (dtype_bytes if held else 0))
 
 
 def reserved_bytes(allocated_bytes: float, usable_bytes: float) -> float:

@@ -63,9 +63,7 @@ def test_inflight_microbatches_by_schedule():
 
 def test_transients():
     assert memory.zero3_gathered_param_bytes(largest_layer_param_bytes=100.0) == 300.0
-    # [1, 2048, 50304] logits in bf16 plus two fp32 copies
-    assert memory.logits_bytes(micro_batch=1, seq_len=2048, vocab=50304) == 2048 * 50304 * 10
-    assert memory.logits_bytes(micro_batch=1, seq_len=2048, vocab=50304, tp=8) == 2048 * 50304 * 10 / 8
+    # the loss's peak over the logits: tests/test_loss_memory.py
     assert 0 < memory.ALLOCATOR_RESERVE_FRACTION < 0.5
 
 

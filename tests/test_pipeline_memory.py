@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_harness import run_distributed
+from test_planner import fake_cluster, gpt_graph
 
 import autopar
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError
 from cost_models import memory
-from dist_harness import run_distributed
-from test_planner import fake_cluster, gpt_graph
 
 
 def _rank_params(est_stages, graph, q: int) -> float:

@@ -309,7 +309,7 @@ class MemoryCosts:
                          cp: int = 1, sp: bool = False) -> tuple[RankMemory, ...]:
         """dp: the ranks ZeRO shards over (dp·cp); cp: each rank holds 1/cp of every sequence's logits."""
         g = self.graph
-        zero3_bytes = 0.0
+        zero3_bytes = reduce_bytes = 0.0  # FSDP's buffers; of them, the gradient reduce-scatter's
         if self.fsdp(zero_stage, dp, offload):
             largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep) for ri in range(len(self.runs)))
             # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer (computed in the compute
@@ -320,30 +320,42 @@ class MemoryCosts:
             zero3_bytes = (memory.zero3_gathered_param_bytes(largest_layer_param_bytes=largest,
                                                              grad_bytes_ratio=grad_ratio) if zero_stage == 3
                            else largest * grad_ratio)
+            reduce_bytes = largest * grad_ratio
             if pp > 1 and self.pipeline_runtime == "torch":
                 # gathered weights and accumulated gradients are model states here (module docstring): what
                 # remains is the running layer's 16-bit gradient before it is accumulated
-                zero3_bytes = largest
+                zero3_bytes = reduce_bytes = largest
         logits = 0.0
         if g.vocab_size and g.seq_len and g.layers[-1].kind == "head":
             # the loss's logits live from the head's forward to its backward: with interleaving the head is in
             # the last rank's last chunk, whose warm-up holds only earlier chunks, so each head forward is
             # followed by its own backward (one in flight), not the rank's average of all its chunks
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
+            # the loss's own peak (cost_models.memory.logits_bytes) holds the logits too where autopar's runtime
+            # keeps them: the pipelining runtime's last stage, and the vocab-parallel loss under tp
+            held = (pp > 1 and self.pipeline_runtime == "torch") or tp > 1
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=-(-g.seq_len // cp),
-                                                         vocab=g.vocab_size,
-                                                         tp=tp, dtype_bytes=self.elem, loss_kernel=self.loss_kernel)
+                                                         vocab=g.vocab_size, tp=tp, dtype_bytes=self.elem,
+                                                         loss_kernel=self.loss_kernel, held=held)
+            # a layer's gradient is reduce-scattered in its own backward, after the loss's backward has freed
+            # all but the logits' 16-bit gradient: the two peaks do not coincide, and the rank holds the larger
+            grad_logits = last_inflight * mbs * -(-g.seq_len // cp) * g.vocab_size / tp * self.elem
+            last_zero3 = zero3_bytes - reduce_bytes + max(0.0, reduce_bytes + grad_logits - logits)
+        else:
+            last_zero3 = zero3_bytes
         if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
-            zero3_bytes += max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
+            copies = max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
+            zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
         shared = self.shared_duplicate_states(tp, zero_stage, dp, offload).total_bytes if pp == 1 else 0.0
         inflight = self._inflight(schedule, pp, m, v)
         out = []
         for q in range(pp):
-            lg = logits if q == pp - 1 else 0.0  # only the last rank holds the logits
+            last = q == pp - 1  # only the last rank holds the logits
+            lg, z3 = (logits, last_zero3) if last else (0.0, zero3_bytes)
             buf = self.pipeline_buffer_bytes(q, pp=pp, v=v, m=m, inflight=inflight[q], mbs=mbs, tp=tp, sp=sp, cp=cp)
-            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=zero3_bytes, pipeline_buffer_bytes=buf,
-                                  capacity_bytes=self.usable_bytes - lg - zero3_bytes - buf + shared))
+            out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=z3, pipeline_buffer_bytes=buf,
+                                  capacity_bytes=self.usable_bytes - lg - z3 - buf + shared))
         return tuple(out)
 
     def pipeline_buffer_bytes(self, q: int, *, pp: int, v: int, m: int, inflight: float, mbs: int, tp: int,
