@@ -213,12 +213,8 @@ def test_planner_splits_experts_when_memory_needs_it(moe) -> None:
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
 
 
-def test_cli_ep_flag_show_explain_diff(tmp_path, capsys) -> None:
-    """`autopar plan --ep`, and the ep degree printed by show, explain (another ep priced) and diff."""
-    import dataclasses
-
-    from autopar.cli.main import main
-
+def _mixtral_factory(tmp_path: Path) -> str:
+    """A `FILE:FUNCTION` model spec for the CLI: the tiny Mixtral of tests/hf_families.py in bf16."""
     factory = tmp_path / "moe_factory.py"
     factory.write_text(
         "import sys, torch\n"
@@ -226,7 +222,16 @@ def test_cli_ep_flag_show_explain_diff(tmp_path, capsys) -> None:
         "from hf_families import build_family\n"
         "def make(seq_len=16):\n"
         "    return build_family('mixtral').to(torch.bfloat16), (torch.zeros(1, seq_len, dtype=torch.long),)\n")
-    model, a, b = f"{factory}:make", tmp_path / "a.json", tmp_path / "b.json"
+    return f"{factory}:make"
+
+
+def test_cli_ep_flag_show_explain_diff(tmp_path, capsys) -> None:
+    """`autopar plan --ep`, and the ep degree printed by show, explain (another ep priced) and diff."""
+    import dataclasses
+
+    from autopar.cli.main import main
+
+    model, a, b = _mixtral_factory(tmp_path), tmp_path / "a.json", tmp_path / "b.json"
     assert main(["plan", model, "--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "16",
                  "--ep", "2", "--tp", "1", "--pp", "1", "--top", "0", "--out", str(a)]) == 0
     plan = autopar.Plan.load(a)
@@ -340,14 +345,7 @@ def test_cli_fold_and_router_skew(tmp_path, capsys) -> None:
 
     from autopar.cli.main import main
 
-    factory = tmp_path / "moe_factory.py"
-    factory.write_text(
-        "import sys, torch\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from hf_families import build_family\n"
-        "def make(seq_len=16):\n"
-        "    return build_family('mixtral').to(torch.bfloat16), (torch.zeros(1, seq_len, dtype=torch.long),)\n")
-    model, a, b = f"{factory}:make", tmp_path / "a.json", tmp_path / "b.json"
+    model, a, b = _mixtral_factory(tmp_path), tmp_path / "a.json", tmp_path / "b.json"
     common = ["--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "16", "--top", "0"]
     assert main(["plan", model, *common, "--tp", "2", "--pp", "1", "--ep", "4", "--router-skew", "1.25",
                  "--out", str(a)]) == 0
