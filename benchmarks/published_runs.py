@@ -64,7 +64,7 @@ class Priced:
     config: str
     published_GiB: float | None
     predicted_GiB: float
-    params: float  # N
+    params: float  # N of 6·N per token: active parameters (an MoE token passes top_k of its experts)
     tokens: float  # per step
     peak_flops: float  # per GPU, the run's dtype
     gpus: int
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                      hardware=error_band.device_family(cluster.device.name), published_s=pub,
                      predicted_s=est.step_time_s, fits=not refused, config=layout,
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
-                     params=graph.num_params, tokens=run["global_batch"] * run["seq_len"],
+                     params=graph.active_params, tokens=run["global_batch"] * run["seq_len"],
                      peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve,
                      moe=graph.expert_params > 0)
         (apart if "not_comparable" in run else rows).append(row)

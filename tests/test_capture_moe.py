@@ -196,3 +196,13 @@ def test_load_imbalance_settable_and_checked(graphs) -> None:
     dense, _ = autopar.zoo.build("gpt-tiny", seq_len=8)
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         autopar.capture(dense, _).with_moe_load_imbalance(1.2)
+
+
+def test_active_params_of_full_mixtral() -> None:
+    """Mixtral-8x7B (transformers' default config): 46.7B parameters, 12.9B of them used per token (Jiang et
+    al. 2024, "Mixtral of Experts", §2), the N of the 6·N·tokens MFU baselines of MoE runs."""
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig()).to(torch.bfloat16)
+    g = autopar.capture(model, (torch.zeros(1, 64, dtype=torch.long, device="meta"),))
+    assert g.num_params / 1e9 == pytest.approx(46.7, abs=0.05)
+    assert g.active_params / 1e9 == pytest.approx(12.9, abs=0.05)
