@@ -227,20 +227,21 @@ class CommCosts:
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_dense_params(g[0], tp)
                                         for g in mem.runs)) / pp
 
-        def coll(op: str, n: float, k: int) -> float:
-            return self.collective_s(op, n, k, rpn if k == dp else None)
-
-        return DPTail(zero_stage=zero_stage, dp=dp, world=self.world_size, microbatches=m,
-                      rank_grad_bytes=grad_bytes, collective_s=coll,
-                      memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
-                      host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
-                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0))
+        return self._tail(zero_stage, dp, rpn, m, grad_bytes)
 
     def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
                          sp: bool) -> DPTail:
         mem = self.memory
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_expert_params(g[0], ep) for g in mem.runs)) / pp
         size, per_node = self._expert_group(tp, dp, cp, ep, sp) if grad_bytes > 0 else (1, 1)
+
+        return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False)
+
+    def _tail(self, zero_stage: int, size: int, per_node: int, m: int, grad_bytes: float,
+              loss_and_norm: bool = True) -> DPTail:
+        """The DPTail of `grad_bytes` of gradients per rank reduced over a group of `size` ranks, `per_node` of
+        them on one node (`loss_and_norm`: the group also reduces the loss and the gradient norm)."""
+        mem = self.memory
 
         def coll(op: str, n: float, k: int) -> float:
             return self.collective_s(op, n, k, per_node if k == size else None)
@@ -249,7 +250,7 @@ class CommCosts:
                       rank_grad_bytes=grad_bytes, collective_s=coll,
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
                       host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
-                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=False)
+                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm)
 
     def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool) -> tuple[int, int]:
         """(size, most ranks on one node) of the group holding rank 0's experts."""
