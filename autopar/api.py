@@ -92,7 +92,6 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=options.precision,
-                                  pipeline_p2p=options.pipeline_p2p,
                                   pipeline_runtime=options.pipeline_runtime)
     cluster.check_precision(costs.precision.name)
     result = search(costs, global_batch_size=global_batch_size, options=options)
@@ -128,7 +127,6 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     cluster.check_precision(config.precision)
     costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=config.precision,
-                                  pipeline_p2p=options.pipeline_p2p,
                                   pipeline_runtime=options.pipeline_runtime)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)

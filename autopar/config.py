@@ -20,8 +20,8 @@ from typing import Any
 
 from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
 from autopar.errors import AutoparError, ConfigError
-from cost_models.comm import PIPELINE_P2P
-from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, PIPELINE_RUNTIMES, RECOMPUTE_MODES
+from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
+from cost_models.pipeline import PIPELINE_RUNTIMES
 from cost_models.precision import PRECISIONS
 
 __all__ = ["ParallelConfig", "ep_folds", "ep_fits", "ep_invalid", "expert_dp",
@@ -267,17 +267,13 @@ class PlannerOptions:
     # how the training code computes the loss (cost_models.memory.LOSS_KERNELS): "fp32_logits" as autopar's
     # runtime and plain torch do; "fused" for a fused or chunked cross-entropy kernel (another framework's)
     loss_kernel: str = "fp32_logits"
-    # how the runtime issues pipeline sends and receives (cost_models.comm.PIPELINE_P2P): "batched" as
-    # autopar's runtime (torch.distributed.pipelining) does; another framework's: "scatter_gather"
-    # (Megatron-LM), "blocking" (one blocking call per transfer) or "blocking_scatter_gather" (DeepSpeed's
-    # PipelineEngine)
-    pipeline_p2p: str = "batched"
     # the router's load imbalance the MoE layers are priced at (busiest expert-parallel rank's routed tokens ÷
     # the mean, autopar.planner.moe_load); None: the captured graph's (MoESpec.load_imbalance, by default
     # autopar.capture.moe.DEFAULT_LOAD_IMBALANCE). A plan records it (Plan.router_skew)
     router_skew: float | None = None
-    # the pipeline runtime memory is priced for (cost_models.memory.PIPELINE_RUNTIMES): "torch", the one
-    # autopar runs (torch.distributed.pipelining); "megatron" for another framework's (Megatron-LM, DeepSpeed)
+    # the runtime pp > 1 is priced on (cost_models.pipeline.PIPELINE_RUNTIMES: its boundary transfers and what
+    # it holds in memory): "torch", the one autopar runs (torch.distributed.pipelining); "megatron" or
+    # "deepspeed" to price a run made with another framework
     pipeline_runtime: str = "torch"
 
     def __post_init__(self) -> None:
@@ -322,15 +318,12 @@ class PlannerOptions:
             raise ConfigError(f"PlannerOptions.objective={self.objective!r}; expected one of {OBJECTIVES}")
         if self.loss_kernel not in LOSS_KERNELS:
             raise ConfigError(f"PlannerOptions.loss_kernel={self.loss_kernel!r}; expected one of {LOSS_KERNELS}")
-        if self.pipeline_p2p not in PIPELINE_P2P:
-            raise ConfigError(f"PlannerOptions.pipeline_p2p={self.pipeline_p2p!r}; expected one of "
-                              f"{tuple(PIPELINE_P2P)}")
         if self.router_skew is not None and (not is_real(self.router_skew) or not 1.0 <= self.router_skew < 1e6):
             raise ConfigError(f"PlannerOptions.router_skew={self.router_skew!r}; it must be a number ≥ 1 (the "
                               "busiest expert-parallel rank's routed tokens ÷ the mean; 1 = balanced)")
         if self.pipeline_runtime not in PIPELINE_RUNTIMES:
             raise ConfigError(f"PlannerOptions.pipeline_runtime={self.pipeline_runtime!r}; expected one of "
-                              f"{PIPELINE_RUNTIMES}")
+                              f"{tuple(PIPELINE_RUNTIMES)}")
 
 
 def check_options(options: Any) -> PlannerOptions:

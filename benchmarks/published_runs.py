@@ -163,7 +163,6 @@ def _options(run: dict, **pins) -> PlannerOptions:
                           zero_stage=run.get("zero"),
                           recompute=run.get("recompute"), sequence_parallel=run["sp"],
                           loss_kernel=run.get("loss_impl", "fp32_logits"),
-                          pipeline_p2p=run.get("pipeline_p2p", "batched"),
                           pipeline_runtime=run.get("pipeline_runtime", "torch"),
                           top_k=0, max_virtual_stages=8, router_skew=run.get("load_imbalance"),
                           **_run_options(run), **pins)

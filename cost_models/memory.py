@@ -28,7 +28,7 @@ __all__ = [
     "logits_bytes",
     "FP32_LOSS_PEAK_BYTES_PER_LOGIT",
     "LOSS_KERNELS",
-    "PIPELINE_RUNTIMES",
+    "PIPELINE_MEMORY",
     "ALLOCATOR_RESERVE_FRACTION",
     "ALLOCATOR_FRAGMENTATION",
     "reserved_bytes",
@@ -47,17 +47,17 @@ RECOMPUTE_MODES = ("none", "selective", "op_sac", "full")
 # gradient into the logits' own buffer (flash-attn's `flash_attn/losses/cross_entropy.py`, inplace_backward,
 # which llm-foundry's MPT uses by default; Liger's and torchtitan's chunked losses hold less still).
 LOSS_KERNELS = ("fp32_logits", "fused")
-# The pipeline runtime a layout with pp > 1 runs on, for what it holds beyond the layers' activations and
-# the ZeRO stage's states (autopar.planner.memory_costs): "torch", torch.distributed.pipelining (autopar's
-# runtime, torchtitan's), whose stages allocate a receive buffer per micro-batch for their input and their
-# output's gradient, keep each in-flight micro-batch's output until its backward, and run FSDP's backward
-# without gradient sync until the step's last (unsharded gradients accumulated for the whole step);
-# "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs freed once sent:
-# deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's pipeline engine
-# (buffers for the in-flight micro-batches only, num_pipe_buffers) and Meta's Llama 3 trainer (stage inputs
-# and outputs freed as soon as used, Dubey et al. 2024 §3.3.2): nothing beyond the in-flight inputs the
-# activations count, and each ZeRO stage's states as Rajbhandari et al. define them.
-PIPELINE_RUNTIMES = ("torch", "megatron")
+# What the pipeline runtime of a layout with pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES) holds beyond the
+# layers' activations and the ZeRO stage's states (autopar.planner.memory_costs): "torch",
+# torch.distributed.pipelining (autopar's runtime, torchtitan's), whose stages allocate a receive buffer per
+# micro-batch for their input and their output's gradient, keep each in-flight micro-batch's output until its
+# backward, and run FSDP's backward without gradient sync until the step's last (unsharded gradients accumulated
+# for the whole step); "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs
+# freed once sent: deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's
+# pipeline engine (buffers for the in-flight micro-batches only, num_pipe_buffers) and Meta's Llama 3 trainer
+# (stage inputs and outputs freed as soon as used, Dubey et al. 2024 §3.3.2): nothing beyond the in-flight
+# inputs the activations count, and each ZeRO stage's states as Rajbhandari et al. define them.
+PIPELINE_MEMORY = ("torch", "megatron")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # Fraction of device memory a layout may not fill with tensors (autopar.PlannerOptions.memory_reserve_fraction):

@@ -12,6 +12,7 @@ import autopar
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError
 from cost_models import memory
+from cost_models.pipeline import PIPELINE_RUNTIMES
 
 
 def _rank_params(est_stages, graph, q: int) -> float:
@@ -68,8 +69,10 @@ def test_pipeline_buffers_per_microbatch_hand_formula() -> None:
 
 def test_pipeline_runtime_is_checked() -> None:
     with pytest.raises(ConfigError, match="pipeline_runtime"):
-        PlannerOptions(pipeline_runtime="deepspeed")
-    assert memory.PIPELINE_RUNTIMES == ("torch", "megatron")
+        PlannerOptions(pipeline_runtime="gpipe")
+    assert memory.PIPELINE_MEMORY == ("torch", "megatron")
+    assert {n: r.memory for n, r in PIPELINE_RUNTIMES.items()} == {"torch": "torch", "megatron": "megatron",
+                                                                  "deepspeed": "megatron"}
 
 
 def _torch_recv_buffers(m: int, width: int) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@ from autopar import Cluster, PlannerOptions
 from autopar.errors import ConfigError
 from autopar.planner.costs import CostModel
 from cost_models.comm import PIPELINE_P2P
+from cost_models.pipeline import PIPELINE_RUNTIMES
 
 
 def _step(stage: int, stages: int, k: int) -> tuple[int, bool]:
@@ -111,25 +112,30 @@ def gpt_graph():
 
 def test_send_prices_each_runtime(gpt_graph):
     cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
-    costs = {name: CostModel.for_cluster(gpt_graph, cluster, pipeline_p2p=name) for name in PIPELINE_P2P}
+    costs = {name: CostModel.for_cluster(gpt_graph, cluster, pipeline_runtime=name) for name in PIPELINE_RUNTIMES}
+    assert {n: c.comm.pipeline_p2p for n, c in costs.items()} == {
+        "torch": "batched", "megatron": "scatter_gather", "deepspeed": "blocking_scatter_gather"}
     tp, mbs = 4, 2
-    n_bytes = costs["batched"].memory.act_scale * costs["batched"].memory.runs[0][0].boundary_bytes * mbs
-    comm = costs["batched"].comm
+    n_bytes = costs["torch"].memory.act_scale * costs["torch"].memory.runs[0][0].boundary_bytes * mbs
+    comm = costs["torch"].comm
     whole = comm.p2p_s(n_bytes, True)
     sliced = comm.p2p_s(n_bytes / tp, True) + comm.collective_s("all_gather", n_bytes, tp, tp)
-    assert costs["batched"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(whole)
-    assert costs["blocking"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(2 * whole)
-    assert costs["scatter_gather"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(sliced)
-    assert costs["blocking_scatter_gather"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(2 * sliced)
+    assert costs["torch"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(whole)
+    assert costs["megatron"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(sliced)
+    assert costs["deepspeed"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(2 * sliced)
+    # blocking alone: every transfer its own call, twice the batched time
+    costs["torch"].comm.pipeline_p2p = "blocking"
+    assert costs["torch"].comm.send_s(0, tp, False, mbs)[1] == pytest.approx(2 * whole)
+    costs["torch"].comm.pipeline_p2p = "batched"
     # Narayanan et al. §4.1: for a 530B-model activation (1 × 2048 × 20480 bf16, 84 MB) over TP 8, each rank
     # moves 1/8 across nodes and the NVLink all-gather costs less than the InfiniBand bytes it saves
     big = 2048 * 20480 * 2.0
     assert comm.p2p_s(big / 8, True) + comm.collective_s("all_gather", big, 8, 8) < 0.5 * comm.p2p_s(big, True)
     # under sequence parallelism the boundary is already sharded: slicing changes nothing
-    sp = [costs[n].comm.send_s(0, tp, True, mbs) for n in ("batched", "scatter_gather")]
+    sp = [costs[n].comm.send_s(0, tp, True, mbs) for n in ("torch", "megatron")]
     assert sp[0] == pytest.approx(sp[1])
 
 
-def test_unknown_pipeline_p2p_is_refused():
-    with pytest.raises(ConfigError, match="pipeline_p2p"):
-        PlannerOptions(pipeline_p2p="nonblocking")
+def test_unknown_pipeline_runtime_is_refused():
+    with pytest.raises(ConfigError, match="pipeline_runtime"):
+        PlannerOptions(pipeline_runtime="nonblocking")

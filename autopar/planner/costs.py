@@ -37,7 +37,7 @@ from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.offload_costs import OffloadSummary
 from autopar.planner.problem import MODES, InnerProblem, Run
 from autopar.planner.space import Candidate
-from cost_models import fleet, memory
+from cost_models import fleet, memory, pipeline
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
 from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
@@ -54,12 +54,12 @@ class CostModel:
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
                  host: HostSpec | None = None, loss_kernel: str = "fp32_logits",
-                 precision: str | None = None, pipeline_p2p: str = "batched",
-                 pipeline_runtime: str = "torch") -> None:
+                 precision: str | None = None, pipeline_runtime: str = "torch") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
-        practitioner default, cost_models.precision.default_precision). pipeline_p2p: how the runtime
-        issues stage-boundary transfers (cost_models.comm.PIPELINE_P2P); pipeline_runtime: what it holds
-        in memory (cost_models.memory.PIPELINE_RUNTIMES)."""
+        practitioner default, cost_models.precision.default_precision). pipeline_runtime: the runtime
+        that runs pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES): how it issues stage-boundary transfers
+        and what it holds in memory."""
+        runtime = pipeline.runtime(pipeline_runtime)
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -76,7 +76,7 @@ class CostModel:
                                   precision=precision or default_precision(device.kind, device.peak_flops),
                                   memory_reserve_fraction=memory_reserve_fraction, host=host,
                                   devices_per_node=devices_per_node, loss_kernel=loss_kernel,
-                                  pipeline_runtime=pipeline_runtime,
+                                  pipeline_memory=runtime.memory,
                                   host_adam_bytes_per_param=ADAM_BYTES_PER_PARAM)
         self.precision = self.memory.precision
         # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
@@ -85,21 +85,19 @@ class CostModel:
                                     host_floor_s=host_floor_s, straggler=straggler)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
-                              host_floor_s=host_floor_s, pipeline_p2p=pipeline_p2p)
+                              host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p)
         self._runs = lru_cache(maxsize=None)(self._run_list)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
                     loss_kernel: str = "fp32_logits", precision: str | None = None,
-                    pipeline_p2p: str = "batched",
                     pipeline_runtime: str = "torch") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
                    host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision,
-                   pipeline_p2p=pipeline_p2p,
                    pipeline_runtime=pipeline_runtime)
 
     @property

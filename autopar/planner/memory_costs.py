@@ -23,7 +23,7 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   unsharded gradients in the reduce dtype (fsdp/_fully_shard/_fsdp_param.py,
                   to_accumulated_grad_if_needed: fp32 under the mixed policies) from its first backward to the
                   step's end: compute copy and gradients whole, fp32 masters and moments ÷ dp (`pipelined`;
-                  under pipeline_runtime="megatron" each stage's states are ZeRO's, cost_models.memory)
+                  under pipeline_memory="megatron" each stage's states are ZeRO's, cost_models.memory)
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode,
                   in the compute dtype (captured bytes × compute bytes ÷ the model dtype's)
   per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
@@ -95,13 +95,13 @@ class MemoryCosts:
     def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
                  devices_per_node: int = 1, loss_kernel: str = "fp32_logits",
-                 host_adam_bytes_per_param: float, pipeline_runtime: str = "torch") -> None:
+                 host_adam_bytes_per_param: float, pipeline_memory: str = "torch") -> None:
         """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
-        if pipeline_runtime not in memory.PIPELINE_RUNTIMES:
-            raise ValueError(f"pipeline_runtime={pipeline_runtime!r}; expected one of {memory.PIPELINE_RUNTIMES}")
+        if pipeline_memory not in memory.PIPELINE_MEMORY:
+            raise ValueError(f"pipeline_memory={pipeline_memory!r}; expected one of {memory.PIPELINE_MEMORY}")
         self.graph = graph
         self.loss_kernel = loss_kernel  # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits
-        self.pipeline_runtime = pipeline_runtime  # cost_models.memory.PIPELINE_RUNTIMES
+        self.pipeline_memory = pipeline_memory  # cost_models.memory.PIPELINE_MEMORY
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.precision: Precision = policy(precision)
         self.elem = self.precision.compute_bytes  # one activation, logit or gathered-weight element
@@ -289,7 +289,7 @@ class MemoryCosts:
 
     def pipelined(self, c: Candidate) -> bool:
         """Whether c's stages run under torch.distributed.pipelining's FSDP handling (module docstring)."""
-        return c.pp > 1 and self.pipeline_runtime == "torch"
+        return c.pp > 1 and self.pipeline_memory == "torch"
 
     @staticmethod
     def fsdp(zero_stage: int, dp: int, offload: str) -> bool:
@@ -321,7 +321,7 @@ class MemoryCosts:
                                                              grad_bytes_ratio=grad_ratio) if zero_stage == 3
                            else largest * grad_ratio)
             reduce_bytes = largest * grad_ratio
-            if pp > 1 and self.pipeline_runtime == "torch":
+            if pp > 1 and self.pipeline_memory == "torch":
                 # gathered weights and accumulated gradients are model states here (module docstring): what
                 # remains is the running layer's 16-bit gradient before it is accumulated
                 zero3_bytes = reduce_bytes = largest
@@ -333,7 +333,7 @@ class MemoryCosts:
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
             # the loss's own peak (cost_models.memory.logits_bytes) holds the logits too where autopar's runtime
             # keeps them: the pipelining runtime's last stage, and the vocab-parallel loss under tp
-            held = (pp > 1 and self.pipeline_runtime == "torch") or tp > 1
+            held = (pp > 1 and self.pipeline_memory == "torch") or tp > 1
             logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=-(-g.seq_len // cp),
                                                          vocab=g.vocab_size, tp=tp, dtype_bytes=self.elem,
                                                          loss_kernel=self.loss_kernel, held=held)
@@ -372,9 +372,9 @@ class MemoryCosts:
         (Dubey et al. 2024, §3.3.2); torch's runtime, which autopar runs, does not. `inflight`: micro-batches
         in flight per stage of the rank (inflight_microbatches); one buffer is a stage boundary's tensor, the
         largest the graph has (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp.
-        Under pipeline_runtime="megatron" (another framework's runtime, cost_models.memory.PIPELINE_RUNTIMES)
+        Under pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY)
         there is nothing beyond the activations."""
-        if pp == 1 or self.pipeline_runtime == "megatron":
+        if pp == 1 or self.pipeline_memory == "megatron":
             return 0.0
         layers = self.graph.layers[:-1]  # a cut never follows the last layer
         boundary = max((la.boundary_bytes for la in layers), default=0)
