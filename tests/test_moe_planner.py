@@ -175,13 +175,17 @@ def test_grouped_gemm_is_its_groups() -> None:
     assert cm.kernel_time_s("gemm", work, groups=g) > cm.kernel_time_s("gemm", work)  # small GEMMs are slower
 
 
+def _moe_layer(g):
+    """(cost model, run index, layer, compute model) of the first MoE layer of `g` on the fake cluster."""
+    costs = CostModel.for_cluster(g, fake_cluster())
+    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
+    return costs, ri, costs.memory.runs[ri][0], costs.compute.model
+
+
 def test_expert_compute_at_busiest_rank(moe) -> None:
     """Under ep the expert GEMMs of a rank do the busiest rank's share of the routed work over E / ep groups."""
     _, g = moe
-    costs = CostModel.for_cluster(g, fake_cluster())
-    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
-    layer = costs.memory.runs[ri][0]
-    cm = costs.compute.model
+    costs, ri, layer, cm = _moe_layer(g)
     experts = [k for k in layer.kernels_forward.kernels if k.expert]
     others = [k for k in layer.kernels_forward.kernels if not k.expert]
     rest = sum(k.count * cm.kernel_time_s(k.kind, 2 * k.work, dtype=g.dtype, tensor_bytes=2 * k.tensor_bytes,
@@ -294,10 +298,7 @@ def test_folded_expert_compute_on_half_the_tokens(moe) -> None:
     """Folded over tp2 (or under SP) a rank's expert GEMMs run on its half of the tokens, at the busiest
     rank's load of that half; everything else in the layer is priced as at ep = 1."""
     _, g = moe
-    costs = CostModel.for_cluster(g, fake_cluster())
-    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
-    layer = costs.memory.runs[ri][0]
-    cm = costs.compute.model
+    costs, ri, layer, cm = _moe_layer(g)
     experts = [k for k in layer.kernels_forward.kernels if k.expert]
 
     def expert_s(share: float, ep: int) -> float:
