@@ -376,11 +376,9 @@ class ModelGraph:
 
     @property
     def active_params(self) -> float:
-        """Parameters one token passes through: the dense ones and, of each MoE bank, its top_k of num_experts
-        experts (the N of 6·N per token that MoE MFU figures use, e.g. DeepSeek-V3's 37B of 671B)."""
-        routed = sum(la.moe.expert_params * (1 - la.moe.top_k / la.moe.num_experts)
-                     for la in self.layers if la.moe is not None)
-        return self.num_params - routed
+        """Parameters a token passes: the dense ones and top_k / num_experts of each bank (MoE MFU's N)."""
+        return self.num_params - sum(la.moe.expert_params * (1 - la.moe.top_k / la.moe.num_experts)
+                                     for la in self.layers if la.moe is not None)
 
     def with_moe_load_imbalance(self, factor: float) -> ModelGraph:
         """This graph with every MoE layer's load-imbalance factor set to `factor` (busiest expert's tokens
