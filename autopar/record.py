@@ -51,6 +51,9 @@ class RankTiming:
     components_s: dict[str, tuple[float, ...]]  # BREAKDOWN_KEYS → one value per step
     # median per step of the collectives / p2p operations issued, by axis (autopar.codegen.timing.AXES)
     calls_per_step: dict[str, float] = field(default_factory=dict)
+    # torch.cuda.max_memory_allocated over the run on a GPU (what the plan's peak_memory_bytes prices);
+    # 0 where the device has no allocator statistics (CPU)
+    peak_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.step_s:

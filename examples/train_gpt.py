@@ -155,6 +155,10 @@ def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict, losses: l
     print(f"recorded {record.steps} steps to {args.record}: median {record.measured_step_time_s * 1e3:.1f} ms "
           f"(predicted {record.predicted_step_time_s * 1e3:.1f} ms); "
           + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b.items() if v > 0), flush=True)
+    peak = max(r.peak_memory_bytes for r in record.ranks)
+    if peak:
+        print(f"peak memory {peak / 2**30:.2f} GiB (largest rank's torch.cuda.max_memory_allocated; predicted "
+              f"{plan.estimate.peak_memory_bytes / 2**30:.2f} GiB)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

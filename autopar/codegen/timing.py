@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
@@ -234,7 +235,8 @@ def rank_timing(timer: StepTimer, *, rank: int, pp_rank: int, dp_rank: int, tp_r
     kept = timer.samples[warmup_steps:]
     parts = [s.components() for s in kept]
     calls = {a: statistics.median(s.calls[a] for s in kept) for a in AXES} if kept else {}
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     return RankTiming(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
                       step_s=tuple(s.step_s for s in kept),
                       components_s={k: tuple(p[k] for p in parts) for k in BREAKDOWN_KEYS},
-                      calls_per_step={a: float(n) for a, n in calls.items() if n})
+                      calls_per_step={a: float(n) for a, n in calls.items() if n}, peak_memory_bytes=int(peak))

@@ -53,6 +53,8 @@ class RunComparison:
     calls_per_step: dict[str, float]  # collectives / p2p operations the bottleneck rank issued, by axis
     threshold: float
     noise_floor_s: float
+    predicted_peak_memory_bytes: int = 0
+    measured_peak_memory_bytes: int = 0  # the largest rank's torch.cuda.max_memory_allocated; 0: not measured
 
     @property
     def flagged(self) -> tuple[str, ...]:
@@ -90,7 +92,9 @@ def compare(plan: Plan, record: RunRecord, *, threshold: float = FLAG_THRESHOLD,
                          step_error=(step_m - step_p) / step_p, components=rows,
                          stages=tuple(record.stage_breakdowns()), bottleneck_rank=record.bottleneck.rank,
                          calls_per_step=dict(record.bottleneck.calls_per_step),
-                         threshold=threshold, noise_floor_s=floor_s)
+                         threshold=threshold, noise_floor_s=floor_s,
+                         predicted_peak_memory_bytes=plan.estimate.peak_memory_bytes,
+                         measured_peak_memory_bytes=max(r.peak_memory_bytes for r in record.ranks))
 
 
 def _ms(seconds: float) -> str:
@@ -122,6 +126,11 @@ def render_text(c: RunComparison) -> str:
         lines.append("  stage " + "".join(f"{k:>16}" for k in keys))
         for i, s in enumerate(c.stages):
             lines.append(f"  {i:>5} " + "".join(f"{_ms(s[k]):>16}" for k in keys))
+    if c.measured_peak_memory_bytes:
+        p, m = c.predicted_peak_memory_bytes, c.measured_peak_memory_bytes
+        error = _err((m - p) / p if p else None)
+        lines += ["", f"{'peak memory':<18}{p / 2**30:8.2f} GiB{m / 2**30:8.2f} GiB{error:>10}"
+                      "  (largest rank's torch.cuda.max_memory_allocated)"]
     flagged = c.flagged
     lines += ["", f"flagged: {', '.join(flagged)}" if flagged else "flagged: none"]
     return "\n".join(lines)
