@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.codegen.data_parallel import local
+from autopar.codegen.elastic import collective_device
 from autopar.codegen.experts import ExpertParallel, expert_grad_axes
 from autopar.codegen.mesh import GRAD_AXIS
 
@@ -69,7 +70,8 @@ def global_grad_norm(params: Sequence[nn.Parameter], mesh: DeviceMesh, skip: set
 
     `params`: this rank's parameters, each once; `skip`: ids of replicas counted elsewhere; `experts`: the
     expert banks split over ep ranks, if any."""
-    device = next((local(p.grad).device for p in params if p.grad is not None), torch.device("cpu"))
+    device = next((local(p.grad).device for p in params if p.grad is not None),
+                  collective_device() if dist.is_initialized() else torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
     expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
     experts_counted = experts is not None and _expert_counted_locally(experts, mesh)

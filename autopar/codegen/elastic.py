@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["restart_count", "job_restart_count", "init_process_group"]
+__all__ = ["restart_count", "job_restart_count", "init_process_group", "collective_device"]
 
 
 def restart_count() -> int:
@@ -31,10 +31,18 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def collective_device() -> torch.device:
+    """Where a tensor handed to a collective of the default group must live: NCCL reduces only CUDA tensors
+    (a CPU tensor fails with "No backend type associated with device type cpu"), gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def job_restart_count() -> int:
     """How many times the job has been restarted, agreed by every rank (collective): the largest
     TORCHELASTIC_RESTART_COUNT, since an agent restarting healthy workers for a peer's failure does not count."""
-    count = torch.tensor([restart_count()], dtype=torch.int64)
+    count = torch.tensor([restart_count()], dtype=torch.int64, device=collective_device())
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())
 

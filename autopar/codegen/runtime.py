@@ -251,7 +251,7 @@ class ParallelModel:
         # once in the stage's shape inference, which the schedule leaves out of its losses
         counts = self._counts[-self.config.num_microbatches:]
         tokens = torch.stack(counts).sum() if counts else torch.zeros(())
-        totals = torch.stack([local_sum.reshape(()).float().cpu() * last, tokens.float() * last]).to(self.device)
+        totals = torch.stack([t.reshape(()).float().to(self.device) * last for t in (local_sum, tokens)])
         dist.all_reduce(totals)
         loss_sum, tokens_all = float(totals[0]) / self.config.tp, float(totals[1]) / self.config.tp
         if tokens_all == 0:  # a sum-reduced loss (or a batch whose every target is ignored)
