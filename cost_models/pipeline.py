@@ -1,9 +1,11 @@
-"""The pipeline runtime a layout with pp > 1 runs on: how it moves stage-boundary tensors and what it holds.
+"""The pipeline runtime a layout with pp > 1 runs on: how it moves stage-boundary tensors, what it holds, and
+how it sums the micro-batches' weight gradients.
 
-One name per runtime, two consequences priced apart: `p2p`, the issue pattern of the boundary transfers
-(cost_models.comm.PIPELINE_P2P), and `memory`, what the runtime keeps beyond the layers' activations and
-the ZeRO stage's states (cost_models.memory.PIPELINE_MEMORY). autopar runs "torch"; the others price runs
-made with another framework (the published runs of benchmarks/data/published_runs.toml).
+One name per runtime, three consequences priced apart: `p2p`, the issue pattern of the boundary transfers
+(cost_models.comm.PIPELINE_P2P), `memory`, what the runtime keeps beyond the layers' activations and the
+ZeRO stage's states (cost_models.memory.PIPELINE_MEMORY), and `accumulation`, the memory traffic of adding
+each micro-batch's weight gradients into the step's (GRAD_ACCUMULATION). autopar runs "torch"; the others
+price runs made with another framework (the published runs of benchmarks/data/published_runs.toml).
 
   torch      torch.distributed.pipelining, autopar's runtime and torchtitan's: sends and receives batched
              (batch_isend_irecv), a receive buffer per micro-batch, FSDP's backward unsynchronised until
@@ -12,7 +14,21 @@ made with another framework (the published runs of benchmarks/data/published_run
              as soon as used, Dubey et al. 2024 §3.3.2): batched sends, each TP rank sending its 1/t slice
              (Narayanan et al. SC'21 §4.1, on by default), outputs freed once sent
   deepspeed  DeepSpeed's PipelineEngine (Megatron-DeepSpeed, MT-NLG): blocking send/recv of partitioned
-             tensors (deepspeed/runtime/pipe/p2p.py, engine.py), buffers for in-flight micro-batches only
+             tensors (deepspeed/runtime/pipe/p2p.py, engine.py), buffers for in-flight micro-batches only;
+             the module runs in 16 bits (engine.py, `self.module.half()` under fp16) and each backward is
+             torch.autograd.backward into its 16-bit param.grad, which autograd's AccumulateGrad sums in place
+
+How a runtime sums gradients over the m micro-batches of a step (GRAD_ACCUMULATION):
+  autograd_16bit  the weight-gradient GEMM writes a fresh gradient and AccumulateGrad adds it to param.grad
+                  (torch/csrc/autograd/functions/accumulate_grad.h: `variable_grad += new_grad` once a
+                  gradient is held; the first micro-batch's is kept as is): from the second micro-batch on,
+                  one elementwise kernel per parameter tensor reading both 16-bit gradients and writing one,
+                  3 × 2 bytes per parameter, on the compute stream in the backward
+  fused           the weight-gradient GEMM accumulates into the gradient buffer itself (Megatron-LM's
+                  gradient_accumulation_fusion, on by default, `--no-gradient-accumulation-fusion` to disable:
+                  the wgrad GEMM of fused_weight_gradient_mlp_cuda adds into main_grad): no pass of its own
+  not_priced      autopar's own runtime (torch.distributed.pipelining's backward into param.grad, FSDP2's
+                  unsharded accumulation) sums through autograd as well; not priced yet
 """
 
 from __future__ import annotations
@@ -22,24 +38,30 @@ from dataclasses import dataclass
 from cost_models.comm import PIPELINE_P2P
 from cost_models.memory import PIPELINE_MEMORY
 
-__all__ = ["PipelineRuntime", "PIPELINE_RUNTIMES", "runtime"]
+__all__ = ["PipelineRuntime", "PIPELINE_RUNTIMES", "GRAD_ACCUMULATION", "ACCUMULATE_PASSES", "runtime"]
+
+GRAD_ACCUMULATION = ("autograd_16bit", "fused", "not_priced")
+ACCUMULATE_PASSES = 3  # gradient elements moved per parameter by `grad += new`: two read, one written
 
 
 @dataclass(frozen=True)
 class PipelineRuntime:
     p2p: str  # cost_models.comm.PIPELINE_P2P
     memory: str  # cost_models.memory.PIPELINE_MEMORY
+    accumulation: str  # GRAD_ACCUMULATION
 
     def __post_init__(self) -> None:
-        if self.p2p not in PIPELINE_P2P or self.memory not in PIPELINE_MEMORY:
-            raise ValueError(f"PipelineRuntime({self.p2p!r}, {self.memory!r}): p2p one of {tuple(PIPELINE_P2P)}, "
-                             f"memory one of {PIPELINE_MEMORY}")
+        if (self.p2p not in PIPELINE_P2P or self.memory not in PIPELINE_MEMORY
+                or self.accumulation not in GRAD_ACCUMULATION):
+            raise ValueError(f"PipelineRuntime({self.p2p!r}, {self.memory!r}, {self.accumulation!r}): p2p one of "
+                             f"{tuple(PIPELINE_P2P)}, memory one of {PIPELINE_MEMORY}, accumulation one of "
+                             f"{GRAD_ACCUMULATION}")
 
 
 PIPELINE_RUNTIMES = {
-    "torch": PipelineRuntime(p2p="batched", memory="torch"),
-    "megatron": PipelineRuntime(p2p="scatter_gather", memory="megatron"),
-    "deepspeed": PipelineRuntime(p2p="blocking_scatter_gather", memory="megatron"),
+    "torch": PipelineRuntime(p2p="batched", memory="torch", accumulation="not_priced"),
+    "megatron": PipelineRuntime(p2p="scatter_gather", memory="megatron", accumulation="fused"),
+    "deepspeed": PipelineRuntime(p2p="blocking_scatter_gather", memory="megatron", accumulation="autograd_16bit"),
 }
 
 

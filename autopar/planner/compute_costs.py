@@ -46,6 +46,7 @@ from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.moe_load import busiest_rank_factor, moe_token_share
 from autopar.planner.problem import MODES
 from cost_models.compute import ComputeModel
+from cost_models.pipeline import ACCUMULATE_PASSES
 
 __all__ = ["ComputeCosts", "RunCompute", "ADAM_BYTES_PER_PARAM", "TP_HOST_FLOORS_PER_GEMM",
            "TP_OPTIMIZER_FLOORS_PER_GEMM"]
@@ -136,6 +137,18 @@ class ComputeCosts:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
         and its experts' over the ranks of those holding the same experts (autopar.config.expert_dp)."""
         return self._opt_run(ri, tp, shards, ep)
+
+    def grad_accumulation_s(self, ri: int, tp: int, ep: int = 1) -> float:
+        """One layer of run `ri` adding a micro-batch's weight gradients into the step's held in the compute
+        dtype, as autograd's AccumulateGrad does (`grad += new`: cost_models.pipeline.GRAD_ACCUMULATION,
+        "autograd_16bit"): one memory-bound kernel per parameter tensor (≈ one per GEMM weight and per norm
+        tensor), ACCUMULATE_PASSES gradient elements moved per parameter."""
+        layer = self.memory.runs[ri][0]
+        params = self.memory.run_local_params(ri, tp, ep)
+        if params <= 0:
+            return 0.0
+        kernels = max(1, layer.kernels_forward.gemm_count + len(layer.norm_param_numels))
+        return self._memory_pass_s(ACCUMULATE_PASSES * params * self.memory.elem, kernels) * self.straggler
 
     def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
                      fp8: str = "none", fp8_gathered: bool = False, dp: int = 1) -> RunCompute:

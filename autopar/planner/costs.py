@@ -60,6 +60,7 @@ class CostModel:
         that runs pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES): how it issues stage-boundary transfers
         and what it holds in memory."""
         runtime = pipeline.runtime(pipeline_runtime)
+        self.runtime = runtime
         self.graph = graph
         self.backend = backend
         self.device = device
@@ -152,6 +153,11 @@ class CostModel:
             rec = tuple(r + tp_fwd if again else r + cp.forward_s if k != "none" else r
                         for r, again, k in zip(t.recompute_s, t.recompute_tp, MODES, strict=True))
             compute_s = t.compute_s + cp.attention_extra_s
+            # the runtime's sum of the micro-batches' weight gradients (cost_models.pipeline.GRAD_ACCUMULATION):
+            # a pass in every backward but the first micro-batch's, spread over the m micro-batches
+            if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
+                m = c.num_microbatches
+                compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep) * (m - 1) / m
             saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile)
             acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
                          for a, k in zip(saved, MODES, strict=True))
