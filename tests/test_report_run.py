@@ -17,7 +17,7 @@ from autopar.cluster import Cluster
 from autopar.config import PlannerOptions
 from autopar.plan import BREAKDOWN_KEYS
 from autopar.record import RankTiming, RunRecord, build_record
-from autopar.report.run_report import compare
+from autopar.report.run_report import compare, render_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,14 +33,15 @@ def plan():
                         options=PlannerOptions(tp=2, dp=1, sequence_parallel=False, top_k=0))
 
 
-def _record(plan, factors: dict[str, float]) -> RunRecord:
+def _record(plan, factors: dict[str, float], peak_memory_bytes: tuple[int, int] = (0, 0)) -> RunRecord:
     """Each component measured as factor × predicted (compute includes the predicted recompute)."""
     pred = dict(plan.estimate.breakdown)
     pred["compute"] += pred.pop("recompute")
     measured = {k: pred.get(k, 0.0) * factors.get(k, 1.0) for k in BREAKDOWN_KEYS if k != "recompute"}
     measured["recompute"] = 0.0
     ranks = [RankTiming(rank=r, pp_rank=0, dp_rank=0, tp_rank=r, step_s=(sum(measured.values()),) * 3,
-                        components_s={k: (measured[k],) * 3 for k in BREAKDOWN_KEYS}) for r in range(2)]
+                        components_s={k: (measured[k],) * 3 for k in BREAKDOWN_KEYS},
+                        peak_memory_bytes=peak_memory_bytes[r]) for r in range(2)]
     return build_record(plan, ranks, hostname=socket.gethostname(), device_name="cpu", torch_version="t",
                         backend="gloo", threads_per_process=1, created="c", warmup_steps=1)
 
@@ -55,6 +56,19 @@ def test_flags_components_more_than_25_percent_off(plan):
     assert set(c.flagged) == {"tp_comm", "optimizer"}
     exact = compare(plan, _record(plan, {}))
     assert exact.flagged == () and exact.step_error == pytest.approx(0.0, abs=1e-9)
+
+
+def test_measured_peak_memory_is_the_largest_ranks_beside_the_prediction(plan, tmp_path):
+    """A GPU run records torch.cuda.max_memory_allocated per rank: the report sets the largest beside the plan's
+    peak, survives the record's JSON round trip, and says nothing of memory for a CPU run (0: not measured)."""
+    predicted = plan.estimate.peak_memory_bytes
+    _record(plan, {}, peak_memory_bytes=(int(predicted * 0.9), int(predicted * 1.1))).save(tmp_path / "run.json")
+    c = compare(plan, RunRecord.load(tmp_path / "run.json"))
+    assert c.predicted_peak_memory_bytes == predicted
+    assert c.measured_peak_memory_bytes == int(predicted * 1.1)
+    line = next(x for x in render_text(c).splitlines() if x.startswith("peak memory"))
+    assert "+10.0%" in line
+    assert "peak memory" not in render_text(compare(plan, _record(plan, {})))
 
 
 def test_report_cli_json(plan, tmp_path, capsys):

@@ -187,8 +187,17 @@ class StepSample:
                 "pipeline_bubble": max(0.0, self.step_s - busy), "dp_comm": dp, "optimizer": optimizer}
 
 
+def _device_sync() -> None:
+    """Wait for the GPU's queued kernels, so a host clock read after it times their work: CUDA runs
+    asynchronously, and without it each phase would be charged for whatever the next synchronising call waits
+    on (measured on an H200: the optimizer phase held 75% of a 544 ms step). No-op on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class StepTimer:
-    """Times `ParallelModel.train_step` phases while `clock` counts waits; one StepSample per step."""
+    """Times `ParallelModel.train_step` phases while `clock` counts waits; one StepSample per step (on a GPU
+    the device is synchronised at each phase's edges: recording costs a few synchronisations per step)."""
 
     def __init__(self, clock: CommClock) -> None:
         self.clock = clock
@@ -200,10 +209,12 @@ class StepTimer:
         sample = StepSample()
         self._current = sample
         calls0 = dict(self.clock.calls)
+        _device_sync()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            _device_sync()
             sample.step_s = time.perf_counter() - t0
             sample.calls = {a: self.clock.calls[a] - calls0[a] for a in AXES}
             self._current = None
@@ -215,11 +226,13 @@ class StepTimer:
         if sample is None:
             yield
             return
+        _device_sync()
         before = self.clock.snapshot()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            _device_sync()
             sample.phase_s[name] += time.perf_counter() - t0
             after = self.clock.snapshot()
             for axis in AXES:
