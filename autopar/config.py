@@ -84,6 +84,9 @@ class ParallelConfig:
     num_microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # interleaved 1F1B: micro-batches a rank runs through one chunk before its next (N of Dubey et al. 2024
+    # §3.3.2, cost_models.pipeline_order); None: torch's and Megatron-LM's N = pp, run by torch's own schedule
+    microbatch_group: int | None = None
     recompute: str = "none"
     sequence_parallel: bool = False
     # each block compiled with torch.compile (autopar.codegen.compile), its pointwise chains fused
@@ -129,8 +132,15 @@ class ParallelConfig:
                 raise ConfigError(
                     f"interleaved_1f1b needs num_microbatches ({self.num_microbatches}) divisible by pp ({self.pp})"
                 )
+            if self.microbatch_group is not None and (not is_int(self.microbatch_group)
+                                                      or not 1 <= self.microbatch_group <= self.num_microbatches):
+                raise ConfigError(f"ParallelConfig.microbatch_group={self.microbatch_group!r}; it must be an integer "
+                                  f"from 1 to num_microbatches ({self.num_microbatches}), or None for pp")
         elif self.virtual_stages != 1:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
+        elif self.microbatch_group is not None:
+            raise ConfigError(f"microbatch_group={self.microbatch_group} needs schedule='interleaved_1f1b' (the "
+                              "micro-batches a rank runs through one of its chunks before the next)")
         if self.cp > 1 and self.compile:
             raise ConfigError("compile=True with cp > 1 is not supported (context-parallel attention runs in a "
                               "torch function mode); set compile=False or cp=1")
@@ -182,6 +192,8 @@ class ParallelConfig:
             f"m={self.num_microbatches},schedule={self.schedule}"
         if self.virtual_stages > 1:
             s += f",v={self.virtual_stages}"
+        if self.microbatch_group is not None:
+            s += f",microbatch_group={self.microbatch_group}"
         s += f",recompute={self.recompute}"
         if self.sequence_parallel:
             s += ",sp=1"
@@ -243,6 +255,9 @@ class PlannerOptions:
     num_microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
+    # interleaved 1F1B's N (ParallelConfig.microbatch_group): None searches torch's N = pp and the smaller ones
+    # from pp/2 (less warm-up memory for more bubble); a value pins it
+    microbatch_group: int | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None
     # False: eager blocks (what codegen runs unless asked); True: compiled; None: the planner prices both
@@ -277,7 +292,8 @@ class PlannerOptions:
     pipeline_runtime: str = "torch"
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
+        for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep",
+                  "microbatch_group"):
             if getattr(self, f) is not None:
                 check_positive_int(f"PlannerOptions.{f}", getattr(self, f), error=ConfigError,
                                    bound=MAX_DEVICES if f in ("tp", "pp", "dp", "ep") else None)

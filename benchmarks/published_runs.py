@@ -171,7 +171,10 @@ def _options(run: dict, **pins) -> PlannerOptions:
 def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, ParallelConfig, bool]:
     """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
     dp, gb = run["dp"], run["global_batch"]
-    if "mbs" in run and "zero" in run and "recompute" in run:
+    # interleaving on another runtime than torch's, its N unpublished (Meta's Llama 3): the planner picks it
+    searched_group = (run.get("schedule") == "interleaved_1f1b" and "microbatch_group" not in run
+                      and run.get("pipeline_runtime", "torch") != "torch")
+    if "mbs" in run and "zero" in run and "recompute" in run and not searched_group:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
                              zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
@@ -182,6 +185,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
     if "schedule" in run:
         pins["schedule"] = run["schedule"]
+    if searched_group:  # N unpublished (Meta's Llama 3): the planner's fastest N that fits, the rest pinned
+        pins.update(virtual_stages=run.get("v", 1), num_microbatches=gb // (dp * run["mbs"]))
     try:
         plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
         return plan.estimate, plan.config, False

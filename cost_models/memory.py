@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.pipeline_order import group_peaks
+
 __all__ = [
     "ModelStateBytes",
     "model_state_bytes",
@@ -190,12 +192,13 @@ def interleaved_round(pp: int, num_microbatches: int) -> int:
 
 
 def inflight_microbatches(schedule: str, pp: int, num_microbatches: int, stage: int,
-                          virtual_stages: int = 1) -> float:
+                          virtual_stages: int = 1, microbatch_group: int | None = None) -> float:
     """Micro-batches whose activations pipeline rank `stage` (0-based) holds at its peak.
 
     In units of one micro-batch through the whole rank's layers: with interleaving a rank holds v
     chunks of 1/v of its layers, so chunk-micro-batches count 1/v each; its peak is the warm-up's forwards
-    plus the first steady-state forward, before the first backward frees one.
+    plus the first steady-state forward, before the first backward frees one. With `microbatch_group` N set,
+    the peak of the order autopar runs for that N (cost_models.pipeline_order), counted action by action.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
@@ -210,6 +213,8 @@ def inflight_microbatches(schedule: str, pp: int, num_microbatches: int, stage: 
     if schedule == "1f1b":
         return float(min(m, pp - stage))
     v = virtual_stages
+    if microbatch_group is not None:
+        return group_peaks(pp, v, m, microbatch_group)[stage] / v
     warmup = (pp - stage - 1) * 2 + (v - 1) * interleaved_round(pp, m)
     chunks = min(warmup + 1, m * v)
     return chunks / v

@@ -33,6 +33,7 @@ from autopar.capture.meta import swap_tensors
 from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
+from autopar.codegen.grouped_schedule import ScheduleGroupedInterleaved1F1B
 from autopar.codegen.model_loss import stage_loss
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
@@ -281,7 +282,10 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
         loss = loss_fn(output, feed.target(_index_of(index)))
         return loss / m if per_microbatch_mean else loss
 
-    if cfg.schedule == "interleaved_1f1b":
+    if cfg.schedule == "interleaved_1f1b" and cfg.microbatch_group is not None:
+        schedule = ScheduleGroupedInterleaved1F1B(stages, n_microbatches=m, microbatch_group=cfg.microbatch_group,
+                                                  loss_fn=scaled_loss, scale_grads=False)
+    elif cfg.schedule == "interleaved_1f1b":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
     else:
         cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B

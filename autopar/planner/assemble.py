@@ -14,6 +14,7 @@ from autopar.planner.costs import CostModel
 from autopar.planner.ilp import MODES
 from autopar.planner.search import SearchResult, Solved
 from cost_models import memory
+from cost_models.pipeline_order import bottleneck_slots
 
 __all__ = ["build_estimate", "build_stages", "build_plan"]
 
@@ -54,7 +55,8 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
         "recompute": m * sum(st.recompute_s for st in mine),
         "tp_comm": m * sum(st.tp_comm_s for st in mine),
         "pp_comm": m * sum(st.pp_comm_s for st in mine),
-        "pipeline_bubble": (sum(st.time_s for st in sol.stages) - T) / v,
+        "pipeline_bubble": ((bottleneck_slots(c.pp, v, m, c.microbatch_group) - m) * T
+                            + sum(st.time_s for st in sol.stages) / v),
         "dp_comm": sol.tail_s - sol.tail_optimizer_s,
         "optimizer": sol.tail_optimizer_s,
     }

@@ -91,7 +91,7 @@ def _pooled_work(pr: InnerProblem) -> float:
 
 def lower_bound(pr: InnerProblem) -> float:
     """A value ≤ the optimum of `pr` in microseconds of work; +inf when pooled memory cannot hold it."""
-    p, v, m, S = pr.num_ranks, pr.virtual_stages, pr.num_microbatches, pr.num_stages
+    p, v, a, S = pr.num_ranks, pr.virtual_stages, pr.bottleneck_slots, pr.num_stages
     if pr.num_layers < S:
         return _INF
     work = _pooled_work(pr)
@@ -105,7 +105,7 @@ def lower_bound(pr: InnerProblem) -> float:
     opt = sum(r.count * r.optimizer_s for r in pr.runs)
     dp = sum(r.count * (r.grad_sync_s - r.backward_s) for r in pr.runs)
     tail = max(opt / p, (opt + dp) / p + pr.grad_sync_latency_s)
-    return (m - 1.0 / v) * T + work / v + tail
+    return a * T + work / v + tail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,7 +308,7 @@ def _rank_times(pr: InnerProblem, w: _Where, counted: np.ndarray, tau, act, stat
 
 def tight_bound(pr: InnerProblem) -> Bound:
     """The count-relaxation bound described in the module docstring; value_s = +inf when infeasible."""
-    p, v, m, S, L = pr.num_ranks, pr.virtual_stages, pr.num_microbatches, pr.num_stages, pr.num_layers
+    p, v, a, S, L = pr.num_ranks, pr.virtual_stages, pr.bottleneck_slots, pr.num_stages, pr.num_layers
     none = Bound(value_s=_INF, bottleneck_s=_INF, work_s=_INF, tail_s=_INF)
     if L < S:
         return none
@@ -341,5 +341,5 @@ def tight_bound(pr: InnerProblem) -> Bound:
     E, _ = _minmax(_envelope(G + np.maximum(0.0, D + pr.grad_sync_latency_s), lo, hi), lo, hi, L)
     opt, dsum = float(omega.sum()), float(delta.sum())
     E = max(E, opt / p, (opt + dsum) / p + pr.grad_sync_latency_s)
-    value = (m - 1.0 / v) * T + work / v + E
+    value = a * T + work / v + E
     return Bound(value_s=value, bottleneck_s=T, work_s=work, tail_s=E, counts=tuple(int(c) for c in counts))

@@ -41,6 +41,7 @@ from cost_models import fleet, memory, pipeline
 from cost_models.comm import CommModel, Topology
 from cost_models.compute import ComputeModel
 from cost_models.hardware import DeviceSpec, HostSpec, LinkSpec
+from cost_models.pipeline_order import bottleneck_slots
 from cost_models.precision import default_precision
 from cost_models.profile import Profile
 
@@ -122,6 +123,8 @@ class CostModel:
                             num_microbatches=c.num_microbatches, inflight=self.memory.inflight(c),
                             capacity_bytes=tuple(r.capacity_bytes for r in ranks), inter_node=self.comm.inter_node(c),
                             modes=modes, per_layer=per_layer,
+                            slots=(None if c.microbatch_group is None else
+                                   bottleneck_slots(c.pp, c.virtual_stages, c.num_microbatches, c.microbatch_group)),
                             grad_sync_latency_s=self.comm.dp_tail(c).fixed_s + self.comm.expert_tail(c).fixed_s)
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:

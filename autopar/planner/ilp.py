@@ -38,7 +38,8 @@ Variables (per stage s = 0..S−1, pipeline rank q, run r, mode k):
   t[q], T, E ≥ 0               rank time, bottleneck rank time, step tail (DP comm + optimizer)
 
 Objective (docs/design.md §5; Narayanan et al. 2021 §2.2 for interleaving):
-  minimise (m − 1/v)·T + (1/v)·Σ_q t[q] + E
+  minimise a·T + (1/v)·Σ_q t[q] + E,  a = m − 1/v (InnerProblem.bottleneck_slots; for interleaving with a
+  group N ≠ p, the makespan of its order in units of T, cost_models.pipeline_order)
   which for v = 1 is (m − 1)·max_q T_q + Σ_q t[q] + E: m slots of the bottleneck rank plus the
   fill/drain of the other stages, divided by v when each rank holds v interleaved chunks (the stages'
   times only enter through their sums per rank and in all, so rank times suffice).
@@ -200,7 +201,7 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     `cutoff_s`, when none beats that objective. `bound` (valid inequalities) and `start` (a feasible
     solution) only speed the proof up."""
     t0 = time.perf_counter()
-    p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
+    p, v, a, S = problem.num_ranks, problem.virtual_stages, problem.bottleneck_slots, problem.num_stages
     runs, R = problem.runs, len(problem.runs)
     if problem.num_layers < S:
         return None
@@ -219,7 +220,7 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     e = {(r, s): lp.add_variable(f"e_{r}_{s}", 0) for r in range(R) for s in range(S - 1)}
     t = {q: lp.add_variable(f"t_{q}", 0) for q in range(p)}
     T, E = lp.add_variable("T", 0), lp.add_variable("E", 0)
-    lp += (m - 1.0 / v) * T + pulp.lpSum(t.values()) * (1.0 / v) + E
+    lp += a * T + pulp.lpSum(t.values()) * (1.0 / v) + E
 
     def c(r: int, s: int):
         return F[r, s] - F[r, s - 1] if s > 0 else F[r, s]
@@ -272,7 +273,7 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
         slack = 1.0 - 1e-9  # float round-off of the bound must not cut the optimum
         lp += T - bound.bottleneck_s * slack >= 0, "bound_T"
         lp += E - bound.tail_s * slack >= 0, "bound_E"
-        lp += (m - 1.0 / v) * T + pulp.lpSum(t.values()) * (1.0 / v) + E >= bound.value_s * slack, "bound_obj"
+        lp += a * T + pulp.lpSum(t.values()) * (1.0 / v) + E >= bound.value_s * slack, "bound_obj"
     warm = start_values(problem, start) if start is not None and start.feasible else None
     if warm and solver is None and not _has_highs():
         for var in lp.variables():

@@ -114,7 +114,8 @@ class MemoryCosts:
         self._state_run = lru_cache(maxsize=None)(self._run_states)
         self._acts = lru_cache(maxsize=None)(self._activation_bytes)
         self._inflight = lru_cache(maxsize=None)(
-            lambda sched, pp, m, v: tuple(memory.inflight_microbatches(sched, pp, m, q, v) for q in range(pp)))
+            lambda sched, pp, m, v, n=None: tuple(memory.inflight_microbatches(sched, pp, m, q, v, n)
+                                                  for q in range(pp)))
         self._ranks = lru_cache(maxsize=None)(self._rank_memory_key)
 
     # ---- parameters and their states ----
@@ -277,11 +278,12 @@ class MemoryCosts:
     # ---- per pipeline rank ----
     def inflight(self, c: Candidate) -> tuple[float, ...]:
         """Micro-batches whose activations each pipeline rank holds at its peak, under c's schedule."""
-        return self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
+        return self._inflight(c.schedule, c.pp, c.num_microbatches, c.virtual_stages, c.microbatch_group)
 
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.shard_group, c.zero_stage, c.schedule, c.num_microbatches,
-                           c.virtual_stages, c.micro_batch_size, c.ep, c.fp8, c.offload, c.cp, c.sequence_parallel)
+                           c.virtual_stages, c.micro_batch_size, c.ep, c.fp8, c.offload, c.cp, c.sequence_parallel,
+                           c.microbatch_group)
 
     def fp8_gathered(self, c: Candidate) -> bool:
         """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
@@ -306,7 +308,7 @@ class MemoryCosts:
 
     def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
                          mbs: int, ep: int = 1, fp8: str = "none", offload: str = "none",
-                         cp: int = 1, sp: bool = False) -> tuple[RankMemory, ...]:
+                         cp: int = 1, sp: bool = False, group: int | None = None) -> tuple[RankMemory, ...]:
         """dp: the ranks ZeRO shards over (dp·cp); cp: each rank holds 1/cp of every sequence's logits."""
         g = self.graph
         zero3_bytes = reduce_bytes = 0.0  # FSDP's buffers; of them, the gradient reduce-scatter's
@@ -330,7 +332,7 @@ class MemoryCosts:
             # the loss's logits live from the head's forward to its backward: with interleaving the head is in
             # the last rank's last chunk, whose warm-up holds only earlier chunks, so each head forward is
             # followed by its own backward (one in flight), not the rank's average of all its chunks
-            last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v)[pp - 1]
+            last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v, group)[pp - 1]
             # the loss's own peak (cost_models.memory.logits_bytes) holds the logits too where autopar's runtime
             # keeps them: the pipelining runtime's last stage, and the vocab-parallel loss under tp
             held = (pp > 1 and self.pipeline_memory == "torch") or tp > 1
@@ -348,7 +350,7 @@ class MemoryCosts:
             zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
         shared = self.shared_duplicate_states(tp, zero_stage, dp, offload).total_bytes if pp == 1 else 0.0
-        inflight = self._inflight(schedule, pp, m, v)
+        inflight = self._inflight(schedule, pp, m, v, group)
         out = []
         for q in range(pp):
             last = q == pp - 1  # only the last rank holds the logits

@@ -58,6 +58,9 @@ class InnerProblem:
     modes: tuple[str, ...] = MODES  # allowed recompute modes
     grad_sync_latency_s: float = 0.0  # γ0: latency part of the gradient collectives (0 when dp = 1)
     per_layer: bool = True  # False: one mode for all layers of a pipeline rank (the space without k of n)
+    # a of the pipeline time a·T + Σt/v; None: m − 1/v (1F1B, GPipe, interleaving with N = p); otherwise the
+    # order's makespan in units of T (cost_models.pipeline_order.uniform_slots)
+    slots: float | None = None
 
     def __post_init__(self) -> None:
         s = self.num_stages
@@ -67,6 +70,11 @@ class InnerProblem:
             raise ValueError(f"InnerProblem: inter_node needs {s - 1} entries (one per stage boundary)")
         if not self.modes or any(k not in MODES for k in self.modes):
             raise ValueError(f"InnerProblem.modes={self.modes}; expected a non-empty subset of {MODES}")
+
+    @property
+    def bottleneck_slots(self) -> float:
+        """a of the pipeline time a·T + Σt/v: slots of the bottleneck rank's per-micro-batch time T."""
+        return self.num_microbatches - 1.0 / self.virtual_stages if self.slots is None else self.slots
 
     @property
     def num_stages(self) -> int:
@@ -111,7 +119,7 @@ class InnerSolution:
     modes: tuple[str, ...]  # per stage: its label (StageEval.mode)
     layer_modes: tuple[str, ...]  # per layer, in order
     objective_s: float
-    pipeline_s: float  # (m − 1/v)·T + Σ t / v
+    pipeline_s: float  # a·T + Σ t / v, a = InnerProblem.bottleneck_slots
     bottleneck_rank: int
     tail_s: float  # E
     tail_optimizer_s: float  # of E: the optimizer step on the rank that sets E
@@ -141,7 +149,7 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
              *, layer_modes: tuple[str, ...] | None = None) -> InnerSolution:
     """Price one cut vector and recompute assignment with the ILP's objective, layer by layer.
     `modes`: one per stage (all its layers), or `layer_modes`: one per layer."""
-    p, v, m, S = problem.num_ranks, problem.virtual_stages, problem.num_microbatches, problem.num_stages
+    p, v, S = problem.num_ranks, problem.virtual_stages, problem.num_stages
     if layer_modes is None:
         if modes is None or len(modes) != S:
             raise ValueError(f"need {S} stage modes, got {None if modes is None else len(modes)}")
@@ -192,7 +200,7 @@ def evaluate(problem: InnerProblem, layers_per_stage: tuple[int, ...], modes: tu
         mem[q] += max(problem.workspace_bytes(k) for k in used_modes[q])
     b = max(range(p), key=lambda q: ranks_t[q])
     T = ranks_t[b]
-    pipeline = (m - 1.0 / v) * T + sum(st.time_s for st in stages) / v
+    pipeline = problem.bottleneck_slots * T + sum(st.time_s for st in stages) / v
     tails = [max(tail_opt[q], tail_opt[q] + tail_dp[q]) for q in range(p)]
     qe = max(range(p), key=lambda q: tails[q])
     violated = ""

@@ -46,6 +46,7 @@ class Candidate:
     offload: str = "none"
     cp: int = 1
     precision: str = "bf16"
+    microbatch_group: int | None = None  # ParallelConfig.microbatch_group
 
     @property
     def world_size(self) -> int:
@@ -66,7 +67,8 @@ class Candidate:
                               micro_batch_size=self.micro_batch_size, num_microbatches=self.num_microbatches,
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
                               sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep,
-                              fp8=self.fp8, offload=self.offload, precision=self.precision)
+                              fp8=self.fp8, offload=self.offload, precision=self.precision,
+                              microbatch_group=self.microbatch_group)
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
@@ -74,7 +76,8 @@ class Candidate:
                    micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
                    sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep,
-                   fp8=config.fp8, offload=config.offload, precision=config.precision)
+                   fp8=config.fp8, offload=config.offload, precision=config.precision,
+                   microbatch_group=config.microbatch_group)
 
 
 def divisors(n: int) -> list[int]:
@@ -139,7 +142,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                 if o.num_microbatches is not None and m != o.num_microbatches:
                     continue
                 for zero in _zero_stages(dp * cp, zeros, o.zero_stage):
-                    for sched, v in _schedules(pp, m, graph.num_layers, schedules, o):
+                    for sched, v, n in _schedules(pp, m, graph.num_layers, schedules, o):
                         for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
                             compiles = _pinned([False, True] if cp == 1 else [False], o.compile)
                             for comp, f8, off in itertools.product(compiles, fp8s, offloads):
@@ -149,7 +152,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                 out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=z, micro_batch_size=mbs,
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
                                                      sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
-                                                     offload=off, precision=precision)
+                                                     offload=off, precision=precision, microbatch_group=n)
                                            for ep in eps)
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
@@ -164,21 +167,29 @@ def _zero_stages(dp: int, allowed: list[int], pin: int | None) -> list[int]:
     return allowed
 
 
-def _schedules(pp: int, m: int, num_layers: int, schedules: list[str], o: PlannerOptions) -> list[tuple[str, int]]:
+def _schedules(pp: int, m: int, num_layers: int, schedules: list[str],
+               o: PlannerOptions) -> list[tuple[str, int, int | None]]:
+    """(schedule, v, N) triples; N (microbatch_group) None is torch's N = pp, the others from pp/2 to pp − 1
+    trade bubble for warm-up memory (cost_models.pipeline_order): searched where they matter, with pp ≥ 4."""
+    if o.microbatch_group is not None and o.schedule not in (None, "interleaved_1f1b"):
+        return []
     if pp == 1:  # one stage: every schedule runs the micro-batches back to back
         pick = o.schedule if o.schedule in ("gpipe", "1f1b") else ("1f1b" if "1f1b" in schedules else "gpipe")
-        return [(pick, 1)] if o.virtual_stages in (None, 1) and o.schedule != "interleaved_1f1b" else []
-    out = []
+        ok = o.virtual_stages in (None, 1) and o.schedule != "interleaved_1f1b" and o.microbatch_group is None
+        return [(pick, 1, None)] if ok else []
+    out: list[tuple[str, int, int | None]] = []
     for s in _pinned(schedules, o.schedule):
         if s != "interleaved_1f1b":
-            if o.virtual_stages in (None, 1):
-                out.append((s, 1))
+            if o.virtual_stages in (None, 1) and o.microbatch_group is None:
+                out.append((s, 1, None))
             continue
         if m % pp:
             continue
+        groups: list[int | None] = ([o.microbatch_group] if o.microbatch_group is not None
+                                    else [None, *range(-(-pp // 2), pp)] if pp >= 4 else [None])
         for v in range(2, o.max_virtual_stages + 1):
             if pp * v <= num_layers and o.virtual_stages in (None, v):
-                out.append((s, v))
+                out += [(s, v, None if n == pp else n) for n in groups if n is None or n <= m]
     return out
 
 
@@ -209,5 +220,6 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 def _pins(o: PlannerOptions) -> str:
     names = ("tp", "cp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
-             "virtual_stages", "recompute", "sequence_parallel", "compile", "ep", "fp8", "offload", "precision")
+             "virtual_stages", "microbatch_group", "recompute", "sequence_parallel", "compile", "ep", "fp8",
+             "offload", "precision")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"
