@@ -5,15 +5,19 @@ Megatron-LM", §2.2) gives each of p pipeline ranks v model chunks (stage s on r
 micro-batches depth-first in groups: a rank runs N consecutive micro-batches through one chunk, then the same N
 through its next chunk, and so on, before the next group. Megatron-LM fixes N = p; torch.distributed.pipelining's
 ScheduleInterleaved1F1B fixes N = m // max(1, m // p) (`cost_models.memory.interleaved_round`); Meta's Llama 3
-trainer makes N a knob (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.2 and Fig. 6), trading the bubble
-of a small N against the warm-up memory of a large one.
+trainer makes N a knob between depth-first N = p and breadth-first N = m (Dubey et al. 2024, "The Llama 3 Herd of
+Models", §3.3.2 and Fig. 6: N = 5 with p = 4). Here N runs from 1 to m; below p it holds less and stalls.
 
-Each rank's order (`interleaved_order`): a warm-up of W_r = (v − 1)·N + 2·(p − 1 − r) forwards (capped at m·v) —
-the forwards rank r runs before the first micro-batch's last-chunk backward can reach it: (v − 1)·N forwards put
-micro-batch 0 into its last chunk, and the backward needs two more slots for each rank it passes on its way
-back — then alternating one forward and one backward, then the remaining backwards. Forwards go in group order
-(group, chunk, micro-batch), backwards the same with the chunks reversed. This is torch's and Megatron-LM's
-rule with N free; at N = torch's N it is torch's order (tests/test_pipeline_order.py).
+Each rank's order (`interleaved_order`): forwards in (group, chunk, micro-batch) order, backwards the same with
+the chunks reversed, merged as torch and Megatron-LM merge them — a warm-up of W_r = (v − 1)·N + 2·(p − 1 − r)
+forwards (capped at m·v): (v − 1)·N forwards bring micro-batch 0 to its last chunk, and its backward needs two
+more slots per rank it passes on its way back — then one forward and one backward in turn, then the remaining
+backwards. At torch's N it is torch's order (tests/test_pipeline_order.py). Where that merge deadlocks (most
+N < p: a rank waits on a backward while the forwards the others need sit behind it), the order is built by list
+scheduling the same sequences (`_list_schedule`): the action that can start earliest runs, backwards first,
+forwards only while the rank holds fewer than W_r + 1 chunk-micro-batches (raised where every rank would wait).
+Such an N holds less and stalls: a group's first micro-batch needs p forward slots to come round to the next
+chunk while the rank has only N forwards to run.
 
 `replay` runs an order as a discrete-event simulation (a rank runs its actions in order, each once its input
 has arrived; sends do not block), the reference for its makespan and for what each rank holds: the peak of
@@ -74,6 +78,7 @@ def _groups(m: int, n: int) -> list[range]:
     return [range(g, min(g + n, m)) for g in range(0, m, n)]
 
 
+@lru_cache(maxsize=256)
 def interleaved_order(pp: int, virtual_stages: int, num_microbatches: int,
                       group: int) -> tuple[tuple[Action, ...], ...]:
     """Each rank's forward and backward actions of interleaved 1F1B with groups of `group` micro-batches
@@ -125,36 +130,38 @@ def _list_schedule(p: int, v: int, m: int, group: int,
     same time, a forward only while its rank holds fewer than cap[r] chunk-micro-batches. Returns
     (order, []), or (None, the capped ranks) when every rank waits."""
     S = p * v
-    fwd, bwd = zip(*(_sequences(p, v, m, group, r) for r in range(p)), strict=True)
+    seqs = [_sequences(p, v, m, group, r) for r in range(p)]
+    f_end: list[list[float | None]] = [[None] * m for _ in range(S)]  # when F(stage, micro-batch) ended
+    b_end: list[list[float | None]] = [[None] * m for _ in range(S)]
     nf, nb, free, held = [0] * p, [0] * p, [0.0] * p, [0] * p
-    done: dict[Action, float] = {}
     out: list[list[Action]] = [[] for _ in range(p)]
     for _ in range(2 * m * S):
-        best: tuple[float, int, int, Action] | None = None
-        for r in range(p):
-            if nb[r] < len(bwd[r]):
-                a = bwd[r][nb[r]]
-                need = [Action("F", a.stage, a.microbatch)]
-                need += [Action("B", a.stage + 1, a.microbatch)] if a.stage < S - 1 else []
-                if all(d in done for d in need):
-                    t = max([free[r]] + [done[d] for d in need])
+        best: tuple[float, int, int] | None = None  # (start, 0 for a backward / 1 for a forward, rank)
+        for r, (fwd, bwd) in enumerate(seqs):
+            if nb[r] < len(bwd):
+                a = bwd[nb[r]]
+                own, down = f_end[a.stage][a.microbatch], b_end[a.stage + 1][a.microbatch] if a.stage < S - 1 else 0.0
+                if own is not None and down is not None:
+                    t = max(free[r], own, down)
                     if best is None or (t, 0) < best[:2]:
-                        best = (t, 0, r, a)
-            if nf[r] < len(fwd[r]) and held[r] < cap[r]:
-                a = fwd[r][nf[r]]
-                dep = Action("F", a.stage - 1, a.microbatch)
-                if a.stage == 0 or dep in done:
-                    t = max(free[r], done[dep] if a.stage else 0.0)
-                    if best is None or (t, 1) < best[:2]:
-                        best = (t, 1, r, a)
+                        best = (t, 0, r)
+            if nf[r] < len(fwd) and held[r] < cap[r]:
+                a = fwd[nf[r]]
+                up = f_end[a.stage - 1][a.microbatch] if a.stage else 0.0
+                if up is not None and (best is None or (max(free[r], up), 1) < best[:2]):
+                    best = (max(free[r], up), 1, r)
         if best is None:
-            return None, [r for r in range(p) if held[r] >= cap[r] and nf[r] < len(fwd[r])]
-        t, is_f, r, a = best
-        free[r] = done[a] = t + (1.0 if is_f else BACKWARD_PER_FORWARD)
+            return None, [r for r in range(p) if held[r] >= cap[r] and nf[r] < m * v]
+        t, is_f, r = best
+        if is_f:
+            a = seqs[r][0][nf[r]]
+            free[r] = f_end[a.stage][a.microbatch] = t + 1.0
+            nf[r], held[r] = nf[r] + 1, held[r] + 1
+        else:
+            a = seqs[r][1][nb[r]]
+            free[r] = b_end[a.stage][a.microbatch] = t + BACKWARD_PER_FORWARD
+            nb[r], held[r] = nb[r] + 1, held[r] - 1
         out[r].append(a)
-        nf[r] += is_f
-        nb[r] += 1 - is_f
-        held[r] += 1 if is_f else -1
     return tuple(tuple(o) for o in out), []
 
 

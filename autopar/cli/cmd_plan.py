@@ -88,6 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_router_skew(p)
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    p.add_argument("--microbatch-group", type=int, dest="microbatch_group",
+                   help="pin interleaved 1F1B's group N: micro-batches a rank runs through one chunk before its next "
+                        "(default: torch's N = pp, and smaller N where that layout does not fit)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin recompute on every layer")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
                    help="compile each block with torch.compile: --compile (on), off (eager, the default) or "
@@ -155,7 +158,7 @@ def _cluster(spec: str, nodes: int | None, nproc: int | None, profile: str | Non
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
     """Numbers and output paths of `autopar plan`, checked before any capture or search."""
-    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "cp", "mbs", "ep"):
+    for flag in ("global_batch_size", "seq_len", "tp", "pp", "dp", "cp", "mbs", "ep", "microbatch_group"):
         value = getattr(args, flag)
         if value is not None:
             check_positive_int(f"--{flag.replace('_', '-')}", value, error=AutoparError,
@@ -202,7 +205,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, zero_stage=args.zero,
-                          micro_batch_size=args.mbs,
+                          micro_batch_size=args.mbs, microbatch_group=args.microbatch_group,
                           ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
                           fp8=None if args.fp8 == "auto" else args.fp8,
                           offload=None if args.offload == "auto" else args.offload,
@@ -343,6 +346,10 @@ def _alternative(plan: Plan, text: str, precision: str | None = None) -> Paralle
     inherited_interleave = "schedule" not in given and base["schedule"] == "interleaved_1f1b"
     if pp == 1 or (inherited_interleave and fill["num_microbatches"] % pp):
         fill.update(schedule="1f1b", virtual_stages=1)
+    same_pipeline = (pp, fill["num_microbatches"]) == (base["pp"], base["num_microbatches"])
+    if "microbatch_group" not in given and (given.get("schedule", fill["schedule"]) != "interleaved_1f1b"
+                                            or not same_pipeline):
+        fill["microbatch_group"] = None  # the plan's N belongs to its own pp and micro-batches
     if tp == 1:
         fill["sequence_parallel"] = False
     if not ep_fits(tp, dp, fill["ep"]):  # an inherited ep that no longer lays out over tp × dp goes back to 1

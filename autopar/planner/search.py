@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
@@ -105,6 +105,23 @@ def _host_fitting(costs: CostModel, cands: list[Candidate]) -> list[Candidate]:
     return kept
 
 
+def _grouped_where_needed(costs: CostModel, cands: list[Candidate], modes: tuple[str, ...],
+                          options: PlannerOptions) -> tuple[list[Candidate], list[InnerProblem]]:
+    """The candidates and their problems, those with a micro-batch group N below torch's (interleaving) only
+    where the same layout with torch's N = pp cannot fit memory: a smaller N is slower (its order stalls while
+    a group's first micro-batch goes round the pipeline, cost_models.pipeline_order) and only holds less."""
+    problem = {c: costs.problem(c, modes, options.recompute_per_layer) for c in cands if c.microbatch_group is None}
+    kept = []
+    for c in cands:
+        base = replace(c, microbatch_group=None)
+        if c.microbatch_group is not None and base in problem and tight_bound(problem[base]).value_s < float("inf"):
+            continue
+        if c not in problem:
+            problem[c] = costs.problem(c, modes, options.recompute_per_layer)
+        kept.append(c)
+    return kept, [problem[c] for c in kept]
+
+
 def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions) -> SearchResult:
     t0 = time.perf_counter()
     cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
@@ -113,7 +130,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
                                  precision=costs.precision.name)
     cands = _host_fitting(costs, cands)
     modes = _modes(options)
-    problems = [costs.problem(c, modes, options.recompute_per_layer) for c in cands]
+    cands, problems = _grouped_where_needed(costs, cands, modes, options)
     # the objective's factor per candidate: 1 for the fastest layout, the band's slow end for the pessimistic one
     scale = [pessimism(costs, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage) if options.objective == "pessimistic"
              else 1.0 for c in cands]

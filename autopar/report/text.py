@@ -82,7 +82,8 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
              + (f"cp={c.cp} (each sequence split over {c.cp} ranks) × " if c.cp > 1 else "")
              + f"pp={c.pp} × dp={c.dp}, ZeRO-{c.zero_stage}, "
              f"{_count(c.num_microbatches, 'micro-batch', 'micro-batches')} of {c.micro_batch_size}, {c.schedule}"
-             + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else ""),
+             + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else "")
+             + (f", groups of {c.microbatch_group} micro-batches per chunk" if c.microbatch_group else ""),
              *([f"                experts {c.ep_text()}"] if c.ep > 1 else []),
              f"predicted       {_estimate_line(e)}", "", "time per step"]
     lines += _breakdown(e)
