@@ -180,7 +180,11 @@ class ParallelConfig:
         return self.dp * self.micro_batch_size * self.num_microbatches
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as JSON values; microbatch_group only where set (plans written before it stay alike)."""
+        d = dataclasses.asdict(self)
+        if d["microbatch_group"] is None:
+            del d["microbatch_group"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ParallelConfig:
@@ -255,8 +259,9 @@ class PlannerOptions:
     num_microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
-    # interleaved 1F1B's N (ParallelConfig.microbatch_group): None searches torch's N = pp and the smaller ones
-    # from pp/2 (less warm-up memory for more bubble); a value pins it
+    # interleaved 1F1B's N (ParallelConfig.microbatch_group): a value pins it; None prices torch's N = pp, and
+    # where pp, virtual_stages and num_microbatches are pinned and that does not fit, also N from pp/2 to pp − 1
+    # (less warm-up memory for more bubble)
     microbatch_group: int | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None

@@ -155,6 +155,7 @@ class Plan:
     # ---- serialization ----
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["config"] = self.config.to_dict()
         d["alternatives"] = [{"config": c.to_dict(), "estimate": dataclasses.asdict(e)} for c, e in self.alternatives]
         if d["router_skew"] is None:  # plans priced at the captured graph's own imbalance read as before
             del d["router_skew"]

@@ -17,8 +17,6 @@ import autopar
 from autopar.capture.graph import ModelGraph
 from autopar.config import PlannerOptions
 from autopar.planner.costs import CostModel
-from autopar.planner.problem import MODES
-from autopar.planner.search import _grouped_where_needed
 from autopar.planner.space import Candidate
 
 GiB = 1 << 30
@@ -71,19 +69,15 @@ def every_layout(graph: ModelGraph, world: int, per_node: int, batch: int, max_v
                 continue
             for mbs in _divisors(batch // dp):
                 m = batch // (dp * mbs)
-                scheds = [("gpipe", 1, None), ("1f1b", 1, None)]
-                # interleaving also with micro-batch groups N from pp/2 to pp − 1 (pp ≥ 4), kept by the
-                # planner's rule only where torch's N = pp cannot fit (brute_minimum)
-                groups = [None, *range(-(-pp // 2), pp)] if pp >= 4 else [None]
+                scheds = [("gpipe", 1), ("1f1b", 1)]
                 if pp > 1 and m % pp == 0:
-                    scheds += [("interleaved_1f1b", v, n) for v in range(2, max_v + 1) if pp * v <= L
-                               for n in groups if n is None or n <= m]
+                    scheds += [("interleaved_1f1b", v) for v in range(2, max_v + 1) if pp * v <= L]
                 for zero in range(4):
-                    for sched, v, n in scheds:
+                    for sched, v in scheds:
                         for sp in ([False, True] if tp > 1 else [False]):
                             yield Candidate(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=mbs,
                                             num_microbatches=m, schedule=sched, virtual_stages=v,
-                                            sequence_parallel=sp, microbatch_group=n)
+                                            sequence_parallel=sp)
 
 
 def case(seed: int):
@@ -101,11 +95,10 @@ def case(seed: int):
 def brute_minimum(graph: ModelGraph, cluster, batch: int) -> tuple[float | None, int]:
     costs = CostModel.for_cluster(graph, cluster)
     best, n = None, 0
-    cands = list(every_layout(graph, cluster.nodes * cluster.devices_per_node, cluster.devices_per_node, batch,
-                              PlannerOptions().max_virtual_stages))
-    for problem in _grouped_where_needed(costs, cands, MODES, PlannerOptions())[1]:
+    for cand in every_layout(graph, cluster.nodes * cluster.devices_per_node, cluster.devices_per_node, batch,
+                             PlannerOptions().max_virtual_stages):
         n += 1
-        val = brute_force(problem)
+        val = brute_force(costs.problem(cand))
         if val is not None and (best is None or val < best):
             best = val
     return best, n

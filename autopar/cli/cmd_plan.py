@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
     p.add_argument("--microbatch-group", type=int, dest="microbatch_group",
                    help="pin interleaved 1F1B's group N: micro-batches a rank runs through one chunk before its next "
-                        "(default: torch's N = pp, and smaller N where that layout does not fit)")
+                        "(default: torch's N = pp)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin recompute on every layer")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
                    help="compile each block with torch.compile: --compile (on), off (eager, the default) or "
@@ -266,7 +266,8 @@ def _diff(args: argparse.Namespace) -> int:
     a, b = _load(args.a), _load(args.b)
     if args.json:
         print(json.dumps({"a": a.to_dict(), "b": b.to_dict(),
-                          "changed": sorted(k for k, v in a.config.to_dict().items() if b.config.to_dict()[k] != v)}))
+                          "changed": sorted(k for k, v in dataclasses.asdict(a.config).items()
+                                            if getattr(b.config, k) != v)}))
     else:
         print(render_diff(a, b))
     return 0

@@ -111,10 +111,11 @@ def _grouped_where_needed(costs: CostModel, cands: list[Candidate], modes: tuple
     where the same layout with torch's N = pp cannot fit memory: a smaller N is slower (its order stalls while
     a group's first micro-batch goes round the pipeline, cost_models.pipeline_order) and only holds less."""
     problem = {c: costs.problem(c, modes, options.recompute_per_layer) for c in cands if c.microbatch_group is None}
-    kept = []
+    kept, fits = [], {}
     for c in cands:
         base = replace(c, microbatch_group=None)
-        if c.microbatch_group is not None and base in problem and tight_bound(problem[base]).value_s < float("inf"):
+        if options.microbatch_group is None and c.microbatch_group is not None and base in problem \
+                and fits.setdefault(base, tight_bound(problem[base]).value_s < float("inf")):
             continue
         if c not in problem:
             problem[c] = costs.problem(c, modes, options.recompute_per_layer)

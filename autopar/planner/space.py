@@ -169,8 +169,9 @@ def _zero_stages(dp: int, allowed: list[int], pin: int | None) -> list[int]:
 
 def _schedules(pp: int, m: int, num_layers: int, schedules: list[str],
                o: PlannerOptions) -> list[tuple[str, int, int | None]]:
-    """(schedule, v, N) triples; N (microbatch_group) None is torch's N = pp, the others from pp/2 to pp − 1
-    trade bubble for warm-up memory (cost_models.pipeline_order): searched where they matter, with pp ≥ 4."""
+    """(schedule, v, N) triples; N (microbatch_group) None is torch's N = pp; the others, from pp/2 to pp − 1,
+    trade bubble for warm-up memory (cost_models.pipeline_order): searched where a pipeline is pinned (pp ≥ 4,
+    v and m given), and kept only where torch's N cannot fit (search._grouped_where_needed)."""
     if o.microbatch_group is not None and o.schedule not in (None, "interleaved_1f1b"):
         return []
     if pp == 1:  # one stage: every schedule runs the micro-batches back to back
@@ -185,8 +186,9 @@ def _schedules(pp: int, m: int, num_layers: int, schedules: list[str],
             continue
         if m % pp:
             continue
+        pinned = None not in (o.pp, o.virtual_stages, o.num_microbatches) and pp >= 4
         groups: list[int | None] = ([o.microbatch_group] if o.microbatch_group is not None
-                                    else [None, *range(-(-pp // 2), pp)] if pp >= 4 else [None])
+                                    else [None, *range(-(-pp // 2), pp)] if pinned else [None])
         for v in range(2, o.max_virtual_stages + 1):
             if pp * v <= num_layers and o.virtual_stages in (None, v):
                 out += [(s, v, None if n == pp else n) for n in groups if n is None or n <= m]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from autopar.config import ParallelConfig
 from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
 from cost_models.memory import RECOMPUTE_MODES
@@ -107,7 +109,7 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
 
 
 def render_diff(a: Plan, b: Plan) -> str:
-    ca, cb = a.config.to_dict(), b.config.to_dict()
+    ca, cb = dataclasses.asdict(a.config), dataclasses.asdict(b.config)
     lines = [f"{'':<20} {'A':>24} {'B':>24}"]
     for k in ca:
         mark = " " if ca[k] == cb[k] else "*"
