@@ -55,8 +55,9 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
         "recompute": m * sum(st.recompute_s for st in mine),
         "tp_comm": m * sum(st.tp_comm_s for st in mine),
         "pp_comm": m * sum(st.pp_comm_s for st in mine),
-        "pipeline_bubble": ((bottleneck_slots(c.pp, v, m, c.microbatch_group) - m) * T
-                            + sum(st.time_s for st in sol.stages) / v),
+        # a micro-batch group N ≠ p adds its order's stalls to Narayanan et al.'s (p − 1)/v bubble
+        "pipeline_bubble": (sum(st.time_s for st in sol.stages) - T) / v + (
+            0.0 if c.microbatch_group is None else (bottleneck_slots(c.pp, v, m, c.microbatch_group) - m + 1 / v) * T),
         "dp_comm": sol.tail_s - sol.tail_optimizer_s,
         "optimizer": sol.tail_optimizer_s,
     }
