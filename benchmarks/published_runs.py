@@ -171,10 +171,10 @@ def _options(run: dict, **pins) -> PlannerOptions:
 def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, ParallelConfig, bool]:
     """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
     dp, gb = run["dp"], run["global_batch"]
-    # interleaving on another runtime than torch's, its N unpublished (Meta's Llama 3): the planner picks it
-    searched_group = (run.get("schedule") == "interleaved_1f1b" and "microbatch_group" not in run
-                      and run.get("pipeline_runtime", "torch") != "torch")
-    if "mbs" in run and "zero" in run and "recompute" in run and not searched_group:
+    # An unpublished interleaving group N (Meta's Llama 3) is priced at N = pp, as torch and Megatron-LM run it:
+    # a group below pp fits in less memory but stalls (cost_models/pipeline_order.py), which Meta's published
+    # throughput rules out, and Megatron-Core accepts N only from pp to m.
+    if "mbs" in run and "zero" in run and "recompute" in run:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
                              zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
@@ -185,8 +185,6 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
     if "schedule" in run:
         pins["schedule"] = run["schedule"]
-    if searched_group:  # N unpublished (Meta's Llama 3): the planner's fastest N that fits, the rest pinned
-        pins.update(virtual_stages=run.get("v", 1), num_microbatches=gb // (dp * run["mbs"]))
     try:
         plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
         return plan.estimate, plan.config, False
