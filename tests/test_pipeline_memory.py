@@ -51,6 +51,29 @@ def test_fsdp_under_a_pipeline_keeps_gathered_weights_and_accumulates_unsharded_
     assert mb0["pipeline_buffers"] == 0
 
 
+def test_megatron_distributed_optimizer_shards_the_fp32_main_params() -> None:
+    # Megatron-LM docs/source/api-guide/dist_optimizer.md, its table: bf16 parameters with fp32 gradients take
+    # 18 bytes a parameter without the distributed optimizer and 6 + 12/d with it (the fp32 main parameters and
+    # Adam's two moments sharded over the d data-parallel ranks); autopar's own ZeRO-1 shards only the moments
+    graph, cluster = gpt_graph(layers=8, hidden=1024), fake_cluster()
+    dp = 4
+    for zero, per_param in ((0, 18.0), (1, 6.0 + 12.0 / dp)):
+        opts = PlannerOptions(tp=1, pp=2, dp=dp, zero_stage=zero, micro_batch_size=1, schedule="1f1b",
+                              recompute="none", pipeline_runtime="megatron")
+        stages = autopar.plan(graph, cluster, global_batch_size=16, options=opts).stages
+        for q in range(2):
+            n = _rank_params(stages, graph, q)
+            mb = next(st.memory_breakdown for st in stages if st.pp_rank == q)
+            states = mb["weights"] + mb["grads"] + mb["optimizer"] + mb["compute_copies"]
+            assert states == pytest.approx(per_param * n, rel=1e-6)
+    torch_opts = PlannerOptions(tp=1, pp=2, dp=dp, zero_stage=1, micro_batch_size=1, schedule="1f1b",
+                                recompute="none")
+    stages = autopar.plan(graph, cluster, global_batch_size=16, options=torch_opts).stages
+    mb, n = stages[0].memory_breakdown, _rank_params(stages, graph, stages[0].pp_rank)
+    assert mb["weights"] + mb["grads"] + mb["optimizer"] + mb["compute_copies"] == pytest.approx(
+        (10.0 + 8.0 / dp) * n, rel=1e-6)
+
+
 def test_pipeline_buffers_per_microbatch_hand_formula() -> None:
     # pp = 2, 1F1B, m = 8, micro-batch 2: a boundary tensor is B = 2 samples × s·h bf16. Rank 0 (first stage)
     # receives nothing, keeps m gradient buffers and its 2 in-flight outputs: (8 + 2)·B; rank 1 (last) keeps

@@ -23,7 +23,12 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   unsharded gradients in the reduce dtype (fsdp/_fully_shard/_fsdp_param.py,
                   to_accumulated_grad_if_needed: fp32 under the mixed policies) from its first backward to the
                   step's end: compute copy and gradients whole, fp32 masters and moments ÷ dp (`pipelined`;
-                  under pipeline_memory="megatron" each stage's states are ZeRO's, cost_models.memory)
+                  under pipeline_memory="megatron" each stage's states are ZeRO's, cost_models.memory).
+                  Under "megatron" ZeRO-1 is Megatron-LM's distributed optimizer, which keeps the fp32 main
+                  parameters with the moments, sharded: bf16 parameters and fp32 main gradients whole,
+                  6 + 12/d bytes per parameter against 18 unsharded (Megatron-LM
+                  docs/source/api-guide/dist_optimizer.md, its table; ZeRO's P_os, Rajbhandari et al. 2020
+                  §5.1, K = 12 alike), where autopar's own ZeRO-1 shards only the moments (10 + 8/d)
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode,
                   in the compute dtype (captured bytes × compute bytes ÷ the model dtype's)
   per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
@@ -179,6 +184,11 @@ class MemoryCosts:
                                        grads_bytes=num_params * pol.grad_bytes,
                                        compute_copy_bytes=num_params * pol.compute_bytes)
         if zero_stage == 2 and dp > 1:
+            return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
+                                       compute_copy_bytes=num_params * pol.compute_bytes)
+        if zero_stage == 1 and dp > 1 and pol.mixed and self.pipeline_memory == "megatron":
+            # Megatron's distributed optimizer (DeepSpeed's ZeRO-1 alike) shards the fp32 masters with the
+            # moments; the 16-bit parameters are the model's own (module docstring, "megatron" states)
             return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
                                        compute_copy_bytes=num_params * pol.compute_bytes)
         if zero_stage <= 1 or dp == 1:
