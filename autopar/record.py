@@ -58,6 +58,10 @@ class RankTiming:
     def __post_init__(self) -> None:
         if not self.step_s:
             raise ValueError(f"RankTiming of rank {self.rank} has no measured steps; run more steps than warm-up")
+        peak = self.peak_memory_bytes
+        if isinstance(peak, bool) or not isinstance(peak, int) or peak < 0:
+            raise ValueError(f"RankTiming of rank {self.rank}: peak_memory_bytes={peak!r}; expected a byte count ≥ 0 "
+                             "(0: not measured)")
         if set(self.components_s) != set(BREAKDOWN_KEYS):
             raise ValueError(f"RankTiming.components_s keys {sorted(self.components_s)}; expected {BREAKDOWN_KEYS}")
         bad = [k for k, v in self.components_s.items() if len(v) != len(self.step_s)]
