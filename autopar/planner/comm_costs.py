@@ -45,7 +45,7 @@ import math
 from collections import Counter
 from functools import lru_cache
 
-from autopar.capture.graph import ModelGraph, sequence_span
+from autopar.capture.graph import ModelGraph, MoESpec, sequence_span
 from autopar.config import ep_folds
 from autopar.planner.dp_costs import DPTail
 from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer
@@ -57,10 +57,20 @@ from cost_models import fleet
 from cost_models.comm import PIPELINE_P2P, CommModel
 from cost_models.compute import ComputeModel
 
-__all__ = ["CommCosts", "AMAX_BYTES"]
+__all__ = ["CommCosts", "AMAX_BYTES", "ep_collective_bytes"]
 
 AMAX_BYTES = 4  # one fp32 amax (torchao reduces amaxes in fp32)
 
+
+
+def ep_collective_bytes(moe: MoESpec, tp: int, sp: bool, ep: int, mbs: float) -> tuple[float, float]:
+    """Bytes of one MoE layer's expert-parallel collectives per micro-batch of `mbs` samples, as
+    autopar.codegen.experts issues them (tests/test_ep_collectives.py counts them in a real run): one rank's
+    dispatch send buffer (its routed token copies; the combine returns as many over the group, the busiest rank
+    more), and, folded over tp without SP, the gathered bytes of the outputs' all-gather over tp (0 otherwise)."""
+    send = moe.dispatch_bytes_per_sample * mbs * moe_token_share(tp, sp, ep)
+    gathered = moe.dispatch_bytes_per_sample / moe.top_k * mbs if ep_folds(tp, ep) and not sp else 0.0
+    return send, gathered
 
 class CommCosts:
     """Seconds of communication per layer, stage boundary and step; cached per (run, tp, …) and per layout."""
@@ -144,14 +154,12 @@ class CommCosts:
         moe = self.memory.runs[ri][0].moe
         if moe is None or ep == 1:
             return {"forward": 0.0, "backward": 0.0}
+        send, gathered = ep_collective_bytes(moe, tp, sp, ep, mbs)
         share = moe_token_share(tp, sp, ep)
-        n = moe.dispatch_bytes_per_sample * mbs * share
-        one = self.model.all_to_all_time_s(n, ep, self.ep_ranks_per_node(tp, ep, cp)) * busiest_rank_factor(
+        one = self.model.all_to_all_time_s(send, ep, self.ep_ranks_per_node(tp, ep, cp)) * busiest_rank_factor(
             moe, ep, mbs * share * moe.tokens_per_sample)
         one *= self.sharing_factor(ep)
-        # folded without SP: the outputs (forward) and the tokens' gradients (backward) gathered over tp
-        gather = (self.collective_s("all_gather", moe.dispatch_bytes_per_sample / moe.top_k * mbs, tp, tp)
-                  if ep_folds(tp, ep) and not sp else 0.0)
+        gather = self.collective_s("all_gather", gathered, tp, tp)
         return {"forward": 2 * one + gather, "backward": 2 * one + gather}
 
     # ---- FP8 scales ----
