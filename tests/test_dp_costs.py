@@ -34,9 +34,10 @@ def norm_s(world: int, local_grad: float) -> float:
     return (coll("all_reduce", 8, world) if world > 1 else 0.0) + local_grad / MEM
 
 
-def tail(zero: int, *, dp: int = 4, world: int = 8, m: int = 3, grad: float = 64e6) -> DPTail:
+def tail(zero: int, *, dp: int = 4, world: int = 8, m: int = 3, grad: float = 64e6, pipelined: bool = False
+         ) -> DPTail:
     return DPTail(zero_stage=zero, dp=dp, world=world, microbatches=m, rank_grad_bytes=grad, collective_s=coll,
-                  memory_s=lambda n: n / MEM)
+                  memory_s=lambda n: n / MEM, pipelined=pipelined)
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -57,29 +58,43 @@ def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero):
     assert t.collectives_per_step(layers_with_params=5) == count
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("zero", [2, 3])
-def test_fsdp_gathers_every_micro_batch_and_reduce_scatters_once(zero):
+def test_fsdp_gathers_every_micro_batch_and_reduce_scatters_every_one_or_once_in_a_pipeline(zero, pipelined):
+    """Without a pipeline each micro-batch's backward reduce-scatters (the shards summed, as the runtime keeps
+    FSDP's gradient sync on); a pipeline stage's FSDP reduce-scatters once, after the last micro-batch."""
     m, dp, p = 3, 4, 5e6
-    t = tail(zero, m=m, dp=dp)
+    t = tail(zero, m=m, dp=dp, pipelined=pipelined)
     gathers = m * (2 if zero == 3 else 1)
-    expected = gathers * coll("all_gather", p, dp) + coll("reduce_scatter", p, dp) + (gathers + 1) * 2 * p / MEM
+    scatters = 1 if pipelined else m
+    expected = (gathers * coll("all_gather", p, dp) + scatters * coll("reduce_scatter", p, dp)
+                + (gathers + scatters) * 2 * p / MEM)
     assert t.layer_s(p) == pytest.approx(expected, rel=1e-9)
     assert t.layer_s(0.0) == 0.0
     assert t.fixed_s == pytest.approx(coll("all_reduce", 4, 8) + norm_s(8, 64e6 / dp))
-    assert t.collectives_per_step(layers_with_params=5) == 5 * (gathers + 1) + 2
+    assert t.collectives_per_step(layers_with_params=5) == 5 * (gathers + scatters) + 2
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("zero", [2, 3])
-def test_fsdp_passes_hide_each_micro_batchs_gathers_up_to_their_own_length(zero):
+def test_fsdp_passes_hide_each_micro_batchs_gathers_up_to_their_own_length(zero, pipelined):
     m, dp, p = 3, 4, 5e6
-    t = tail(zero, m=m, dp=dp)
+    t = tail(zero, m=m, dp=dp, pipelined=pipelined)
     ag, rs = coll("all_gather", p, dp), coll("reduce_scatter", p, dp)
     ag_b = ag if zero == 3 else 0.0
+    scatters = 1 if pipelined else m
     # passes longer than their collectives hide all of them (the copy passes stay exposed)
-    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx(m * ag + m * ag_b + rs, rel=1e-12)
+    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx(m * ag + m * ag_b + scatters * rs,
+                                                                         rel=1e-12)
     # a forward shorter than its gather hides only its own length, in each of the m micro-batches
     short = ag / 2
-    assert t.hidden_s(p, forward_s=short, backward_s=1.0) == pytest.approx(m * short + m * ag_b + rs, rel=1e-12)
+    assert t.hidden_s(p, forward_s=short, backward_s=1.0) == pytest.approx(m * short + m * ag_b + scatters * rs,
+                                                                           rel=1e-12)
+    # a backward shorter than its gathers and reduce-scatter hides only its own length, in each backward
+    # that runs a reduce-scatter, and the backward gather alone in the others
+    b = (ag_b + rs) / 2
+    assert t.hidden_s(p, forward_s=1.0, backward_s=b) == pytest.approx(
+        m * ag + (m - scatters) * min(ag_b, b) + scatters * b, rel=1e-12)
     # never more than the layer's collectives, and nothing without FSDP
     assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) < t.layer_s(p)
     assert tail(1).hidden_s(p, forward_s=1.0, backward_s=1.0) == 0.0

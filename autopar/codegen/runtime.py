@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._pytree import tree_map_only
 
@@ -156,11 +155,6 @@ class ParallelModel:
     def eval(self) -> ParallelModel:
         return self.train(False)
 
-    def _set_gradient_sync(self, on: bool) -> None:
-        for m in self.modules:
-            if isinstance(m, FSDPModule):
-                m.set_requires_gradient_sync(on)
-
     def _loss_context(self):
         """Around every forward and backward of a step on the model's own loss: its loss calls are watched, and
         under tensor parallelism a cross-entropy of vocab-sharded logits runs vocab-parallel (DTensor's
@@ -197,12 +191,14 @@ class ParallelModel:
             with self._loss_context():
                 return self._run_own_loss(backward=backward)
         if self.schedule is None:
+            # FSDP keeps its gradient sync on: each micro-batch's backward reduce-scatters and the shards sum,
+            # rather than every rank holding the whole unsharded gradient in fp32 until the step's last
+            # (autopar.planner.dp_costs prices the reduce-scatters, memory_costs the sharded gradients)
             part = self.modules[0]
             total = torch.zeros((), device=self.device)
             for i in range(m):
                 args, kwargs = self.feed.call(i)
                 if backward:
-                    self._set_gradient_sync(i == m - 1)
                     loss = self.loss_fn(part(*args, **kwargs), self.feed.target(i))
                     (loss * (self._scale / m)).backward()
                 else:
@@ -227,7 +223,6 @@ class ParallelModel:
             total = torch.zeros((), device=self.device)
             for i in range(m):
                 args, kwargs = self.feed.call(i)
-                self._set_gradient_sync(i == m - 1 or not backward)
                 summed = self.own_loss(part(*args, **{**kwargs, self.target_name: self.feed.target(i)}))
                 if backward:
                     (summed * self._scale).backward()

@@ -235,7 +235,7 @@ class CommCosts:
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_dense_params(g[0], tp)
                                         for g in mem.runs)) / pp
 
-        return self._tail(zero_stage, dp, rpn, m, grad_bytes)
+        return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1)
 
     def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
                          sp: bool) -> DPTail:
@@ -243,12 +243,13 @@ class CommCosts:
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_expert_params(g[0], ep) for g in mem.runs)) / pp
         size, per_node = self._expert_group(tp, dp, cp, ep, sp) if grad_bytes > 0 else (1, 1)
 
-        return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False)
+        return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False, pipelined=pp > 1)
 
     def _tail(self, zero_stage: int, size: int, per_node: int, m: int, grad_bytes: float,
-              loss_and_norm: bool = True) -> DPTail:
+              loss_and_norm: bool = True, pipelined: bool = False) -> DPTail:
         """The DPTail of `grad_bytes` of gradients per rank reduced over a group of `size` ranks, `per_node` of
-        them on one node (`loss_and_norm`: the group also reduces the loss and the gradient norm)."""
+        them on one node (`loss_and_norm`: the group also reduces the loss and the gradient norm; `pipelined`:
+        in pipeline stages, DPTail's reduce-scatter once per step)."""
         mem = self.memory
 
         def coll(op: str, n: float, k: int) -> float:
@@ -258,7 +259,8 @@ class CommCosts:
                       rank_grad_bytes=grad_bytes, collective_s=coll,
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
                       host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
-                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm)
+                      gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm,
+                      pipelined=pipelined)
 
     def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool) -> tuple[int, int]:
         """(size, most ranks on one node) of the group holding rank 0's experts."""

@@ -10,7 +10,10 @@ rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_pa
   ZeRO-1  the same, then one broadcast per owner of its ≈ G/dp updated parameters packed flat
           (2·G more bytes: the owner packs its share, the others unpack theirs)
   ZeRO-2  FSDP2 per layer: an all-gather of P in every micro-batch's forward, a reduce-scatter of
-          its gradient in the last micro-batch's backward; each copies in and out (2·P bytes)
+          its gradient in every micro-batch's backward (the gradient shards summed over the step, as
+          torchtitan, Composer and Megatron-FSDP run gradient accumulation), or under a pipeline
+          (pp > 1) only in the last micro-batch's (torch.distributed.pipelining's stage backward
+          accumulates unsharded gradients until then); each copies in and out (2·P bytes)
   ZeRO-3  as ZeRO-2 plus the all-gather again in every micro-batch's backward
   every   the loss all-reduce over all ranks (one 4-byte all-reduce, `ParallelModel._global_mean`), and the
           global gradient norm (clipping; fp16's overflow check): one pass reading the rank's gradient
@@ -69,13 +72,15 @@ class DPTail:
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
                  host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0,
-                 loss_and_norm: bool = True) -> None:
+                 loss_and_norm: bool = True, pipelined: bool = False) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
         where they are not charged. interference: the share of compute an overlapped collective takes
         (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte.
         loss_and_norm: False for a tail over part of the gradients (the experts' over the ranks holding
-        them), the step's loss and norm all-reduces being counted in the dense tail."""
+        them), the step's loss and norm all-reduces being counted in the dense tail. pipelined: the layers run in
+        pipeline stages (pp > 1), whose FSDP reduce-scatters once per step rather than every micro-batch."""
         self.interference = interference
+        self.pipelined = pipelined
         self.gather_ratio = gather_ratio
         self.zero_stage, self.dp, self.microbatches = zero_stage, dp, microbatches
         self.host_floor_s = host_floor_s
@@ -109,6 +114,13 @@ class DPTail:
         return self.microbatches * (2 if self.zero_stage == 3 else 1)
 
     @property
+    def reduce_scatters_per_step(self) -> int:
+        """FSDP2 reduce-scatters of each layer's gradient per step (0 without FSDP; module docstring)."""
+        if self.gathers_per_step == 0:
+            return 0
+        return 1 if self.pipelined else self.microbatches
+
+    @property
     def hooks_s(self) -> float:
         """FSDP2's hook CPU time around one layer with parameters, per micro-batch (0 without FSDP)."""
         return self.host_floor_s * FSDP_HOOKS_FLOORS[self.zero_stage] if self.gathers_per_step else 0.0
@@ -126,28 +138,30 @@ class DPTail:
             return 0.0
         if self.gathers_per_step == 0:
             return self.per_byte_s * grad_bytes
-        k = self.gathers_per_step
+        k, r = self.gathers_per_step, self.reduce_scatters_per_step
         gather_bytes = grad_bytes * self.gather_ratio if gather_bytes is None else gather_bytes
         base = (k * self._coll("all_gather", gather_bytes, self.dp)
-                + self._coll("reduce_scatter", grad_bytes, self.dp)
-                + FSDP_COPY_PASSES * self._mem_per_byte * (k * gather_bytes + grad_bytes))
-        return base + (k + 1) * host_copy_s if host_copy_s else base
+                + r * self._coll("reduce_scatter", grad_bytes, self.dp)
+                + FSDP_COPY_PASSES * self._mem_per_byte * (k * gather_bytes + r * grad_bytes))
+        return base + (k + r) * host_copy_s if host_copy_s else base
 
     def hidden_s(self, grad_bytes: float, forward_s: float, backward_s: float, gather_bytes: float | None = None,
                  host_copy_s: float = 0.0) -> float:
         """Of `layer_s(grad_bytes)`, the time NCCL hides behind one layer's passes over all micro-batches (β).
         FSDP2 gathers a layer while the previous one computes, so in each micro-batch its forward hides up to
         `forward_s` of its all-gather and its backward up to `backward_s` of the backward all-gather (ZeRO-3)
-        and, in the last micro-batch, of the reduce-scatter: a pass longer than its collective hides all of
-        it, a shorter one only its own length (the rest waits in the critical path, exposed in the tail).
+        and of the reduce-scatter (in every micro-batch, or under a pipeline in the last): a pass longer than
+        its collective hides all of it, a shorter one only its own length (the rest waits in the critical
+        path, exposed in the tail).
         While a collective runs beside a pass, NCCL's CTAs slow the pass by `interference` of the collective's
         time (cost_models.fleet.hidden_beside_s), so even a fully hidden collective costs that much."""
         if grad_bytes <= 0 or self.gathers_per_step == 0:
             return 0.0
         m, f = self.microbatches, self.interference
         ag, ag_b, rs = self.overlapped_s(grad_bytes, gather_bytes, host_copy_s)
-        return (m * hidden_beside_s(ag, forward_s, f) + (m - 1) * hidden_beside_s(ag_b, backward_s, f)
-                + hidden_beside_s(ag_b + rs, backward_s, f))
+        r = self.reduce_scatters_per_step  # the last r micro-batches' backwards each run a reduce-scatter
+        return (m * hidden_beside_s(ag, forward_s, f) + (m - r) * hidden_beside_s(ag_b, backward_s, f)
+                + r * hidden_beside_s(ag_b + rs, backward_s, f))
 
     def overlapped_s(self, grad_bytes: float, gather_bytes: float | None = None,
                      host_copy_s: float = 0.0) -> tuple[float, float, float]:
@@ -164,8 +178,7 @@ class DPTail:
 
     def collectives_per_step(self, layers_with_params: int) -> int:
         """Collectives one rank issues per step for data parallelism and the loss."""
-        return self.flat_collectives + layers_with_params * (self.gathers_per_step + 1 if self.gathers_per_step
-                                                             else 0)
+        return self.flat_collectives + layers_with_params * (self.gathers_per_step + self.reduce_scatters_per_step)
 
 
 def affine(f: Callable[[float], float], n: float) -> tuple[float, float]:

@@ -229,12 +229,13 @@ class MemoryCosts:
         params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
         stepped = params / (c.shard_group if c.zero_stage >= 1 else 1)
         gathers = c.num_microbatches * (2 if c.zero_stage == 3 else 1)
+        scatters = 1 if c.pp > 1 else c.num_microbatches  # a pipeline stage's FSDP reduce-scatters once a step
         return self.offload.summary(
             mode=c.offload,
             device_state_bytes=self.model_states(params, c.zero_stage, c.shard_group, c.offload,
                                                  self.pipelined(c)).total_bytes,
             host_bytes_per_node=self.host_fits(c)[1], stepped_params=stepped,
-            shard_bytes=params * self.precision.weight_bytes / c.shard_group, gathers_per_step=gathers,
+            shard_bytes=params * self.precision.weight_bytes / c.shard_group, copies_per_step=gathers + scatters,
             overlapped=overlapped)
 
     def host_fits(self, c: Candidate) -> tuple[bool, float]:

@@ -100,14 +100,15 @@ class OffloadCosts:
         return offload.host_copy_s(shard_bytes, self.devices_per_node, self._host())
 
     def summary(self, *, mode: str, device_state_bytes: float, host_bytes_per_node: float, stepped_params: float,
-                shard_bytes: float, gathers_per_step: int, overlapped: bool) -> OffloadSummary:
+                shard_bytes: float, copies_per_step: int, overlapped: bool) -> OffloadSummary:
         """The per-step picture of one device (`stepped_params`: parameters it steps; `shard_bytes`: its
-        parameter shards' bytes, copied at each of `gathers_per_step` gathers and once back under params)."""
+        parameter shards' bytes, copied in before each all-gather and back after each reduce-scatter under
+        params: `copies_per_step` of them)."""
         host = self._host()
         if mode == "optimizer":
             copy = 2 * offload.host_copy_s(stepped_params * self.elem, self.devices_per_node, host)
         else:
-            copy = (gathers_per_step + 1) * offload.host_copy_s(shard_bytes, self.devices_per_node, host)
+            copy = copies_per_step * offload.host_copy_s(shard_bytes, self.devices_per_node, host)
         return OffloadSummary(mode=mode, device_state_bytes=device_state_bytes, host_bytes_per_node=host_bytes_per_node,
                               host_capacity_bytes=self.host_capacity_bytes, copy_s=copy,
                               adam_s=offload.host_adam_s(stepped_params * self.devices_per_node, host,
