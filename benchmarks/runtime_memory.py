@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,15 +34,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import autopar
 from autopar.codegen import parallelize
 
-__all__ = ["saved_bytes_per_block", "main"]
+__all__ = ["StepMemory", "measure", "saved_bytes_per_block", "main"]
 
 MIB = 2 ** 20
-
-
-def _model(args: argparse.Namespace, device: str, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any]:
-    return autopar.zoo.build("llama3-8b", seq_len=args.seq, batch_size=args.batch, device=device, dtype=dtype,
-                             n_layers=args.layers, hidden_size=args.hidden, n_heads=args.heads,
-                             n_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab)
 
 
 def saved_bytes_per_block(model: nn.Module, run: Any) -> dict[str, int]:
@@ -87,53 +82,88 @@ def saved_bytes_per_block(model: nn.Module, run: Any) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepMemory:
+    """One measured step beside its plan (bytes; per token and block where named so)."""
+
+    hidden: int
+    captured_block_per_token: float  # capture's saved_activation_bytes of a block, per token
+    bf16_block_per_token: float  # the bf16 model's block run for real
+    runtime_block_per_token: float  # the same block under autopar's runtime (bf16 policy, autocast)
+    runtime_norm_per_token: float
+    captured_norm_per_token: float
+    weight_copies_bytes: int  # autocast's 16-bit weight copies the runtime saved
+    predicted: dict[str, int]  # the plan's memory_breakdown
+    predicted_peak_bytes: int
+    peak: dict[str, int]  # MemTracker's peak by kind: PARAM, BUFFER, GRAD, ACT, TEMP, OPT, Total
+    embedding_copy_bytes: int  # the 16-bit copy of the embedding table the plan prices
+    autocast_extra_bytes: float  # what the runtime's blocks and final norm save beyond capture's count
+
+    def terms(self) -> tuple[tuple[str, float], ...]:
+        """The measured peak as the prediction plus each difference found."""
+        return (("predicted", self.predicted_peak_bytes),
+                ("gradients, not allocated yet at the peak", self.peak["GRAD"] - self.predicted["grads"]),
+                ("embedding copy, never made", -self.embedding_copy_bytes),
+                ("activations under autocast (fp32 residual stream, norms)", self.autocast_extra_bytes),
+                ("rotary tables (buffers)", self.peak["BUFFER"]))
+
+
+def measure(*, hidden: int = 512, heads: int = 4, kv_heads: int = 1, ffn: int = 1792, vocab: int = 16000,
+            layers: int = 2, seq: int = 512, batch: int = 4) -> StepMemory:
+    """Plan, then run three steps of autopar's runtime on this process's CPU (one rank): the second counts the
+    saved tensors, the third the peak (module docstring)."""
+    shape = dict(n_layers=layers, hidden_size=hidden, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden_size=ffn,
+                 vocab_size=vocab)
+    meta, example = autopar.zoo.build("llama3-8b", seq_len=seq, batch_size=batch, **shape)
+    graph = autopar.capture(meta, example)
+    cluster = dataclasses.replace(autopar.Cluster.preset("dgx-h200"), devices_per_node=1)
+    opts = autopar.PlannerOptions(tp=1, pp=1, dp=1, micro_batch_size=batch, recompute="none", zero_stage=0,
+                                  precision="bf16")
+    plan = autopar.plan(graph, cluster, global_batch_size=batch, options=opts)
+    tokens = batch * seq
+
+    bf16, _ = autopar.zoo.build("llama3-8b", seq_len=seq, device="cpu", dtype=torch.bfloat16, **shape)
+    x = torch.randn(batch, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+    plain = saved_bytes_per_block(bf16.layers[0], lambda: bf16.layers[0](x))
+
+    model, _ = autopar.zoo.build("llama3-8b", seq_len=seq, device="cpu", dtype=torch.bfloat16, **shape)
+    pm = parallelize(model, plan, graph=graph, optimizer=lambda named: torch.optim.AdamW([p for _, p in named]))
+    ids, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    pm.train_step(ids, targets)  # the optimizer's states exist from here on
+    runtime = saved_bytes_per_block(model, lambda: pm.train_step(ids, targets))
+    tracker = MemTracker()
+    tracker.track_external(model, pm.optimizer)
+    with tracker:
+        pm.train_step(ids, targets)
+    peak = {str(k).split(".")[-1]: int(v)
+            for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    return StepMemory(
+        hidden=hidden, captured_block_per_token=graph.layer("layers.0").saved_activation_bytes / seq,
+        bf16_block_per_token=sum(plain.values()) / tokens, runtime_block_per_token=runtime["layers.0"] / tokens,
+        runtime_norm_per_token=runtime.get("norm", 0) / tokens,
+        captured_norm_per_token=graph.layer("norm").saved_activation_bytes / seq,
+        weight_copies_bytes=runtime.get("weight copies", 0), predicted=dict(plan.estimate.memory_breakdown),
+        predicted_peak_bytes=plan.estimate.peak_memory_bytes, peak=peak,
+        embedding_copy_bytes=graph.layer("tok_embeddings").num_params * 2,
+        autocast_extra_bytes=sum(runtime.get(la.name, 0) - la.saved_activation_bytes * batch
+                                 for la in graph.layers if la.kind in ("block", "norm")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("hidden", 512), ("heads", 4), ("kv-heads", 1), ("ffn", 1792), ("vocab", 16000),
                           ("layers", 2), ("seq", 512), ("batch", 4)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     args = ap.parse_args()
-    tokens = args.batch * args.seq
-
-    meta, example = _model(args, "meta")
-    graph = autopar.capture(meta, example)
-    cluster = dataclasses.replace(autopar.Cluster.preset("dgx-h200"), devices_per_node=1)
-    opts = autopar.PlannerOptions(tp=1, pp=1, dp=1, micro_batch_size=args.batch, recompute="none", zero_stage=0,
-                                  precision="bf16")
-    plan = autopar.plan(graph, cluster, global_batch_size=args.batch, options=opts)
-
+    r = measure(**{k: v for k, v in vars(args).items()})
+    h = r.hidden
     print(f"Llama h={args.hidden} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
           f"layers={args.layers}, batch {args.batch} x {args.seq}; bytes per token per block, in units of h:")
-    bf16, _ = _model(args, "cpu", torch.bfloat16)
-    x = torch.randn(args.batch, args.seq, args.hidden, dtype=torch.bfloat16, requires_grad=True)
-    plain = saved_bytes_per_block(bf16.layers[0], lambda: bf16.layers[0](x))
-    captured = graph.layer("layers.0").saved_activation_bytes / args.seq
-
-    model, _ = _model(args, "cpu", torch.bfloat16)
-    pm = parallelize(model, plan, graph=graph, optimizer=lambda named: torch.optim.AdamW([p for _, p in named]))
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    targets = torch.randint(0, args.vocab, (args.batch, args.seq))
-    pm.train_step(ids, targets)  # the optimizer's states exist from here on
-    runtime = saved_bytes_per_block(model, lambda: pm.train_step(ids, targets))
-    per_h = args.hidden
-    print(f"  capture (bf16 model on meta)            {captured / per_h:7.2f}")
-    print(f"  the bf16 model run for real             {sum(plain.values()) / tokens / per_h:7.2f}")
-    print(f"  autopar's runtime, bf16 policy          {runtime['layers.0'] / tokens / per_h:7.2f}   "
-          f"(final norm {runtime.get('norm', 0) / tokens / per_h:.2f}, captured "
-          f"{graph.layer('norm').saved_activation_bytes / args.seq / per_h:.2f})")
-
-    _print_peak(model, pm, plan, graph, runtime, args, ids, targets)
-
-
-def _print_peak(model: nn.Module, pm: Any, plan: autopar.Plan, graph: autopar.ModelGraph, runtime: dict[str, int],
-                args: argparse.Namespace, ids: torch.Tensor, targets: torch.Tensor) -> None:
-    """The step's peak by kind beside the plan's breakdown, and the difference term by term."""
-    tracker = MemTracker()
-    tracker.track_external(model, pm.optimizer)
-    with tracker:
-        pm.train_step(ids, targets)
-    peak = {str(k).split(".")[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-    pred = plan.estimate.memory_breakdown
+    print(f"  capture (bf16 model on meta)            {r.captured_block_per_token / h:7.2f}")
+    print(f"  the bf16 model run for real             {r.bf16_block_per_token / h:7.2f}")
+    print(f"  autopar's runtime, bf16 policy          {r.runtime_block_per_token / h:7.2f}   (final norm "
+          f"{r.runtime_norm_per_token / h:.2f}, captured {r.captured_norm_per_token / h:.2f})")
+    pred, peak = r.predicted, r.peak
     print("peak of a step, MiB:             predicted   measured at the peak")
     rows = (("weights (fp32 masters)", pred["weights"], peak["PARAM"]),
             ("gradients", pred["grads"], peak["GRAD"]),
@@ -141,23 +171,15 @@ def _print_peak(model: nn.Module, pm: Any, plan: autopar.Plan, graph: autopar.Mo
             ("buffers (rotary tables)", 0, peak["BUFFER"]),
             ("activations, logits, copies", pred["activations"] + pred["logits"] + pred["compute_copies"],
              peak["ACT"] + peak["TEMP"]),
-            ("total", plan.estimate.peak_memory_bytes, peak["Total"]))
+            ("total", r.predicted_peak_bytes, peak["Total"]))
     for name, p, m in rows:
         print(f"  {name:32s} {p / MIB:9.1f}   {m / MIB:9.1f}")
-    embedding = graph.layer("tok_embeddings").num_params * 2
-    print(f"16-bit weight copies the runtime saves: {runtime.get('weight copies', 0) / MIB:.1f} MiB; priced "
-          f"{pred['compute_copies'] / MIB:.1f}, of which the embedding table's {embedding / MIB:.1f} (no autocast "
-          "op reads it)")
-    autocast = sum(runtime.get(la.name, 0) - la.saved_activation_bytes * args.batch
-                   for la in graph.layers if la.kind in ("block", "norm"))
-    terms = (("predicted", plan.estimate.peak_memory_bytes),
-             ("gradients, not allocated yet at the peak", peak["GRAD"] - pred["grads"]),
-             ("embedding copy, never made", -embedding),
-             ("activations under autocast (fp32 residual stream, norms)", autocast),
-             ("rotary tables (buffers)", peak["BUFFER"]))
-    for name, v in terms:
+    print(f"16-bit weight copies the runtime saves: {r.weight_copies_bytes / MIB:.1f} MiB; priced "
+          f"{pred['compute_copies'] / MIB:.1f}, of which the embedding table's {r.embedding_copy_bytes / MIB:.1f} "
+          "(no autocast op reads it)")
+    for name, v in r.terms():
         print(f"  {name:58s} {v / MIB:+9.1f}")
-    print(f"  {'= reconstructed':58s} {sum(v for _, v in terms) / MIB:9.1f}  (measured {peak['Total'] / MIB:.1f})")
+    print(f"  {'= reconstructed':58s} {sum(v for _, v in r.terms()) / MIB:9.1f}  (measured {peak['Total'] / MIB:.1f})")
 
 
 if __name__ == "__main__":
