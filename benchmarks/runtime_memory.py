@@ -1,22 +1,25 @@
 """What a training step of autopar's own runtime holds in memory, measured on CPU, beside what autopar prices.
 
-    PYTHONPATH=$PWD python benchmarks/runtime_memory.py            # a llama3-8b block scaled to h = 512
-    PYTHONPATH=$PWD python benchmarks/runtime_memory.py --hidden 1024 --heads 8 --ffn 3584 --seq 1024
+    PYTHONPATH=$PWD python benchmarks/runtime_memory.py                      # llama3-8b's shape at h = 512
+    PYTHONPATH=$PWD python benchmarks/runtime_memory.py --model gpt3-1.3b    # gpt3-1.3b's, no dropout
+    PYTHONPATH=$PWD python benchmarks/runtime_memory.py --override hidden_size=1024 --override n_heads=8 \
+        --override n_kv_heads=2 --override ffn_hidden_size=3584 --seq 1024 --batch 2
 
-A zoo Llama with llama3-8b's proportions (head_dim 128, 4 query heads per KV head, ffn = 3.5 h) is run
-for real on the CPU, one gloo rank, under the plan autopar makes for one H200 with tp = pp = dp = 1 and the
-bf16 policy pinned (16-bit compute under autocast over fp32 master weights, AdamW), as
-`benchmarks/gpu_truth.sh` runs llama3-8b on a GPU. Printed:
+A zoo model with the proportions of llama3-8b or gpt3-1.3b (SHAPES) is run for real on the CPU, one gloo
+rank, under the plan autopar makes for one H200 with tp = pp = dp = 1 and the bf16 policy pinned (16-bit
+compute under autocast over fp32 master weights, AdamW), as `benchmarks/gpu_truth.sh` runs them on a GPU.
+Printed:
 
 1. the bytes autograd saves per block per token (unique storages, parameters, buffers and the autocast
    copies of weights left out; `torch.autograd.graph.saved_tensors_hooks`): as capture measures them (the
    model run in bf16 on meta), the same model run for real in bf16, and under the runtime's autocast;
 2. the step's peak live bytes by kind (`torch.distributed._tools.mem_tracker.MemTracker`, which follows
-   every storage's allocation and release) beside the plan's `memory_breakdown`.
+   every storage's allocation and release) beside the plan's `memory_breakdown`, and the difference term
+   by term.
 
-CPU and CUDA autocast agree on this model's ops (matmuls and attention in 16 bits, the rest in the dtype
-of their inputs), so the composition holds on a GPU; the GPU's own allocator figures are in
-`benchmarks/data/gpu_truth/`.
+CUDA's autocast casts more ops to fp32 than the CPU's (pow, rsqrt, layer_norm, softmax, ...), but under
+this runtime their inputs are fp32 already (the residual stream is), so these models save the same tensors
+on both; the GPU's own allocator figures are in `benchmarks/data/gpu_truth/`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.codegen import parallelize
@@ -37,6 +41,20 @@ from autopar.codegen import parallelize
 __all__ = ["StepMemory", "measure", "saved_bytes_per_block", "main"]
 
 MIB = 2 ** 20
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Records the storages autocast casts parameters into (its 16-bit weight copies)."""
+
+    def __init__(self, state: set[int]) -> None:
+        super().__init__()
+        self.state, self.copies = state, set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.state:
+            self.copies.add(out.untyped_storage().data_ptr())
+        return out
 
 
 def saved_bytes_per_block(model: nn.Module, run: Any) -> dict[str, int]:
@@ -51,7 +69,6 @@ def saved_bytes_per_block(model: nn.Module, run: Any) -> dict[str, int]:
         for i, m in children:
             label = name if i is None else f"{name}.{i}"
             hooks.append(m.register_forward_pre_hook(lambda _m, _a, label=label: current.__setitem__(0, label)))
-    copies = set()
     seen: dict[int, tuple[str, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -60,21 +77,14 @@ def saved_bytes_per_block(model: nn.Module, run: Any) -> dict[str, int]:
             seen[key] = (current[0], t.untyped_storage().nbytes())
         return t
 
-    # a weight's autocast copy is the one saved 2-D tensor shaped like a parameter (or its transpose)
-    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
-    shapes |= {s[::-1] for s in shapes}
-
-    def pack_weights(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 2 and tuple(t.shape) in shapes and t.dtype != next(model.parameters()).dtype:
-            copies.add(t.untyped_storage().data_ptr())
-        return pack(t)
-
+    casts = _WeightCasts(state)
     try:
-        with saved_tensors_hooks(pack_weights, lambda t: t):
+        with casts, saved_tensors_hooks(pack, lambda t: t):
             run()
     finally:
         for h in hooks:
             h.remove()
+    copies = casts.copies
     out: dict[str, int] = {}
     for key, (label, n) in seen.items():
         label = "weight copies" if key in copies else label
@@ -105,29 +115,40 @@ class StepMemory:
                 ("gradients, not allocated yet at the peak", self.peak["GRAD"] - self.predicted["grads"]),
                 ("embedding copy, never made", -self.embedding_copy_bytes),
                 ("activations under autocast (fp32 residual stream, norms)", self.autocast_extra_bytes),
-                ("rotary tables (buffers)", self.peak["BUFFER"]))
+                ("buffers (rotary tables, fp32 under to_masters)", self.peak["BUFFER"]))
 
 
-def measure(*, hidden: int = 512, heads: int = 4, kv_heads: int = 1, ffn: int = 1792, vocab: int = 16000,
-            layers: int = 2, seq: int = 512, batch: int = 4) -> StepMemory:
+# llama3-8b's proportions at h = 512 (head_dim 128, 4 query heads per KV head, ffn = 3.5 h), and gpt3-1.3b's
+# (head_dim 128, ffn = 4 h) without dropout: on a CPU dropout saves a mask in the input's dtype, on a GPU a bool
+# mask (capture prices the GPU's kernel), and SDPA with dropout leaves the flash kernel
+SHAPES = {
+    "llama3-8b": dict(n_layers=2, hidden_size=512, n_heads=4, n_kv_heads=1, ffn_hidden_size=1792, vocab_size=16000),
+    "gpt3-1.3b": dict(n_layers=2, hidden_size=512, n_heads=4, vocab_size=16000, dropout=0.0),
+}
+
+
+def measure(model_name: str = "llama3-8b", *, seq: int = 512, batch: int = 4, **overrides: Any) -> StepMemory:
     """Plan, then run three steps of autopar's runtime on this process's CPU (one rank): the second counts the
-    saved tensors, the third the peak (module docstring)."""
-    shape = dict(n_layers=layers, hidden_size=hidden, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden_size=ffn,
-                 vocab_size=vocab)
-    meta, example = autopar.zoo.build("llama3-8b", seq_len=seq, batch_size=batch, **shape)
+    saved tensors, the third the peak (module docstring). overrides: the zoo model's shape (SHAPES)."""
+    shape = {**SHAPES.get(model_name, {}), **overrides}
+    meta, example = autopar.zoo.build(model_name, seq_len=seq, batch_size=batch, **shape)
     graph = autopar.capture(meta, example)
     cluster = dataclasses.replace(autopar.Cluster.preset("dgx-h200"), devices_per_node=1)
     opts = autopar.PlannerOptions(tp=1, pp=1, dp=1, micro_batch_size=batch, recompute="none", zero_stage=0,
                                   precision="bf16")
     plan = autopar.plan(graph, cluster, global_batch_size=batch, options=opts)
-    tokens = batch * seq
+    tokens, h = batch * seq, graph.hidden_size
+    block = next(la for la in graph.layers if la.kind == "block")
+    norm = next(la for la in reversed(graph.layers) if la.kind == "norm")
 
-    bf16, _ = autopar.zoo.build("llama3-8b", seq_len=seq, device="cpu", dtype=torch.bfloat16, **shape)
-    x = torch.randn(batch, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
-    plain = saved_bytes_per_block(bf16.layers[0], lambda: bf16.layers[0](x))
+    bf16, _ = autopar.zoo.build(model_name, seq_len=seq, device="cpu", dtype=torch.bfloat16, **shape)
+    x = torch.randn(batch, seq, h, dtype=torch.bfloat16, requires_grad=True)
+    one = bf16.get_submodule(block.name)
+    plain = saved_bytes_per_block(one, lambda: one(x))
 
-    model, _ = autopar.zoo.build("llama3-8b", seq_len=seq, device="cpu", dtype=torch.bfloat16, **shape)
+    model, _ = autopar.zoo.build(model_name, seq_len=seq, device="cpu", dtype=torch.bfloat16, **shape)
     pm = parallelize(model, plan, graph=graph, optimizer=lambda named: torch.optim.AdamW([p for _, p in named]))
+    vocab = graph.vocab_size
     ids, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
     pm.train_step(ids, targets)  # the optimizer's states exist from here on
     runtime = saved_bytes_per_block(model, lambda: pm.train_step(ids, targets))
@@ -138,27 +159,39 @@ def measure(*, hidden: int = 512, heads: int = 4, kv_heads: int = 1, ffn: int = 
     peak = {str(k).split(".")[-1]: int(v)
             for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
     return StepMemory(
-        hidden=hidden, captured_block_per_token=graph.layer("layers.0").saved_activation_bytes / seq,
-        bf16_block_per_token=sum(plain.values()) / tokens, runtime_block_per_token=runtime["layers.0"] / tokens,
-        runtime_norm_per_token=runtime.get("norm", 0) / tokens,
-        captured_norm_per_token=graph.layer("norm").saved_activation_bytes / seq,
+        hidden=h, captured_block_per_token=block.saved_activation_bytes / seq,
+        bf16_block_per_token=sum(plain.values()) / tokens, runtime_block_per_token=runtime[block.name] / tokens,
+        runtime_norm_per_token=runtime.get(norm.name, 0) / tokens,
+        captured_norm_per_token=norm.saved_activation_bytes / seq,
         weight_copies_bytes=runtime.get("weight copies", 0), predicted=dict(plan.estimate.memory_breakdown),
         predicted_peak_bytes=plan.estimate.peak_memory_bytes, peak=peak,
-        embedding_copy_bytes=graph.layer("tok_embeddings").num_params * 2,
+        embedding_copy_bytes=2 * sum(la.num_params for la in graph.layers if la.kind == "embedding"),
         autocast_extra_bytes=sum(runtime.get(la.name, 0) - la.saved_activation_bytes * batch
                                  for la in graph.layers if la.kind in ("block", "norm")))
 
 
+def _override(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("hidden", 512), ("heads", 4), ("kv-heads", 1), ("ffn", 1792), ("vocab", 16000),
-                          ("layers", 2), ("seq", 512), ("batch", 4)):
-        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--override", action="append", default=[], type=_override, metavar="K=V",
+                    help="a zoo shape field over SHAPES' (e.g. hidden_size=1024)")
     args = ap.parse_args()
-    r = measure(**{k: v for k, v in vars(args).items()})
+    r = measure(args.model, seq=args.seq, batch=args.batch, **dict(args.override))
     h = r.hidden
-    print(f"Llama h={args.hidden} heads={args.heads}/{args.kv_heads} ffn={args.ffn} vocab={args.vocab} "
-          f"layers={args.layers}, batch {args.batch} x {args.seq}; bytes per token per block, in units of h:")
+    shape = {**SHAPES[args.model], **dict(args.override)}
+    print(f"{args.model} shaped {shape}, batch {args.batch} x {args.seq}; bytes per token per block, in units of h:")
     print(f"  capture (bf16 model on meta)            {r.captured_block_per_token / h:7.2f}")
     print(f"  the bf16 model run for real             {r.bf16_block_per_token / h:7.2f}")
     print(f"  autopar's runtime, bf16 policy          {r.runtime_block_per_token / h:7.2f}   (final norm "
@@ -168,15 +201,15 @@ def main() -> None:
     rows = (("weights (fp32 masters)", pred["weights"], peak["PARAM"]),
             ("gradients", pred["grads"], peak["GRAD"]),
             ("optimizer", pred["optimizer"], peak["OPT"]),
-            ("buffers (rotary tables)", 0, peak["BUFFER"]),
+            ("buffers", 0, peak["BUFFER"]),
             ("activations, logits, copies", pred["activations"] + pred["logits"] + pred["compute_copies"],
              peak["ACT"] + peak["TEMP"]),
             ("total", r.predicted_peak_bytes, peak["Total"]))
     for name, p, m in rows:
         print(f"  {name:32s} {p / MIB:9.1f}   {m / MIB:9.1f}")
     print(f"16-bit weight copies the runtime saves: {r.weight_copies_bytes / MIB:.1f} MiB; priced "
-          f"{pred['compute_copies'] / MIB:.1f}, of which the embedding table's {r.embedding_copy_bytes / MIB:.1f} "
-          "(no autocast op reads it)")
+          f"{pred['compute_copies'] / MIB:.1f}, of which the embedding tables' {r.embedding_copy_bytes / MIB:.1f} "
+          "(no autocast op reads them)")
     for name, v in r.terms():
         print(f"  {name:58s} {v / MIB:+9.1f}")
     print(f"  {'= reconstructed':58s} {sum(v for _, v in r.terms()) / MIB:9.1f}  (measured {peak['Total'] / MIB:.1f})")
