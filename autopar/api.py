@@ -92,7 +92,8 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=options.precision,
-                                  pipeline_runtime=options.pipeline_runtime)
+                                  pipeline_runtime=options.pipeline_runtime,
+                                  ep_dispatcher=options.ep_dispatcher)
     cluster.check_precision(costs.precision.name)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
@@ -127,7 +128,8 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     cluster.check_precision(config.precision)
     costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=config.precision,
-                                  pipeline_runtime=options.pipeline_runtime)
+                                  pipeline_runtime=options.pipeline_runtime,
+                                  ep_dispatcher=options.ep_dispatcher)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)

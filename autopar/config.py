@@ -20,6 +20,7 @@ from typing import Any
 
 from autopar.checks import MAX_DEVICES, MAX_TOP_K, check_number, check_positive_int, is_int, is_real
 from autopar.errors import AutoparError, ConfigError
+from cost_models.comm import EP_DISPATCHERS
 from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPUTE_MODES
 from cost_models.pipeline import PIPELINE_RUNTIMES
 from cost_models.precision import PRECISIONS
@@ -295,6 +296,9 @@ class PlannerOptions:
     # it holds in memory): "torch", the one autopar runs (torch.distributed.pipelining); "megatron" or
     # "deepspeed" to price a run made with another framework
     pipeline_runtime: str = "torch"
+    # how expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS): "all_to_all", as autopar
+    # runs it; "deepep" to price a run made with DeepEP's node-deduplicating kernels
+    ep_dispatcher: str = "all_to_all"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep",
@@ -345,6 +349,9 @@ class PlannerOptions:
         if self.pipeline_runtime not in PIPELINE_RUNTIMES:
             raise ConfigError(f"PlannerOptions.pipeline_runtime={self.pipeline_runtime!r}; expected one of "
                               f"{tuple(PIPELINE_RUNTIMES)}")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise ConfigError(f"PlannerOptions.ep_dispatcher={self.ep_dispatcher!r}; expected one of "
+                              f"{EP_DISPATCHERS}")
 
 
 def check_options(options: Any) -> PlannerOptions:

@@ -106,10 +106,15 @@ def megatron_flops_per_sample(f: dict, seq_len: int) -> float:
     """Megatron-LM's model FLOPs of one sample, forward and backward (megatron/training/training.py,
     num_floating_point_operations, MCore v0.9, 2024-11): 12·s·L·h²·[(1 + g/a + s/h)·(a·d/h)
     + (ffn/h)·k·(3/2 with SwiGLU) + (shared ffn/h)·(3/2) + V/(2·L·h)], from the run's `megatron_flops` table
-    (h, layers, heads, groups, head_dim, ffn, topk, shared_ffn, vocab, swiglu)."""
+    (h, layers, heads, groups, head_dim, ffn, topk, shared_ffn, vocab, swiglu, causal). `causal`: the
+    score and value matmuls counted over the causal half (s / 2h for s / h), as Megatron-LM counts them since
+    2025 (Megatron-MoE-ModelZoo's Qwen3-235B rows: 245, 200 and 167 TF/GPU at 19.7, 24.2 and 29.0 s are
+    this count of 2,048 samples of 4,096 tokens over 256 GPUs, to 0.5%; the full s / h would give 278, 226
+    and 189)."""
     s, h, L, a = seq_len, f["h"], f["layers"], f["heads"]
     glu = 1.5 if f.get("swiglu", True) else 1.0
-    attention = (1 + f["groups"] / a + s / h) * (a * f["head_dim"] / h)
+    scores = s / (2.0 * h) if f.get("causal", False) else s / h
+    attention = (1 + f["groups"] / a + scores) * (a * f["head_dim"] / h)
     mlp = f["ffn"] / h * f.get("topk", 1) * glu + f.get("shared_ffn", 0) / h * glu
     return 12.0 * s * L * h * h * (attention + mlp + f["vocab"] / (2.0 * L * h))
 
@@ -164,6 +169,7 @@ def _options(run: dict, **pins) -> PlannerOptions:
                           recompute=run.get("recompute"), sequence_parallel=run["sp"],
                           loss_kernel=run.get("loss_impl", "fp32_logits"),
                           pipeline_runtime=run.get("pipeline_runtime", "torch"),
+                          ep_dispatcher=run.get("ep_dispatcher", "all_to_all"),
                           top_k=0, max_virtual_stages=8, router_skew=run.get("load_imbalance"),
                           **_run_options(run), **pins)
 
@@ -185,6 +191,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
     if "schedule" in run:
         pins["schedule"] = run["schedule"]
+    if "v" in run:
+        pins["virtual_stages"] = run["v"]
     try:
         plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
         return plan.estimate, plan.config, False

@@ -33,7 +33,8 @@ from cost_models.hardware import LinkSpec
 from cost_models.monotone import nondecreasing_fit
 from cost_models.profile import CollectiveSample, Profile
 
-__all__ = ["Topology", "CommModel", "ALGORITHMS", "PIPELINE_P2P", "fit_link", "interpolate_time_s"]
+__all__ = ["Topology", "CommModel", "ALGORITHMS", "EP_DISPATCHERS", "PIPELINE_P2P", "fit_link", "hit_probability",
+           "interpolate_time_s"]
 
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 
@@ -60,6 +61,32 @@ ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 #                   with `full()` on arrival, and the sender re-gathers its own output before backward)
 PIPELINE_P2P = {"batched": (1, False), "scatter_gather": (1, True), "blocking": (2, False),
                 "blocking_scatter_gather": (2, True)}
+
+# How an expert-parallel group moves the routed tokens of a mixture-of-experts layer (dispatch, and the
+# combine that returns them, CommModel.dispatch_time_s):
+#   all_to_all  one copy per (token, chosen expert), an all-to-all over the group (NCCL all_to_all_single:
+#               autopar's runtime, Megatron-Core's "alltoall" token dispatcher; GShard, Lepikhin et al. 2021)
+#   deepep      DeepEP's normal kernels (Megatron-Core's "flex" dispatcher with the DeepEP backend): a token
+#               crosses InfiniBand once per destination node, to the GPU of its own local index there, which
+#               forwards it over NVLink once to each destination GPU of that node (its own node's over NVLink
+#               directly); both links run at once (deepseek-ai/DeepEP docs/legacy.md, "Normal kernels with
+#               NVLink and RDMA forwarding"). Its published bottleneck bandwidths are logical, counting the
+#               node's own share as sent (README.md, V2 table note): at EP 8 x 2 90 GB/s (x 1/2 remote = 45),
+#               8 x 4 61 GB/s (x 3/4 = 46), V1 EP32 58 GB/s (x 3/4 = 44) of a CX7's 50 GB/s, the ~90% of the
+#               line rate the NIC sustains for NCCL too (links.toml ib-ndr efficiency)
+EP_DISPATCHERS = ("all_to_all", "deepep")
+
+
+def hit_probability(num_experts: int, top_k: int, group_experts: int) -> float:
+    """The chance that a token's top_k distinct experts, drawn uniformly from num_experts, include at least one
+    of a group of group_experts (the experts of one rank or one node): 1 − C(E − g, k) / C(E, k)."""
+    if not 1 <= top_k <= num_experts or not 0 <= group_experts <= num_experts:
+        raise ValueError(f"hit_probability: top_k={top_k}, group_experts={group_experts} of "
+                         f"num_experts={num_experts}; expected 1 ≤ top_k ≤ E and 0 ≤ g ≤ E")
+    miss = 1.0
+    for i in range(top_k):  # C(E − g, k) / C(E, k) as a product, no big integers
+        miss *= max(0, num_experts - group_experts - i) / (num_experts - i)
+    return 1.0 - miss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,6 +296,29 @@ class CommModel:
             return local + remote
 
         return self._priced("all_to_all", n_bytes, group_size, ranks_per_node, model)
+
+    def dispatch_time_s(self, dispatcher: str, *, tokens: float, token_bytes: float, num_experts: int, top_k: int,
+                        group_size: int, ranks_per_node: int | None = None) -> float:
+        """One dispatch (or combine: the same bytes back) of one rank's `tokens` tokens of token_bytes each,
+        each routed to top_k of num_experts experts split evenly over the group's ranks in order, by
+        `dispatcher` (EP_DISPATCHERS). "all_to_all": an all-to-all of the tokens · top_k copies. "deepep":
+        over InfiniBand one copy per token and destination node other than its own, over NVLink one per
+        token and destination GPU other than the one the copy reaches the node on (its own index); the two
+        at once, so the slower of them."""
+        if dispatcher not in EP_DISPATCHERS:
+            raise ValueError(f"dispatcher={dispatcher!r}; expected one of {EP_DISPATCHERS}")
+        rpn, nodes = self._layout(group_size, ranks_per_node)
+        if dispatcher == "all_to_all":
+            return self.all_to_all_time_s(tokens * top_k * token_bytes, group_size, ranks_per_node)
+        if group_size == 1 or tokens <= 0:
+            return 0.0
+        per_node = hit_probability(num_experts, top_k, num_experts // nodes)
+        per_rank = hit_probability(num_experts, top_k, num_experts // group_size)
+        rdma_bytes = tokens * token_bytes * (nodes - 1) * per_node
+        nvlink_bytes = tokens * token_bytes * group_size * per_rank * (rpn - 1) / rpn
+        rdma = self._inter.alpha_s + rdma_bytes / self._inter.beta_Bps if nodes > 1 else 0.0
+        nvlink = self._intra.alpha_s + nvlink_bytes / self._intra.beta_Bps if rpn > 1 else 0.0
+        return max(rdma, nvlink)
 
     def p2p_time_s(self, n_bytes: float, inter_node: bool) -> float:
         """One send/recv of n_bytes between two ranks (pipeline stage boundaries)."""

@@ -1,12 +1,13 @@
 """Collective model against docs/design.md §4's α-β formulas, plus monotonicity and locality properties."""
 
 import dataclasses
+import itertools
 import random
 
 import pytest
 
 from cost_models import catalog
-from cost_models.comm import CommModel, Topology, fit_link, interpolate_time_s
+from cost_models.comm import CommModel, Topology, fit_link, hit_probability, interpolate_time_s
 from cost_models.hardware import LinkSpec
 from cost_models.profile import CollectiveSample
 
@@ -139,3 +140,37 @@ def test_bad_layout_is_explained():
         cm.all_reduce_time_s(1e6, 8, ranks_per_node=3)
     with pytest.raises(ValueError, match="algorithm"):
         CommModel(Topology(devices_per_node=8, intra=LINK, inter=LINK), algorithm="magic")
+
+
+@pytest.mark.parametrize("experts,top_k,group", [(8, 2, 2), (8, 2, 4), (12, 3, 3), (16, 4, 8), (6, 6, 1)])
+def test_hit_probability_against_enumeration(experts, top_k, group):
+    """1 − C(E − g, k)/C(E, k) against counting the top-k expert sets that touch the first g experts."""
+    sets = list(itertools.combinations(range(experts), top_k))
+    hits = sum(any(e < group for e in s) for s in sets)
+    assert hit_probability(experts, top_k, group) == pytest.approx(hits / len(sets))
+
+
+def test_deepep_dispatch_against_enumerated_routes():
+    """DeepEP's dispatch over 2 nodes × 2 ranks, 8 experts (2 a rank), top-2: the bytes a rank sends over
+    InfiniBand (one copy per other node its token reaches) and over NVLink (one per destination GPU other than
+    the same-index GPU the copy lands on), averaged over every routing, each at its own link, the slower wins."""
+    cm = ring_model(devices_per_node=2)
+    experts, top_k, ranks, rpn, tokens, token_bytes = 8, 2, 4, 2, 1000.0, 4096.0
+    sets = list(itertools.combinations(range(experts), top_k))
+    rdma = nvlink = 0.0
+    for s in sets:  # the sender is rank 0 (node 0, local index 0); expert e lives on rank e // 2, node e // 4
+        dest_ranks = {e // (experts // ranks) for e in s}
+        rdma += len({r // rpn for r in dest_ranks} - {0})
+        nvlink += sum(1 for r in dest_ranks if r % rpn != 0)
+    rdma_s = SLOW.latency_s + tokens * token_bytes * rdma / len(sets) / SLOW.bandwidth_Bps
+    nvlink_s = ALPHA + tokens * token_bytes * nvlink / len(sets) / BW
+    got = cm.dispatch_time_s("deepep", tokens=tokens, token_bytes=token_bytes, num_experts=experts, top_k=top_k,
+                             group_size=ranks, ranks_per_node=rpn)
+    assert got == pytest.approx(max(rdma_s, nvlink_s))
+    a2a = cm.dispatch_time_s("all_to_all", tokens=tokens, token_bytes=token_bytes, num_experts=experts,
+                             top_k=top_k, group_size=ranks, ranks_per_node=rpn)
+    assert a2a == pytest.approx(cm.all_to_all_time_s(tokens * top_k * token_bytes, ranks, rpn))
+    assert got < a2a  # a token reaching both experts of a node crosses InfiniBand once
+    with pytest.raises(ValueError, match="dispatcher"):
+        cm.dispatch_time_s("nccl", tokens=tokens, token_bytes=token_bytes, num_experts=experts, top_k=top_k,
+                           group_size=ranks)

@@ -166,6 +166,31 @@ def test_all_to_all_priced_by_links_crossed(moe) -> None:
     assert costs.comm.ep_times(dense_ri, 1, False, mbs, 2)["forward"] == 0.0
 
 
+def test_deepep_dispatcher_option_prices_each_node_once(moe) -> None:
+    """PlannerOptions(ep_dispatcher="deepep") reaches the cost model: across nodes a token crosses InfiniBand
+    once per other node its experts sit on (4 experts, top-2, ep 4 over 2 nodes: 1 − C(2,2)/C(4,2) = 5/6 of
+    a token, against the all-to-all's 2 copies × 2/4 remote = 1), so the layer's all-to-alls get cheaper;
+    an unknown dispatcher is refused."""
+    _, g = moe
+    cluster = fake_cluster(nodes=2, per_node=2, intra_GBps=300, inter_GBps=25)
+    a2a = CostModel.for_cluster(g, cluster)
+    deepep = CostModel.for_cluster(g, cluster, ep_dispatcher="deepep")
+    ri = next(i for i, run in enumerate(a2a.memory.runs) if run[0].moe is not None)
+    m = a2a.memory.runs[ri][0].moe
+    mbs, ep = 2, 4
+    token_bytes = m.dispatch_bytes_per_sample / (m.top_k * m.tokens_per_sample)
+    rdma = 1e-5 + mbs * SEQ * token_bytes * (5 / 6) / 25e9
+    f = _busiest(m, ep, mbs * SEQ)
+    assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] == pytest.approx(2 * rdma * f, rel=0.02)
+    assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] < a2a.comm.ep_times(ri, 1, False, mbs, ep)["forward"]
+    cfg = ParallelConfig(dp=4, ep=4, micro_batch_size=1, num_microbatches=1)
+    slow = autopar.estimate(g, cluster, cfg)
+    fast = autopar.estimate(g, cluster, cfg, options=PlannerOptions(ep_dispatcher="deepep"))
+    assert fast.step_time_s < slow.step_time_s
+    with pytest.raises(ConfigError, match="ep_dispatcher"):
+        PlannerOptions(ep_dispatcher="nvshmem")
+
+
 def test_grouped_gemm_is_its_groups() -> None:
     """One launch over g expert GEMMs: g GEMMs of work/g at that size's efficiency, one launch floor."""
     cm = ComputeModel(fake_cluster().device)

@@ -13,7 +13,9 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   (CommModel.all_to_all_time_s: ep consecutive data-parallel ranks, tp · cp apart in the mesh;
                   folded over tp (autopar.config.ep_folds), the tp ranks of ep / tp consecutive data-parallel
                   ranks), the busiest rank receiving more than the mean (autopar.planner.moe_load), each rank
-                  sending its own tokens' copies (÷ tp under SP or folding: moe_load.moe_token_share). Folded
+                  sending its own tokens' copies (÷ tp under SP or folding: moe_load.moe_token_share), one
+                  per (token, expert) or, priced for DeepEP, one per destination node and GPU
+                  (CommModel.dispatch_time_s, PlannerOptions.ep_dispatcher). Folded
                   without SP, the tp ranks hold the same tokens and split them: the combined outputs are
                   all-gathered over tp in forward, the tokens' gradients in backward (autopar.codegen.experts)
   p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across;
@@ -77,9 +79,10 @@ class CommCosts:
 
     def __init__(self, graph: ModelGraph, memory: MemoryCosts, *, comm: CommModel, compute: ComputeModel,
                  devices_per_node: int, nodes: int, cpu_cores: int, host_floor_s: float,
-                 pipeline_p2p: str = "batched") -> None:
+                 pipeline_p2p: str = "batched", ep_dispatcher: str = "all_to_all") -> None:
         self.graph = graph
         self.pipeline_p2p = pipeline_p2p
+        self.ep_dispatcher = ep_dispatcher  # cost_models.comm.EP_DISPATCHERS
         self.memory = memory
         self.model = comm
         self.compute = compute  # for the memory-bound packing passes of the data-parallel tail
@@ -155,9 +158,12 @@ class CommCosts:
         if moe is None or ep == 1:
             return {"forward": 0.0, "backward": 0.0}
         send, gathered = ep_collective_bytes(moe, tp, sp, ep, mbs)
-        share = moe_token_share(tp, sp, ep)
-        one = self.model.all_to_all_time_s(send, ep, self.ep_ranks_per_node(tp, ep, cp)) * busiest_rank_factor(
-            moe, ep, mbs * share * moe.tokens_per_sample)
+        tokens = mbs * moe_token_share(tp, sp, ep) * moe.tokens_per_sample  # one rank's, before routing
+        token_bytes = send / (tokens * moe.top_k) if tokens > 0 else 0.0  # all_to_all: tokens · top_k of them
+        one = self.model.dispatch_time_s(self.ep_dispatcher, tokens=tokens, token_bytes=token_bytes,
+                                         num_experts=moe.num_experts, top_k=moe.top_k, group_size=ep,
+                                         ranks_per_node=self.ep_ranks_per_node(tp, ep, cp))
+        one *= busiest_rank_factor(moe, ep, tokens)
         one *= self.sharing_factor(ep)
         gather = self.collective_s("all_gather", gathered, tp, tp)
         return {"forward": 2 * one + gather, "backward": 2 * one + gather}

@@ -55,11 +55,13 @@ class CostModel:
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
                  host: HostSpec | None = None, loss_kernel: str = "fp32_logits",
-                 precision: str | None = None, pipeline_runtime: str = "torch") -> None:
+                 precision: str | None = None, pipeline_runtime: str = "torch",
+                 ep_dispatcher: str = "all_to_all") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
         practitioner default, cost_models.precision.default_precision). pipeline_runtime: the runtime
         that runs pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES): how it issues stage-boundary transfers
-        and what it holds in memory."""
+        and what it holds in memory. ep_dispatcher: how expert-parallel groups move routed tokens
+        (cost_models.comm.EP_DISPATCHERS)."""
         runtime = pipeline.runtime(pipeline_runtime)
         self.runtime = runtime
         self.graph = graph
@@ -87,20 +89,20 @@ class CostModel:
                                     host_floor_s=host_floor_s, straggler=straggler)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
-                              host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p)
+                              host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p, ep_dispatcher=ep_dispatcher)
         self._runs = lru_cache(maxsize=None)(self._run_list)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
                     loss_kernel: str = "fp32_logits", precision: str | None = None,
-                    pipeline_runtime: str = "torch") -> CostModel:
+                    pipeline_runtime: str = "torch", ep_dispatcher: str = "all_to_all") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
                    host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision,
-                   pipeline_runtime=pipeline_runtime)
+                   pipeline_runtime=pipeline_runtime, ep_dispatcher=ep_dispatcher)
 
     @property
     def world_size(self) -> int:
