@@ -72,8 +72,9 @@ PIPELINE_P2P = {"batched": (1, False), "scatter_gather": (1, True), "blocking": 
 #               directly); both links run at once (deepseek-ai/DeepEP docs/legacy.md, "Normal kernels with
 #               NVLink and RDMA forwarding"). Its published bottleneck bandwidths are logical, counting the
 #               node's own share as sent (README.md, V2 table note): at EP 8 x 2 90 GB/s (x 1/2 remote = 45),
-#               8 x 4 61 GB/s (x 3/4 = 46), V1 EP32 58 GB/s (x 3/4 = 44) of a CX7's 50 GB/s, the ~90% of the
-#               line rate the NIC sustains for NCCL too (links.toml ib-ndr efficiency)
+#               8 x 4 61 GB/s (x 3/4 = 46), V1 EP32 58 GB/s (x 3/4 = 44) and EP64 51 GB/s (x 7/8 = 45) of a
+#               CX7's 50 GB/s, the ~90% of the line rate the NIC sustains for NCCL too (links.toml ib-ndr
+#               efficiency); V1's EP16, 43 GB/s (x 1/2 = 22), is the exception, which V2 doubles on 2 nodes
 EP_DISPATCHERS = ("all_to_all", "deepep")
 
 
