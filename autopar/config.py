@@ -3,10 +3,13 @@
 Vocabulary: tp / cp / pp / dp are the *degrees* of tensor, context (sequence split across ranks),
 pipeline and data parallelism (mesh axis sizes, mesh order ("pp", "dp", "cp", "tp"), tp innermost); ep is
 the expert-parallel degree of mixture-of-experts layers (docs/design.md §8: experts see the mesh
-("pp", "edp", "ep", "etp") with etp = 1 here, the experts not tensor-parallel). The EP group takes the
-innermost ranks, as Megatron-Core's Parallel Folding lays it out (Liu et al. 2025, arXiv:2504.14960): where
-tp divides ep it is folded over the tp ranks and ep / tp consecutive data-parallel ranks (ep · edp = tp · dp,
-`ep_folded`), else it spans ep data-parallel ranks, the bank replicated over tp (ep · edp = dp);
+("pp", "edp", "ep", "etp"), etp · ep · edp = tp · dp). etp is the experts' tensor-parallel degree, 1 or tp.
+At etp = 1 the EP group takes the innermost ranks, as Megatron-Core's Parallel Folding lays it out (Liu et
+al. 2025, arXiv:2504.14960): where tp divides ep it is folded over the tp ranks and ep / tp consecutive
+data-parallel ranks (ep · edp = tp · dp, `ep_folded`), else it spans ep data-parallel ranks, the bank
+replicated over tp (ep · edp = dp). At etp = tp (Megatron-Core's ETP = TP) the EP group spans ep
+data-parallel ranks (ep divides dp, never folded) and every tp rank holds 1/tp of each of its experts' FFN
+(gate/up column-parallel, down row-parallel), the expert outputs summed over tp;
 `virtual_stages` is the number of model
 chunks per pipeline rank (v in Narayanan et al. 2021, §2.2); a *micro-batch* is what one pipeline
 slot processes on one data-parallel rank.
@@ -25,7 +28,7 @@ from cost_models.memory import ALLOCATOR_RESERVE_FRACTION, LOSS_KERNELS, RECOMPU
 from cost_models.pipeline import PIPELINE_RUNTIMES
 from cost_models.precision import PRECISIONS
 
-__all__ = ["ParallelConfig", "ep_folds", "ep_fits", "ep_invalid", "expert_dp",
+__all__ = ["ParallelConfig", "ep_folds", "ep_fits", "ep_invalid", "expert_dp", "etp_invalid",
            "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
            "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "PRECISIONS", "check_options"]
 
@@ -41,20 +44,40 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise")
 OFFLOAD_MODES = ("none", "optimizer", "params")
 
 
-def ep_folds(tp: int, ep: int) -> bool:
+def ep_folds(tp: int, ep: int, etp: int = 1) -> bool:
     """Whether expert parallelism ep folds over tensor-parallel degree tp: Megatron-Core's Parallel Folding at
-    ETP = 1, the EP group taking the innermost ranks (the tp ranks, then data-parallel ones) when tp divides ep."""
-    return tp > 1 and ep > 1 and ep % tp == 0
+    ETP = 1, the EP group taking the innermost ranks (the tp ranks, then data-parallel ones) when tp divides ep.
+    Experts tensor-parallel (etp > 1) keep the tp ranks for their FFN split: never folded."""
+    return etp == 1 and tp > 1 and ep > 1 and ep % tp == 0
 
 
-def expert_dp(tp: int, dp: int, ep: int) -> int:
-    """Ranks holding the same experts (per cp rank): dp · tp / ep when ep folds over tp, else dp / ep."""
-    return dp * tp // ep if ep_folds(tp, ep) else dp // ep
+def expert_dp(tp: int, dp: int, ep: int, etp: int = 1) -> int:
+    """Ranks holding the same experts (per cp rank): dp · tp / ep when ep folds over tp, else dp / ep (with
+    etp = tp each of them holds the same 1/tp slice of those experts)."""
+    return dp * tp // ep if ep_folds(tp, ep, etp) else dp // ep
 
 
-def ep_invalid(tp: int, dp: int, ep: int) -> str | None:
-    """Why expert-parallel degree ep cannot lay out over tp × dp (None when it can): it must divide dp (experts
-    over data-parallel ranks, replicated over tp) or, folded, be a multiple of tp whose ep / tp divides dp."""
+def etp_invalid(tp: int, dp: int, ep: int, etp: int) -> str | None:
+    """Why the experts' tensor-parallel degree etp cannot lay out (None when it can): it is 1 or tp, and
+    etp = tp > 1 needs the EP group over data-parallel ranks only (ep divides dp)."""
+    if etp == 1:
+        return None
+    if etp != tp:
+        return (f"etp={etp} must be 1 (experts replicated over tp) or tp={tp} (each expert's FFN split over the "
+                f"tp ranks, Megatron-Core's ETP = TP); set etp=1" + (f" or etp={tp}" if tp > 1 else ""))
+    if dp % ep:
+        ok = [e for e in range(1, dp + 1) if dp % e == 0]
+        return (f"etp={etp} splits each expert over the tp ranks, so the EP group spans data-parallel ranks only: "
+                f"ep={ep} must divide dp={dp} (possible ep: {ok}); or set etp=1 to fold ep over tp")
+    return None
+
+
+def ep_invalid(tp: int, dp: int, ep: int, etp: int = 1) -> str | None:
+    """Why expert-parallel degree ep cannot lay out over tp × dp with expert tensor parallelism etp (None when
+    it can): it must divide dp (experts over data-parallel ranks, replicated over tp, or split over tp when
+    etp = tp) or, folded at etp = 1, be a multiple of tp whose ep / tp divides dp."""
+    if etp != 1:
+        return etp_invalid(tp, dp, ep, etp)
     if ep_fits(tp, dp, ep):
         return None
     ok = [e for e in range(1, dp * tp + 1) if ep_fits(tp, dp, e)]
@@ -66,8 +89,11 @@ def ep_invalid(tp: int, dp: int, ep: int) -> str | None:
             f"Parallel Folding); possible ep: {ok}")
 
 
-def ep_fits(tp: int, dp: int, ep: int) -> bool:
-    """Whether expert-parallel degree ep lays out over tp × dp (`ep_invalid` says why not)."""
+def ep_fits(tp: int, dp: int, ep: int, etp: int = 1) -> bool:
+    """Whether expert-parallel degree ep lays out over tp × dp at expert tensor parallelism etp (`ep_invalid`
+    says why not)."""
+    if etp != 1:
+        return etp_invalid(tp, dp, ep, etp) is None
     return dp % (ep // tp) == 0 if ep_folds(tp, ep) else dp % ep == 0
 
 
@@ -100,12 +126,15 @@ class ParallelConfig:
     # folded over tp × ep/tp dp ranks where tp divides ep, else over ep dp ranks (module docstring); ZeRO shards
     # expert states over the edp ranks holding the same experts
     ep: int = 1
+    # expert tensor parallelism: 1 (each expert whole on its rank, replicated over tp) or tp (each expert's FFN
+    # split over the tp ranks, its output summed over them; the EP group then spans dp ranks only: module docstring)
+    etp: int = 1
     # training precision policy (cost_models.precision): "bf16"/"fp16" compute in 16 bits over fp32 master
     # weights, optimizer states and gradient reductions; "fp32" computes on the masters
     precision: str = "bf16"
 
     def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep"):
+        for f in ("tp", "pp", "dp", "cp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep", "etp"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{f}={v!r}; it must be a positive integer")
@@ -145,13 +174,13 @@ class ParallelConfig:
         if self.cp > 1 and self.compile:
             raise ConfigError("compile=True with cp > 1 is not supported (context-parallel attention runs in a "
                               "torch function mode); set compile=False or cp=1")
-        if why := ep_invalid(self.tp, self.dp, self.ep):
+        if why := ep_invalid(self.tp, self.dp, self.ep, self.etp):
             raise ConfigError(f"ParallelConfig.{why}")
 
     @property
     def ep_folded(self) -> bool:
         """Whether the EP group folds over the tp ranks (tp divides ep): the module docstring."""
-        return ep_folds(self.tp, self.ep)
+        return ep_folds(self.tp, self.ep, self.etp)
 
     @property
     def ep_dp(self) -> int:
@@ -161,15 +190,18 @@ class ParallelConfig:
     @property
     def edp(self) -> int:
         """Expert data parallelism: the ranks of a stage (per cp rank) holding the same experts, dp · tp / ep when
-        folded, else dp / ep (the bank then also replicated over tp); ZeRO shards expert states over them."""
-        return expert_dp(self.tp, self.dp, self.ep)
+        folded, else dp / ep (the bank then also replicated over tp, or split over it at etp = tp); ZeRO shards
+        expert states over them."""
+        return expert_dp(self.tp, self.dp, self.ep, self.etp)
 
     def ep_text(self) -> str:
-        """"ep=8 (over tp2 x dp4)": the EP degree and the ranks its group spans ("" for ep = 1)."""
-        if self.ep == 1:
+        """"ep=8 (over tp2 x dp4, edp=4)": the EP degree, the ranks its group spans and how the tp ranks hold the
+        experts ("" for ep = 1 and etp = 1)."""
+        if self.ep == 1 and self.etp == 1:
             return ""
         over = f"tp{self.tp} x dp{self.ep_dp}" if self.ep_folded else f"dp{self.ep}"
-        tp = f" x tp{self.tp} replicas" if self.tp > 1 and not self.ep_folded else ""
+        tp = (f" x tp{self.tp} replicas" if self.tp > 1 and not self.ep_folded and self.etp == 1
+              else f" x etp{self.etp} FFN shards" if self.etp > 1 else "")
         return f"ep={self.ep} (over {over}{tp}, edp={self.edp})"
 
     @property
@@ -181,10 +213,13 @@ class ParallelConfig:
         return self.dp * self.micro_batch_size * self.num_microbatches
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON values; microbatch_group only where set (plans written before it stay alike)."""
+        """The fields as JSON values; microbatch_group and etp only where set (plans written before them stay
+        alike)."""
         d = dataclasses.asdict(self)
         if d["microbatch_group"] is None:
             del d["microbatch_group"]
+        if d["etp"] == 1:
+            del d["etp"]
         return d
 
     @classmethod
@@ -210,6 +245,8 @@ class ParallelConfig:
             s += f",offload={self.offload}"
         if self.ep > 1:
             s += f",ep={self.ep}"
+        if self.etp > 1:
+            s += f",etp={self.etp}"
         return s + f",precision={self.precision}"
 
     _ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "m": "num_microbatches",
@@ -269,6 +306,8 @@ class PlannerOptions:
     # False: eager blocks (what codegen runs unless asked); True: compiled; None: the planner prices both
     compile: bool | None = False
     ep: int | None = None  # expert parallelism (MoE models; dense models have ep = 1 only)
+    # expert tensor parallelism, 1 or tp (ParallelConfig.etp); None: the planner prices both where ep divides dp
+    etp: int | None = None
     # "none" (the default: FP8 changes numerics, so it is opt-in), a recipe to pin, or None: the planner picks
     fp8: str | None = "none"
     # None: the planner prices every offload mode and takes one where nothing else fits or it is faster
@@ -302,10 +341,13 @@ class PlannerOptions:
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep",
-                  "microbatch_group"):
+                  "microbatch_group", "etp"):
             if getattr(self, f) is not None:
                 check_positive_int(f"PlannerOptions.{f}", getattr(self, f), error=ConfigError,
-                                   bound=MAX_DEVICES if f in ("tp", "pp", "dp", "ep") else None)
+                                   bound=MAX_DEVICES if f in ("tp", "pp", "dp", "ep", "etp") else None)
+        if self.etp is not None and self.tp is not None and self.etp not in (1, self.tp):
+            raise ConfigError(f"PlannerOptions.etp={self.etp} with tp={self.tp}: the experts' tensor-parallel degree "
+                              f"is 1 or tp; set etp=1, etp={self.tp} or leave it unset")
         check_positive_int("PlannerOptions.max_virtual_stages", self.max_virtual_stages, error=ConfigError)
         if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
             raise ConfigError(f"PlannerOptions.top_k={self.top_k!r}; it must be an integer from 0 to {MAX_TOP_K} "

@@ -165,7 +165,7 @@ def source_id(run: dict) -> str:
 def _options(run: dict, **pins) -> PlannerOptions:
     """Planner options with every published field of `run` pinned (zero and recompute when published)."""
     return PlannerOptions(tp=run["tp"], cp=run.get("cp", 1), pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1),
-                          zero_stage=run.get("zero"),
+                          etp=run.get("etp", 1), zero_stage=run.get("zero"),
                           recompute=run.get("recompute"), sequence_parallel=run["sp"],
                           loss_kernel=run.get("loss_impl", "fp32_logits"),
                           pipeline_runtime=run.get("pipeline_runtime", "torch"),
@@ -182,6 +182,7 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     # throughput rules out, and Megatron-Core accepts N only from pp to m.
     if "mbs" in run and "zero" in run and "recompute" in run:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
+                             etp=run.get("etp", 1),
                              zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
@@ -198,6 +199,7 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
         return plan.estimate, plan.config, False
     except InfeasiblePlanError:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
+                             etp=run.get("etp", 1),
                              zero_stage=run.get("zero", 0), micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
                              sequence_parallel=run["sp"], **_run_options(run))

@@ -246,6 +246,10 @@ class MoESpec:
         """Whether expert-parallel degree `ep` splits the experts evenly."""
         return self.num_experts % ep == 0
 
+    def ffn_split_ok(self, etp: int) -> bool:
+        """Whether expert tensor-parallel degree `etp` splits each expert's FFN width evenly (unknown width: 1)."""
+        return etp == 1 or (self.ffn_hidden_size > 0 and self.ffn_hidden_size % etp == 0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerSpec:

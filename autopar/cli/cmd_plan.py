@@ -85,6 +85,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, help="pin the ZeRO stage")
     p.add_argument("--ep", type=int, help="pin expert parallelism (mixture-of-experts models; a divisor of dp, or "
                                          "folded over tp: a multiple of tp whose ep/tp divides dp)")
+    p.add_argument("--etp", type=int, help="pin the experts' tensor parallelism: 1 (experts replicated over tp) or tp "
+                                          "(each expert's FFN split over the tp ranks; ep must then divide dp)")
     add_router_skew(p)
     p.add_argument("--mbs", type=int, help="pin the micro-batch size")
     p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
@@ -206,7 +208,8 @@ def _plan(args: argparse.Namespace) -> int:
     _check_plan_flags(args)
     opts = PlannerOptions(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, zero_stage=args.zero,
                           micro_batch_size=args.mbs, microbatch_group=args.microbatch_group,
-                          ep=args.ep, schedule=args.schedule, recompute=args.recompute, compile=_COMPILE[args.compile],
+                          ep=args.ep, etp=args.etp, schedule=args.schedule, recompute=args.recompute,
+                          compile=_COMPILE[args.compile],
                           fp8=None if args.fp8 == "auto" else args.fp8,
                           offload=None if args.offload == "auto" else args.offload,
                           top_k=args.top, time_limit_s=args.time_limit, objective=args.objective,

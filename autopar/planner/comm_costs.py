@@ -17,7 +17,13 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   per (token, expert) or, priced for DeepEP, one per destination node and GPU
                   (CommModel.dispatch_time_s, PlannerOptions.ep_dispatcher). Folded
                   without SP, the tp ranks hold the same tokens and split them: the combined outputs are
-                  all-gathered over tp in forward, the tokens' gradients in backward (autopar.codegen.experts)
+                  all-gathered over tp in forward, the tokens' gradients in backward (autopar.codegen.experts).
+                  With the experts tensor-parallel (etp = tp, never folded) every tp index moves all its tp
+                  group's tokens through its own EP group, and the partial outputs of the FFN slices are summed
+                  over tp (autopar.codegen.expert_tp): without SP an all-reduce of the combined outputs forward
+                  and of the tokens' and routing weights' gradients backward; under SP the tokens, weights
+                  and expert choices all-gathered forward and the outputs reduce-scattered, the transposes
+                  backward (Megatron-Core's ETP layout; Shoeybi et al. 2019 §3's f/g operators)
   p2p             one send of the boundary tensor per micro-batch and direction, inside a node or across;
                   the two directions of a boundary run at once when the runtime batches them, one after
                   the other when each is a blocking call; under TP, Megatron-LM and DeepSpeed send 1/t
@@ -65,13 +71,14 @@ AMAX_BYTES = 4  # one fp32 amax (torchao reduces amaxes in fp32)
 
 
 
-def ep_collective_bytes(moe: MoESpec, tp: int, sp: bool, ep: int, mbs: float) -> tuple[float, float]:
+def ep_collective_bytes(moe: MoESpec, tp: int, sp: bool, ep: int, mbs: float, etp: int = 1) -> tuple[float, float]:
     """Bytes of one MoE layer's expert-parallel collectives per micro-batch of `mbs` samples, as
     autopar.codegen.experts issues them (tests/test_ep_collectives.py counts them in a real run): one rank's
     dispatch send buffer (its routed token copies; the combine returns as many over the group, the busiest rank
-    more), and, folded over tp without SP, the gathered bytes of the outputs' all-gather over tp (0 otherwise)."""
-    send = moe.dispatch_bytes_per_sample * mbs * moe_token_share(tp, sp, ep)
-    gathered = moe.dispatch_bytes_per_sample / moe.top_k * mbs if ep_folds(tp, ep) and not sp else 0.0
+    more), and, folded over tp without SP, the gathered bytes of the outputs' all-gather over tp (0 otherwise).
+    With the experts tensor-parallel (etp > 1) every tp rank sends all its tp group's tokens, never folded."""
+    send = moe.dispatch_bytes_per_sample * mbs * moe_token_share(tp, sp, ep, etp)
+    gathered = moe.dispatch_bytes_per_sample / moe.top_k * mbs if ep_folds(tp, ep, etp) and not sp else 0.0
     return send, gathered
 
 class CommCosts:
@@ -139,34 +146,56 @@ class CommCosts:
         return tp_s
 
     # ---- expert parallelism ----
-    def ep_times(self, ri: int, tp: int, sp: bool, mbs: float, ep: int, cp: int = 1) -> dict[str, float]:
+    def ep_times(self, ri: int, tp: int, sp: bool, mbs: float, ep: int, cp: int = 1,
+                 etp: int = 1) -> dict[str, float]:
         """Seconds of one layer of run `ri`'s expert-parallel collectives per micro-batch: "forward" (dispatch
-        + combine, and the folded tp all-gather) and "backward" (their gradients); zero for a dense layer or
-        ep = 1."""
-        return self._ep(ri, tp, sp, mbs, ep, cp)
+        + combine, the folded tp all-gather, the etp reduction) and "backward" (their gradients); zero for a
+        dense layer, or ep = etp = 1."""
+        return self._ep(ri, tp, sp, mbs, ep, cp, etp)
 
-    def ep_ranks_per_node(self, tp: int, ep: int, cp: int = 1) -> int:
+    def ep_ranks_per_node(self, tp: int, ep: int, cp: int = 1, etp: int = 1) -> int:
         """Ranks of one EP group on one node. Consecutive data-parallel ranks are tp · cp apart in the mesh;
         folded over tp, the group is the tp ranks of ep / tp of them."""
         per_node = self.devices_per_node
-        if ep_folds(tp, ep):
+        if ep_folds(tp, ep, etp):
             return tp * math.gcd(ep // tp, max(1, per_node // (tp * cp))) if tp <= per_node else per_node
         return math.gcd(ep, max(1, per_node // (tp * cp)))
 
-    def _ep_times(self, ri: int, tp: int, sp: bool, mbs: float, ep: int, cp: int) -> dict[str, float]:
+    def _ep_times(self, ri: int, tp: int, sp: bool, mbs: float, ep: int, cp: int, etp: int = 1) -> dict[str, float]:
         moe = self.memory.runs[ri][0].moe
-        if moe is None or ep == 1:
+        if moe is None or (ep == 1 and etp == 1):
             return {"forward": 0.0, "backward": 0.0}
-        send, gathered = ep_collective_bytes(moe, tp, sp, ep, mbs)
-        tokens = mbs * moe_token_share(tp, sp, ep) * moe.tokens_per_sample  # one rank's, before routing
+        send, gathered = ep_collective_bytes(moe, tp, sp, ep, mbs, etp)
+        tokens = mbs * moe_token_share(tp, sp, ep, etp) * moe.tokens_per_sample  # one rank's, before routing
         token_bytes = send / (tokens * moe.top_k) if tokens > 0 else 0.0  # all_to_all: tokens · top_k of them
-        one = self.model.dispatch_time_s(self.ep_dispatcher, tokens=tokens, token_bytes=token_bytes,
-                                         num_experts=moe.num_experts, top_k=moe.top_k, group_size=ep,
-                                         ranks_per_node=self.ep_ranks_per_node(tp, ep, cp))
-        one *= busiest_rank_factor(moe, ep, tokens)
-        one *= self.sharing_factor(ep)
+        one = 0.0
+        if ep > 1:
+            one = self.model.dispatch_time_s(self.ep_dispatcher, tokens=tokens, token_bytes=token_bytes,
+                                             num_experts=moe.num_experts, top_k=moe.top_k, group_size=ep,
+                                             ranks_per_node=self.ep_ranks_per_node(tp, ep, cp, etp))
+            one *= busiest_rank_factor(moe, ep, tokens) * self.sharing_factor(ep)
         gather = self.collective_s("all_gather", gathered, tp, tp)
-        return {"forward": 2 * one + gather, "backward": 2 * one + gather}
+        fwd, bwd = self._etp_reduction_s(moe, mbs, sp, etp)
+        return {"forward": 2 * one + gather + fwd, "backward": 2 * one + gather + bwd}
+
+    def _etp_reduction_s(self, moe, mbs: float, sp: bool, etp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the tp collectives around an expert bank split over etp = tp ranks
+        (module docstring), on the micro-batch's tokens [T, H], routing weights and expert choices [T, k]."""
+        if etp == 1:
+            return 0.0, 0.0
+        tokens = moe.dispatch_bytes_per_sample / moe.top_k * mbs  # [T, H] in the model dtype
+        hidden = self.graph.hidden_size or 0
+        weights = moe.dispatch_bytes_per_sample / hidden * mbs if hidden else 0.0  # [T, k], same dtype
+        choices = 8.0 * moe.tokens_per_sample * moe.top_k * mbs  # [T, k] int64
+
+        def c(op: str, n: float) -> float:
+            return self.collective_s(op, n, etp, etp)
+
+        if not sp:
+            return c("all_reduce", tokens), c("all_reduce", tokens) + c("all_reduce", weights)
+        return (c("all_gather", tokens) + c("all_gather", weights) + c("all_gather", choices)
+                + c("reduce_scatter", tokens),
+                c("reduce_scatter", tokens) + c("reduce_scatter", weights) + c("all_gather", tokens))
 
     # ---- FP8 scales ----
     def fp8_amax_s(self, ri: int, c: Candidate) -> float:
@@ -232,7 +261,7 @@ class CommCosts:
         """The tail of the rank's expert gradients, over the ranks holding the same experts (edp·cp, tp too
         under unfolded SP: autopar.codegen.experts.expert_grad_axes), which reduce them apart."""
         return self._expert_sync(c.tp, c.pp, c.dp, c.cp, c.zero_stage, c.num_microbatches, c.ep,
-                                 c.sequence_parallel)
+                                 c.sequence_parallel, c.etp)
 
     def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int) -> DPTail:
         """The data-parallel tail over this rank's dense gradients (the experts': `expert_tail`)."""
@@ -244,10 +273,10 @@ class CommCosts:
         return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1)
 
     def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
-                         sp: bool) -> DPTail:
+                         sp: bool, etp: int = 1) -> DPTail:
         mem = self.memory
-        grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_expert_params(g[0], ep) for g in mem.runs)) / pp
-        size, per_node = self._expert_group(tp, dp, cp, ep, sp) if grad_bytes > 0 else (1, 1)
+        grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_expert_params(g[0], ep, etp) for g in mem.runs)) / pp
+        size, per_node = self._expert_group(tp, dp, cp, ep, sp, etp) if grad_bytes > 0 else (1, 1)
 
         return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False, pipelined=pp > 1)
 
@@ -268,18 +297,19 @@ class CommCosts:
                       gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm,
                       pipelined=pipelined)
 
-    def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool) -> tuple[int, int]:
+    def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool, etp: int = 1) -> tuple[int, int]:
         """(size, most ranks on one node) of the group holding rank 0's experts."""
-        ranks = self.expert_group_ranks(tp, dp, cp, ep, sp)
+        ranks = self.expert_group_ranks(tp, dp, cp, ep, sp, etp)
         return len(ranks), max(Counter(r // self.devices_per_node for r in ranks).values())
 
     @staticmethod
-    def expert_group_ranks(tp: int, dp: int, cp: int, ep: int, sp: bool) -> list[int]:
-        """Global ranks holding rank 0's experts, in the mesh (pp, dp, cp, tp), tp innermost: every ep_dp-th
-        data-parallel rank (ep_dp = ep / tp folded, else ep), every cp rank, and every tp rank where the
-        tp ranks hold the same experts on other tokens (unfolded SP; autopar.codegen.experts)."""
-        step = ep // tp if ep_folds(tp, ep) else ep
-        tps = range(tp) if sp and tp > 1 and not ep_folds(tp, ep) else range(1)
+    def expert_group_ranks(tp: int, dp: int, cp: int, ep: int, sp: bool, etp: int = 1) -> list[int]:
+        """Global ranks holding rank 0's experts (its slice of them at etp > 1), in the mesh (pp, dp, cp, tp), tp
+        innermost: every ep_dp-th data-parallel rank (ep_dp = ep / tp folded, else ep), every cp rank, and every
+        tp rank where the tp ranks hold the same experts on other tokens (unfolded SP at etp = 1;
+        autopar.codegen.experts)."""
+        step = ep // tp if ep_folds(tp, ep, etp) else ep
+        tps = range(tp) if sp and tp > 1 and etp == 1 and not ep_folds(tp, ep) else range(1)
         return [(d * cp + c) * tp + t for d in range(0, dp, step) for c in range(cp) for t in tps]
 
     def shared_sync_s(self, ri: int, c: Candidate) -> float:

@@ -25,7 +25,9 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
                   receives the tokens its ep peers route to its experts, on average its own tokens · k, and the
                   busiest rank more than that (autopar.planner.moe_load: the router's skew and the sampling
                   spread of the micro-batch): the step waits for it. A rank's own tokens are the
-                  micro-batch's ÷ tp under sequence parallelism or EP folded over tp (moe_token_share)
+                  micro-batch's ÷ tp under sequence parallelism or EP folded over tp (moe_token_share); with
+                  the experts tensor-parallel (etp = tp) every tp rank runs all the tokens (gathered under SP)
+                  through 1/etp of each expert's FFN: the expert GEMMs' work ÷ etp, at that per-rank size
   FP8             (Candidate.fp8) the weight GEMMs of every layer but the LM head at the device's FP8 peak, plus
                   torchao's casts, amaxes and transposes as memory-bound kernels (fp8_costs); emulated on CPU
   optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
@@ -112,10 +114,10 @@ class ComputeCosts:
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
 
     def run(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1, fp8: str = "none",
-            fp8_gathered: bool = False, dp: int = 1) -> RunCompute:
-        """Compute seconds of one layer of run `ri` (memory.runs) at tp, sp, micro-batch mbs and ep; with FP8
-        GEMMs under recipe `fp8` (`fp8_gathered`: FSDP gathers its weights in float8 over dp ranks)."""
-        return self._time(ri, tp, sp, mbs, compiled, ep, fp8, fp8_gathered, dp if fp8_gathered else 1)
+            fp8_gathered: bool = False, dp: int = 1, etp: int = 1) -> RunCompute:
+        """Compute seconds of one layer of run `ri` (memory.runs) at tp, sp, micro-batch mbs, ep and etp; with
+        FP8 GEMMs under recipe `fp8` (`fp8_gathered`: FSDP gathers its weights in float8 over dp ranks)."""
+        return self._time(ri, tp, sp, mbs, compiled, ep, fp8, fp8_gathered, dp if fp8_gathered else 1, etp)
 
     def attention_s(self, ri: int, tp: int, sp: bool, mbs: float, causal: bool = True,
                     backward: bool | None = None) -> float:
@@ -133,25 +135,25 @@ class ComputeCosts:
         return sum(self._pass_s(attention(mix), tp, sp, mbs, backward=b)
                    for mix, b in passes if mix.kernels and backward in (None, b))
 
-    def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
+    def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1, etp: int = 1) -> float:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
         and its experts' over the ranks of those holding the same experts (autopar.config.expert_dp)."""
-        return self._opt_run(ri, tp, shards, ep)
+        return self._opt_run(ri, tp, shards, ep, etp)
 
-    def grad_accumulation_s(self, ri: int, tp: int, ep: int = 1) -> float:
+    def grad_accumulation_s(self, ri: int, tp: int, ep: int = 1, etp: int = 1) -> float:
         """One layer of run `ri` adding a micro-batch's weight gradients into the step's held in the compute
         dtype, as autograd's AccumulateGrad does (`grad += new`: cost_models.pipeline.GRAD_ACCUMULATION,
         "autograd_16bit"): one memory-bound kernel per parameter tensor (≈ one per GEMM weight and per norm
         tensor), ACCUMULATE_PASSES gradient elements moved per parameter."""
         layer = self.memory.runs[ri][0]
-        params = self.memory.run_local_params(ri, tp, ep)
+        params = self.memory.run_local_params(ri, tp, ep, etp)
         if params <= 0:
             return 0.0
         kernels = max(1, layer.kernels_forward.gemm_count + len(layer.norm_param_numels))
         return self._memory_pass_s(ACCUMULATE_PASSES * params * self.memory.elem, kernels) * self.straggler
 
     def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
-                     fp8: str = "none", fp8_gathered: bool = False, dp: int = 1) -> RunCompute:
+                     fp8: str = "none", fp8_gathered: bool = False, dp: int = 1, etp: int = 1) -> RunCompute:
         layer = self.memory.runs[ri][0]
         compiled = compiled and layer.kind == "block" and bool(layer.kernels_forward.fused)  # codegen compiles blocks
         # FP8 GEMMs at the FP8 peak where the device has one (emulated on a CPU: the compute dtype)
@@ -162,7 +164,7 @@ class ComputeCosts:
         fp = self.memory.tp_param_fraction(layer)
         param_bytes = layer.param_bytes * (1.0 - fp + fp / tp)
         if _has_kernels(layer):
-            experts = self._experts(layer, ep, mbs, tp, sp)
+            experts = self._experts(layer, ep, mbs, tp, sp, etp)
             fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, experts, gemm_dtype)
             bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, experts, gemm_dtype, backward=True)
             casts = cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
@@ -204,7 +206,7 @@ class ComputeCosts:
             kf = layer.kernels_forward
             rerun = [k for k in kf.kernels if not k.op_sac_saved and (not compiled or k.kind in ("gemm", "attention"))]
             sac = self._pass_s(dataclasses.replace(kf, kernels=tuple(rerun) + (kf.fused if compiled else ())),
-                               tp, sp, mbs, experts=self._experts(layer, ep, mbs, tp, sp), gemm_dtype=gemm_dtype)
+                               tp, sp, mbs, experts=self._experts(layer, ep, mbs, tp, sp, etp), gemm_dtype=gemm_dtype)
         else:  # not checkpointed by codegen (none), or captured before op_sac (full's time)
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
@@ -254,16 +256,17 @@ class ComputeCosts:
         return best_t
 
     @staticmethod
-    def _experts(layer: LayerSpec, ep: int, mbs: int, tp: int = 1, sp: bool = False) -> tuple[int, float, float]:
+    def _experts(layer: LayerSpec, ep: int, mbs: int, tp: int = 1, sp: bool = False,
+                 etp: int = 1) -> tuple[int, float, float, int]:
         """(experts per rank's divisor ep, work factor of the busiest rank: autopar.planner.moe_load, share of
-        the micro-batch's tokens the rank's experts run on: moe_token_share) for the layer's expert kernels
-        at micro-batch `mbs`."""
+        the micro-batch's tokens the rank's experts run on: moe_token_share, the FFN split etp) for the layer's
+        expert kernels at micro-batch `mbs`."""
         if layer.moe is None:
-            return 1, 1.0, 1.0
-        share = moe_token_share(tp, sp, ep)
+            return 1, 1.0, 1.0, 1
+        share = moe_token_share(tp, sp, ep, etp)
         if ep == 1:
-            return 1, 1.0, share
-        return ep, busiest_rank_factor(layer.moe, ep, mbs * share * layer.moe.tokens_per_sample), share
+            return 1, 1.0, share, etp
+        return ep, busiest_rank_factor(layer.moe, ep, mbs * share * layer.moe.tokens_per_sample), share, etp
 
     def _memory_pass_s(self, n_bytes: float, kernels: int) -> float:
         """`kernels` memory-bound kernels moving n_bytes in all (FP8 casts), at the memory tables' rate."""
@@ -273,16 +276,16 @@ class ComputeCosts:
                                          memory_bytes=n_bytes, memory_count=kernels, dtype=self.dtype)
 
     def _pass_s(self, mix: KernelMix, tp: int, sp: bool, mbs: int, compiled: bool = False,
-                experts: tuple[int, float, float] = (1, 1.0, 1.0), gemm_dtype: str | None = None,
+                experts: tuple[int, float, float, int] = (1, 1.0, 1.0, 1), gemm_dtype: str | None = None,
                 backward: bool = False) -> float:
         """One forward or backward pass of a layer on one device: its kernels at micro-batch `mbs`, each
         priced at its own size, layout and class (ComputeModel.kernel_time_s); mixes without a kernel
         list by their per-kind totals (ComputeModel.kernels_time_s). `compiled`: the memory-bound kernels
         as TorchInductor fuses them (KernelMix.fused), GEMMs and attention unchanged. `experts` = (ep,
-        imbalance, token share): expert GEMMs run groups / ep experts on imbalance × share × their work
-        (module docstring).
+        imbalance, token share, etp): expert GEMMs run groups / ep experts on imbalance × share × their work,
+        ÷ etp (each a 1/etp slice of the FFN) (module docstring).
         `backward`: the mix is a backward pass (a causal attention kernel's time fraction is its pass's)."""
-        ep, imbalance, token_share = experts
+        ep, imbalance, token_share, etp = experts
         if mix.kernels:
             total = 0.0
             kernels = mix.kernels
@@ -291,7 +294,7 @@ class ComputeCosts:
             for k in kernels:
                 memory = k.kind not in ("gemm", "attention")
                 share = token_share if k.expert else 1.0 / tp if k.tp_sharded or (memory and sp) else 1.0
-                load = imbalance if k.expert else 1.0
+                load = imbalance / etp if k.expert else 1.0
                 dtype = gemm_dtype if gemm_dtype and fp8_gemm(k) else self.dtype
                 total += k.count * self.model.kernel_time_s(
                     k.kind, mbs * share * load * k.work, dtype=dtype, tensor_bytes=mbs * share * k.tensor_bytes,
@@ -316,9 +319,10 @@ class ComputeCosts:
             return 0.0
         return self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
 
-    def _run_optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
+    def _run_optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1, etp: int = 1) -> float:
         layer = self.memory.runs[ri][0]
         local = (self.memory.local_dense_params(layer, tp) / shards
-                 + self.memory.local_expert_params(layer, ep) / (expert_dp(tp, shards, ep) if shards > 1 else 1))
+                 + self.memory.local_expert_params(layer, ep, etp)
+                 / (expert_dp(tp, shards, ep, etp) if shards > 1 else 1))
         return (self.model.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
                 + self.optimizer_host_s(ri, tp, shards))

@@ -139,9 +139,9 @@ class CostModel:
         gathered = mem.fp8_gathered(c)
         runs = []
         for ri, group in enumerate(mem.runs):
-            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group)
+            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group, c.etp)
             tp = comm.tp_times(ri, c.tp, sp, mbs)
-            ep = comm.ep_times(ri, c.tp, sp, mbs, c.ep, c.cp)  # expert all-to-alls: in the layer, as its tp_comm
+            ep = comm.ep_times(ri, c.tp, sp, mbs, c.ep, c.cp, c.etp)  # expert all-to-alls (and etp sums): as tp_comm
             amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
             cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
                                 attention_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, backward=b)
@@ -162,15 +162,15 @@ class CostModel:
             # a pass in every backward but the first micro-batch's, spread over the m micro-batches
             if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
                 m = c.num_microbatches
-                compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep) * (m - 1) / m
+                compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
             saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile)
             acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
                          for a, k in zip(saved, MODES, strict=True))
-            local = mem.run_local_params(ri, c.tp, c.ep)
+            local = mem.run_local_params(ri, c.tp, c.ep, c.etp)
             grad_bytes = mem.grad_bytes(local)
             # the experts' gradients (their share of the layer's) reduce over the ranks holding them
-            expert_share = mem.local_expert_params(group[0], c.ep) / local if local > 0 else 0.0
-            gather = mem.gathered_bytes(ri, c.tp, True, c.ep) if gathered else None
+            expert_share = mem.local_expert_params(group[0], c.ep, c.etp) / local if local > 0 else 0.0
+            gather = mem.gathered_bytes(ri, c.tp, True, c.ep, c.etp) if gathered else None
             # offload="params": every gather copies the shard in from the host, the reduce-scatter's goes back
             copy = (mem.offload.gather_copy_s(grad_bytes / group_size) if c.offload == "params" and grad_bytes > 0
                     else 0.0)
@@ -182,14 +182,14 @@ class CostModel:
                 host_step += (2 * c.num_microbatches + 1) * copy
             # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
             hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
-            device_opt = 0.0 if c.offload != "none" else self.compute.optimizer_s(ri, c.tp, shards, c.ep)
+            device_opt = 0.0 if c.offload != "none" else self.compute.optimizer_s(ri, c.tp, shards, c.ep, c.etp)
             runs.append(Run(
                 name=group[0].name, count=len(group), layer_names=tuple(la.name for la in group),
                 time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),
                 compute_s=(compute_s + hooks,) * len(MODES),
                 recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
                 act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload,
-                                                             mem.pipelined(c)),
+                                                             mem.pipelined(c), c.etp),
                 # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
                 backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
                                      t.backward_s + cp.attention_extra_backward_s)

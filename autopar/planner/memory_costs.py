@@ -6,7 +6,8 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
   parameters      a layer's parameters on one device: the TP-sharded share ÷ t (vocab × hidden for
                   embeddings and heads, else the TP-sharded share of its dense FLOPs: linears do 2 FLOPs per
                   parameter per token, norms stay replicated), the rest whole; a mixture-of-experts bank's
-                  parameters (MoESpec.expert_params: not tensor-parallel) ÷ ep
+                  parameters (MoESpec.expert_params) ÷ ep, and ÷ etp where each expert's FFN is split over
+                  the tp ranks (ParallelConfig.etp)
   model states    cost_models.memory.model_state_bytes on those parameters, each state at the bytes per
                   element of the layout's precision policy (cost_models.precision, ParallelConfig.precision):
                   the parameters are the fp32 masters, fp32 gradients, AdamW's two fp32 moments; ZeRO shards
@@ -115,7 +116,8 @@ class MemoryCosts:
         self.offload = OffloadCosts(host, devices_per_node=devices_per_node, precision=self.precision,
                                     adam_bytes_per_param=host_adam_bytes_per_param)
         self.runs = group_runs(graph.layers)
-        self._local_run = lru_cache(maxsize=None)(lambda ri, tp, ep=1: self.local_params(self.runs[ri][0], tp, ep))
+        self._local_run = lru_cache(maxsize=None)(
+            lambda ri, tp, ep=1, etp=1: self.local_params(self.runs[ri][0], tp, ep, etp))
         self._state_run = lru_cache(maxsize=None)(self._run_states)
         self._acts = lru_cache(maxsize=None)(self._activation_bytes)
         self._inflight = lru_cache(maxsize=None)(
@@ -136,9 +138,10 @@ class MemoryCosts:
         dense = layer.forward_flops - expert_forward_flops(layer)
         return layer.forward_flops_tp_sharded / dense if dense > 0 else 0.0
 
-    def local_params(self, layer: LayerSpec, tp: int, ep: int = 1) -> float:
-        """Parameters of `layer` one device holds at tensor-parallel degree tp and expert-parallel ep."""
-        return self.local_dense_params(layer, tp) + self.local_expert_params(layer, ep)
+    def local_params(self, layer: LayerSpec, tp: int, ep: int = 1, etp: int = 1) -> float:
+        """Parameters of `layer` one device holds at tensor-parallel degree tp, expert-parallel ep and expert
+        tensor-parallel etp."""
+        return self.local_dense_params(layer, tp) + self.local_expert_params(layer, ep, etp)
 
     def local_dense_params(self, layer: LayerSpec, tp: int) -> float:
         """Of `local_params`, the dense ones (everything but the expert bank; of these ÷ tp the TP share)."""
@@ -147,13 +150,14 @@ class MemoryCosts:
         return dense * (1.0 - f + f / tp)
 
     @staticmethod
-    def local_expert_params(layer: LayerSpec, ep: int) -> float:
-        """Of `local_params`, the expert bank's: E / ep experts (expert parallelism)."""
-        return layer.moe.expert_params / ep if layer.moe is not None else 0.0
+    def local_expert_params(layer: LayerSpec, ep: int, etp: int = 1) -> float:
+        """Of `local_params`, the expert bank's: E / ep experts (expert parallelism), 1/etp of each (their FFN
+        split over the tp ranks)."""
+        return layer.moe.expert_params / (ep * etp) if layer.moe is not None else 0.0
 
-    def run_local_params(self, ri: int, tp: int, ep: int = 1) -> float:
+    def run_local_params(self, ri: int, tp: int, ep: int = 1, etp: int = 1) -> float:
         """`local_params` of one layer of run `ri`."""
-        return self._local_run(ri, tp, ep)
+        return self._local_run(ri, tp, ep, etp)
 
     def grad_bytes(self, num_params: float) -> float:
         """Bytes of the gradients of num_params parameters, in the reduce dtype (what data-parallel
@@ -202,23 +206,24 @@ class MemoryCosts:
         return self.offload.host_bytes(self._all_states(num_params, zero_stage, dp), stepped, offload)
 
     def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none",
-                        pipelined: bool = False) -> float:
+                        pipelined: bool = False, etp: int = 1) -> float:
         """Model-state bytes of one layer of run `ri` on one device."""
-        return self._state_run(ri, tp, zero_stage, dp, ep, offload, pipelined)
+        return self._state_run(ri, tp, zero_stage, dp, ep, offload, pipelined, etp)
 
     def _run_states(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none",
-                    pipelined: bool = False) -> float:
-        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep, offload, pipelined).total_bytes
+                    pipelined: bool = False, etp: int = 1) -> float:
+        return self.layer_states(self.runs[ri][0], tp, zero_stage, dp, ep, offload, pipelined, etp).total_bytes
 
     def layer_states(self, layer: LayerSpec, tp: int, zero_stage: int, dp: int, ep: int = 1,
-                     offload: str = "none", pipelined: bool = False) -> memory.ModelStateBytes:
-        """Model states of `layer` on one device: dense ones sharded over dp, expert ones over the ranks holding
-        the same experts (autopar.config.expert_dp: dp / ep, or dp · tp / ep folded)."""
+                     offload: str = "none", pipelined: bool = False, etp: int = 1) -> memory.ModelStateBytes:
+        """Model states of `layer` on one device: dense ones sharded over dp, expert ones (1/etp of E / ep
+        experts) over the ranks holding the same experts (autopar.config.expert_dp: dp / ep, or dp · tp / ep
+        folded)."""
         dense = self.model_states(self.local_dense_params(layer, tp), zero_stage, dp, offload, pipelined)
         if layer.moe is None:
             return dense
-        expert = self.model_states(self.local_expert_params(layer, ep), zero_stage, expert_dp(tp, dp, ep), offload,
-                                   pipelined)
+        expert = self.model_states(self.local_expert_params(layer, ep, etp), zero_stage, expert_dp(tp, dp, ep, etp),
+                                   offload, pipelined)
         return memory.ModelStateBytes(weights_bytes=dense.weights_bytes + expert.weights_bytes,
                                       grads_bytes=dense.grads_bytes + expert.grads_bytes,
                                       optimizer_bytes=dense.optimizer_bytes + expert.optimizer_bytes,
@@ -226,7 +231,7 @@ class MemoryCosts:
 
     def offload_summary(self, c: Candidate, *, overlapped: bool) -> OffloadSummary:
         """Where a device's states live under c.offload and what moving them costs (stages taken as even)."""
-        params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
+        params = sum(len(g) * self._local_run(ri, c.tp, c.ep, c.etp) for ri, g in enumerate(self.runs)) / c.pp
         stepped = params / (c.shard_group if c.zero_stage >= 1 else 1)
         gathers = c.num_microbatches * (2 if c.zero_stage == 3 else 1)
         scatters = 1 if c.pp > 1 else c.num_microbatches  # a pipeline stage's FSDP reduce-scatters once a step
@@ -243,7 +248,7 @@ class MemoryCosts:
         even (a rank holds 1/pp of the model's layers)."""
         if c.offload == "none":
             return True, 0.0
-        params = sum(len(g) * self._local_run(ri, c.tp, c.ep) for ri, g in enumerate(self.runs)) / c.pp
+        params = sum(len(g) * self._local_run(ri, c.tp, c.ep, c.etp) for ri, g in enumerate(self.runs)) / c.pp
         per_node = self.offload.devices_per_node * self.host_state_bytes(params, c.zero_stage, c.shard_group, c.offload)
         return per_node <= self.offload.host_capacity_bytes, per_node
 
@@ -294,7 +299,7 @@ class MemoryCosts:
     def rank_memory(self, c: Candidate) -> tuple[RankMemory, ...]:
         return self._ranks(c.tp, c.pp, c.shard_group, c.zero_stage, c.schedule, c.num_microbatches,
                            c.virtual_stages, c.micro_batch_size, c.ep, c.fp8, c.offload, c.cp, c.sequence_parallel,
-                           c.microbatch_group)
+                           c.microbatch_group, c.etp)
 
     def fp8_gathered(self, c: Candidate) -> bool:
         """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
@@ -309,9 +314,9 @@ class MemoryCosts:
         """Whether codegen shards with FSDP2 (ZeRO-2/3 over dp > 1, or any dp under offload="params")."""
         return zero_stage >= 2 and (dp > 1 or offload == "params")
 
-    def gathered_bytes(self, ri: int, tp: int, gathered_fp8: bool, ep: int = 1) -> float:
+    def gathered_bytes(self, ri: int, tp: int, gathered_fp8: bool, ep: int = 1, etp: int = 1) -> float:
         """Bytes of one layer of run `ri` as FSDP gathers it (its converted weights in 1 byte under fp8)."""
-        b = self._local_run(ri, tp, ep) * self.elem
+        b = self._local_run(ri, tp, ep, etp) * self.elem
         if gathered_fp8:
             share = fp8_param_share(self.runs[ri][0], self.graph)
             b *= 1.0 - share + share / self.elem
@@ -319,12 +324,13 @@ class MemoryCosts:
 
     def _rank_memory_key(self, tp: int, pp: int, dp: int, zero_stage: int, schedule: str, m: int, v: int,
                          mbs: int, ep: int = 1, fp8: str = "none", offload: str = "none",
-                         cp: int = 1, sp: bool = False, group: int | None = None) -> tuple[RankMemory, ...]:
+                         cp: int = 1, sp: bool = False, group: int | None = None, etp: int = 1
+                         ) -> tuple[RankMemory, ...]:
         """dp: the ranks ZeRO shards over (dp·cp); cp: each rank holds 1/cp of every sequence's logits."""
         g = self.graph
         zero3_bytes = reduce_bytes = 0.0  # FSDP's buffers; of them, the gradient reduce-scatter's
         if self.fsdp(zero_stage, dp, offload):
-            largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep) for ri in range(len(self.runs)))
+            largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep, etp) for ri in range(len(self.runs)))
             # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer (computed in the compute
             # dtype, cast to the reduce dtype when they differ); ZeRO-3 also holds the running and the
             # prefetched layer's gathered weights (ZeRO-2 keeps its weights, counted in the model states)
@@ -404,7 +410,7 @@ class MemoryCosts:
         out = []
         for q, names in enumerate(layer_names_by_rank):
             st = [self.layer_states(self.graph.layer(n), c.tp, c.zero_stage, c.shard_group, c.ep, c.offload,
-                                    self.pipelined(c)) for n in names]
+                                    self.pipelined(c), c.etp) for n in names]
             if c.pp == 1:  # held once (see _rank_memory_key)
                 dup = self.shared_duplicate_states(c.tp, c.zero_stage, c.shard_group, c.offload)
                 st.append(type(dup)(weights_bytes=-dup.weights_bytes, grads_bytes=-dup.grads_bytes,

@@ -26,7 +26,9 @@ routing, so the factor is 1.
 A rank's own tokens are the micro-batch's ÷ tp where its MoE block runs on a share of them
 (`moe_token_share`): under sequence parallelism (each tp rank's sequence shard) and under expert parallelism
 folded over tp (autopar.config.ep_folds: the tp ranks split the replicated tokens between them before the
-dispatch, autopar.codegen.experts); otherwise every tp rank runs the whole micro-batch's experts.
+dispatch, autopar.codegen.experts); otherwise every tp rank runs the whole micro-batch's experts, as it does
+with the experts tensor-parallel (etp > 1: each tp rank holds a slice of every expert's FFN, so it runs all
+the tokens of its tp group, gathered over tp under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from autopar.config import ep_folds
 __all__ = ["busiest_rank_factor", "expected_max_z", "moe_token_share"]
 
 
-def moe_token_share(tp: int, sp: bool, ep: int) -> float:
+def moe_token_share(tp: int, sp: bool, ep: int, etp: int = 1) -> float:
     """The share of a micro-batch's tokens one rank's expert bank runs on (module docstring): 1 / tp under
-    sequence parallelism or expert parallelism folded over tp, else 1."""
-    return 1.0 / tp if tp > 1 and (sp or ep_folds(tp, ep)) else 1.0
+    sequence parallelism or expert parallelism folded over tp, else 1 (always 1 with the experts split over tp,
+    etp > 1)."""
+    return 1.0 / tp if tp > 1 and etp == 1 and (sp or ep_folds(tp, ep)) else 1.0
 
 
 def expected_max_z(n: int) -> float:

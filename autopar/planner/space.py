@@ -1,10 +1,11 @@
 """The outer search space (docs/design.md §5): every discrete layout choice except stage cuts and recompute.
 
 A `Candidate` fixes tp, cp, pp, dp, ZeRO stage, micro-batch size and count, schedule, virtual stages,
-sequence parallelism, compiled blocks and the expert-parallel degree ep (a divisor of every MoE layer's
+sequence parallelism, compiled blocks, the expert-parallel degree ep (a divisor of every MoE layer's
 expert count that lays out over the stage's ranks: a divisor of dp, or folded over tp, a multiple of tp whose
-ep / tp divides dp; 1 for dense models); the ILP (`autopar.planner.ilp`) then places the cuts and picks
-recompute per layer.
+ep / tp divides dp; 1 for dense models) and the experts' tensor-parallel degree etp (1, or tp where ep
+divides dp and tp divides every expert's FFN width: `etp_degrees`); the ILP (`autopar.planner.ilp`) then
+places the cuts and picks recompute per layer.
 Equivalent layouts are enumerated once: with dp = 1 every ZeRO stage is ZeRO-0, and with pp = 1 GPipe
 and 1F1B are the same schedule (named 1f1b).
 """
@@ -15,10 +16,10 @@ import itertools
 from dataclasses import dataclass
 
 from autopar.capture.graph import ModelGraph
-from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits
+from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
 
-__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees", "cp_degrees",
+__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees", "etp_degrees", "cp_degrees",
            "MIN_CP_CHUNK"]
 
 # The shortest chunk (tokens) a context-parallel rank holds (it holds two). Llama 3 ran its 131,072-token
@@ -47,6 +48,7 @@ class Candidate:
     cp: int = 1
     precision: str = "bf16"
     microbatch_group: int | None = None  # ParallelConfig.microbatch_group
+    etp: int = 1  # ParallelConfig.etp
 
     @property
     def world_size(self) -> int:
@@ -68,7 +70,7 @@ class Candidate:
                               schedule=self.schedule, virtual_stages=self.virtual_stages, recompute=recompute,
                               sequence_parallel=self.sequence_parallel, compile=self.compile, ep=self.ep,
                               fp8=self.fp8, offload=self.offload, precision=self.precision,
-                              microbatch_group=self.microbatch_group)
+                              microbatch_group=self.microbatch_group, etp=self.etp)
 
     @classmethod
     def of(cls, config: ParallelConfig) -> Candidate:
@@ -77,7 +79,7 @@ class Candidate:
                    schedule=config.schedule, virtual_stages=config.virtual_stages,
                    sequence_parallel=config.sequence_parallel, compile=config.compile, ep=config.ep,
                    fp8=config.fp8, offload=config.offload, precision=config.precision,
-                   microbatch_group=config.microbatch_group)
+                   microbatch_group=config.microbatch_group, etp=config.etp)
 
 
 def divisors(n: int) -> list[int]:
@@ -100,6 +102,14 @@ def ep_degrees(graph: ModelGraph, dp: int, tp: int = 1) -> list[int]:
     if not moes:
         return [1]
     return [e for e in divisors(dp * tp) if ep_fits(tp, dp, e) and all(m.max_degree_ok(e) for m in moes)]
+
+
+def etp_degrees(graph: ModelGraph, dp: int, tp: int, ep: int) -> list[int]:
+    """Expert tensor-parallel degrees for ep over tp × dp: 1, and tp where the EP group can span data-parallel
+    ranks only (autopar.config.etp_invalid) and tp splits every MoE layer's FFN width evenly."""
+    moes = [la.moe for la in graph.layers if la.moe is not None]
+    split = tp > 1 and moes and etp_invalid(tp, dp, ep, tp) is None and all(m.ffn_split_ok(tp) for m in moes)
+    return [1, tp] if split else [1]
 
 
 def cp_degrees(graph: ModelGraph, ranks: int) -> list[int]:
@@ -152,8 +162,9 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                 out.extend(Candidate(tp=tp, pp=pp, dp=dp, zero_stage=z, micro_batch_size=mbs,
                                                      num_microbatches=m, schedule=sched, virtual_stages=v,
                                                      sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
-                                                     offload=off, precision=precision, microbatch_group=n)
-                                           for ep in eps)
+                                                     offload=off, precision=precision, microbatch_group=n,
+                                                     etp=etp)
+                                           for ep in eps for etp in _pinned(etp_degrees(graph, dp, tp, ep), o.etp))
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out
@@ -203,6 +214,12 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
     if o.ep is not None and any(not m.max_degree_ok(o.ep) for m in moes):
         counts = sorted({m.num_experts for m in moes})
         return f"ep={o.ep} does not divide the expert count of {graph.model_name} ({counts}); pick a divisor of it"
+    if o.etp is not None and o.etp > 1 and not moes:
+        return f"etp={o.etp} needs mixture-of-experts layers; {graph.model_name} has none: leave etp unset or 1"
+    if o.etp is not None and o.etp > 1 and any(not m.ffn_split_ok(o.etp) for m in moes):
+        widths = sorted({m.ffn_hidden_size for m in moes})
+        return (f"etp={o.etp} does not divide the experts' FFN width of {graph.model_name} ({widths}); set etp=1 "
+                "or a tp that divides it")
     if o.tp is not None and o.tp > 1 and (nothing := graph.no_tensor_parallelism()):
         return f"tp={o.tp} is not possible: {nothing}; leave tp unset or 1"
     if o.tp is not None and o.tp not in tps:
@@ -222,6 +239,6 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 
 def _pins(o: PlannerOptions) -> str:
     names = ("tp", "cp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
-             "virtual_stages", "microbatch_group", "recompute", "sequence_parallel", "compile", "ep", "fp8",
+             "virtual_stages", "microbatch_group", "recompute", "sequence_parallel", "compile", "ep", "etp", "fp8",
              "offload", "precision")
     return ", ".join(f"{n}={getattr(o, n)}" for n in names if getattr(o, n) is not None) or "none"

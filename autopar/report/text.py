@@ -86,7 +86,7 @@ def render_plan(plan: Plan, *, top: int | None = None) -> str:
              f"{_count(c.num_microbatches, 'micro-batch', 'micro-batches')} of {c.micro_batch_size}, {c.schedule}"
              + (f" with v={c.virtual_stages}" if c.virtual_stages > 1 else "")
              + (f", groups of {c.microbatch_group} micro-batches per chunk" if c.microbatch_group else ""),
-             *([f"                experts {c.ep_text()}"] if c.ep > 1 else []),
+             *([f"                experts {c.ep_text()}"] if c.ep > 1 or c.etp > 1 else []),
              f"predicted       {_estimate_line(e)}", "", "time per step"]
     lines += _breakdown(e)
     lines += ["", "stages (memory per device)"] + _stage_table(plan)
@@ -114,7 +114,7 @@ def render_diff(a: Plan, b: Plan) -> str:
     for k in ca:
         mark = " " if ca[k] == cb[k] else "*"
         lines.append(f"{mark} {k:<18} {ca[k]!s:>24} {cb[k]!s:>24}")
-    if a.config.ep > 1 or b.config.ep > 1:  # the ranks each EP group spans (folded over tp or not)
+    if max(a.config.ep, b.config.ep, a.config.etp, b.config.etp) > 1:  # the ranks each EP group spans
         fold_a, fold_b = (_ep_span(c) for c in (a.config, b.config))
         lines.append(f"{' ' if fold_a == fold_b else '*'} {'ep_over':<18} {fold_a:>24} {fold_b:>24}")
     ea, eb = a.estimate, b.estimate
@@ -161,7 +161,8 @@ def _ep_span(c: ParallelConfig) -> str:
 
 def render_explain(plan: Plan, config: ParallelConfig, estimate: Estimate | None, reason: str | None) -> str:
     def experts(c: ParallelConfig) -> list[str]:
-        return [f"             experts {c.ep_text() or 'ep=1'}"] if plan.config.ep > 1 or config.ep > 1 else []
+        shown = max(plan.config.ep, config.ep, plan.config.etp, config.etp) > 1
+        return [f"             experts {c.ep_text() or 'ep=1'}"] if shown else []
 
     lines = [f"chosen       {plan.config}", *experts(plan.config), f"             {_estimate_line(plan.estimate)}",
              f"alternative  {config}", *experts(config)]
