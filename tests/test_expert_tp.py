@@ -172,8 +172,9 @@ def test_planner_keeps_experts_whole_when_memory_allows(moe) -> None:
 def test_cli_etp_flag_show_explain_diff(tmp_path, capsys) -> None:
     """`autopar plan --etp 2`, and etp printed by show, explain (etp=1, the EP pair then folded over tp, priced
     beside it) and diff."""
-    from autopar.cli.main import main
     from test_moe_planner import _mixtral_factory
+
+    from autopar.cli.main import main
 
     model, a, b = _mixtral_factory(tmp_path), tmp_path / "a.json", tmp_path / "b.json"
     common = ["--cluster", "dgx-h100", "--global-batch-size", "16", "--seq-len", "16", "--top", "0", "--tp", "2",
