@@ -14,7 +14,10 @@ the EP group is
 - otherwise ep_dp = ep consecutive data-parallel ranks, the bank replicated over tp, edp = dp / ep.
 
 EP rank r holds experts [r·E/ep, (r+1)·E/ep) of every bank of its stage, as a DTensor sharded on dim 0 over
-the EP group's mesh (state dicts, full gathers and DCP see global tensors).
+the EP group's mesh (state dicts, full gathers and DCP see global tensors). With the experts tensor-parallel
+(config.etp = tp, never folded; ep may be 1) each tp rank holds its slice of every local expert's FFN, a
+DTensor over ("ep_dp", "tp"), and the bank call is wrapped in the tp collectives of
+autopar.codegen.expert_tp; every tp index dispatches the same tokens over its own EP group.
 
 The bank is found by capture (`MoESpec.experts`, from the data flow and the module structure), and the
 model's own bank code still computes the experts: a bank is called with the tokens [T, H], the expert
@@ -33,7 +36,8 @@ tokens, the routing weights and the experts flow as in one process. An expert's 
 rank of its EP group routed to it; the ranks holding the same experts (the edp · cp group, and tp under
 sequence parallelism when not folded: those tp ranks hold other tokens) sum theirs, and the sum is divided
 by dp · cp, the replicas the loss is averaged over (`ExpertParallel.sync_gradients`; FSDP's divide factor
-under ZeRO-2/3). Every token reaches its experts exactly once per data-parallel replica in both layouts.
+under ZeRO-2/3). Every token reaches its experts exactly once per data-parallel replica in both layouts
+(once per tp slice of them at etp = tp, whose ranks all run every token: no sum over tp).
 """
 
 from __future__ import annotations
@@ -52,6 +56,17 @@ from torch.distributed.tensor import DTensor, Shard
 from autopar.capture.graph import LayerSpec, MoESpec
 from autopar.capture.moe import bank_width
 from autopar.codegen.data_parallel import reduce_gradients
+from autopar.codegen.expert_tp import (
+    FFNSplit,
+    copy_to_tp,
+    ffn_splits,
+    gather_rows,
+    once_over_tp,
+    reduce_from_tp,
+    scatter_rows,
+    tp_placement,
+    tp_slice,
+)
 from autopar.config import ParallelConfig
 from autopar.errors import PlanMismatchError
 
@@ -90,7 +105,7 @@ def all_to_all(x: torch.Tensor, recv: Sequence[int], send: Sequence[int], group:
 def expert_mesh(mesh: DeviceMesh, config: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
     """The experts' view of the dense mesh, ("pp", "edp", "ep_dp", "cp", "tp"); the EP group's 1-D mesh
     (("ep_dp", "tp") flattened when folded, else "ep_dp"); and the flattened group of the ranks that hold
-    the same experts (`expert_grad_axes`)."""
+    the same experts (`expert_grad_axes`; at etp = tp, the same slice of them)."""
     edp_dp = config.dp // config.ep_dp  # the data-parallel part of edp (all of it unless folded)
     view = mesh._unflatten("dp", (edp_dp, config.ep_dp), ("edp", "ep_dp"))
     ep = view["ep_dp", "tp"]._flatten(EP_AXIS) if config.ep_folded else view["ep_dp"]
@@ -100,7 +115,7 @@ def expert_mesh(mesh: DeviceMesh, config: ParallelConfig) -> tuple[DeviceMesh, D
 def expert_grad_axes(config: ParallelConfig) -> tuple[str, ...]:
     """The axes of the ranks holding the same experts: edp and cp, and tp under sequence parallelism when the
     EP group does not fold over tp (each tp rank's MoE block then runs on its own sequence shard)."""
-    if config.sequence_parallel and config.tp > 1 and not config.ep_folded:
+    if config.sequence_parallel and config.tp > 1 and not config.ep_folded and config.etp == 1:
         return ("edp", "cp", "tp")
     return ("edp", "cp")
 
@@ -251,6 +266,10 @@ class ExpertParallel:
         self.tp_group = mesh["tp"].get_group() if self.split else None
         self.tp_rank = mesh["tp"].get_local_rank() if self.split else 0
         self.rank = self.ep_mesh.get_local_rank()
+        # experts tensor-parallel (etp = tp): the tp group their FFN slices sum over, the parameters' 2-D mesh
+        self.etp_group = mesh["tp"].get_group() if config.etp > 1 else None
+        self.etp_rank = mesh["tp"].get_local_rank() if config.etp > 1 else 0
+        self.param_mesh = self.mesh["ep_dp", "tp"] if config.etp > 1 else self.ep_mesh
         self.banks: dict[str, nn.Module] = {}
         self.local_experts: dict[str, int] = {}  # experts of each bank this rank holds (E / ep)
         self.fsdp = False  # the banks' gradients reduced by FSDP (shard_states)
@@ -270,69 +289,115 @@ class ExpertParallel:
             except AttributeError:
                 continue
             check_bank(bank, layer.moe, self.config.ep)
-            self._shard(layer.moe.experts, bank, layer.moe.num_experts)
+            names = _expert_params(bank, layer.moe.num_experts)
+            splits = (ffn_splits(bank, layer.moe, names, self.config.etp,
+                                 bank_width([getattr(bank, n) for n in names], layer.moe.num_experts))
+                      if self.config.etp > 1 else {})
+            self._shard(layer.moe.experts, bank, layer.moe.num_experts, splits)
 
-    def _shard(self, name: str, bank: nn.Module, experts: int) -> None:
+    def _shard(self, name: str, bank: nn.Module, experts: int, splits: dict[str, FFNSplit]) -> None:
         local = experts // self.config.ep
         lo = self.rank * local
         names = _expert_params(bank, experts)
         for n in names:
             p = bank._parameters[n]
-            shard = p.detach()[lo:lo + local].clone()
-            bank._parameters[n] = nn.Parameter(DTensor.from_local(shard, self.ep_mesh, [Shard(0)], run_check=False),
+            shard = p.detach()[lo:lo + local]
+            if n in splits:  # this tp rank's slice of the FFN (expert_tp)
+                shard = tp_slice(shard, splits[n], self.etp_rank, self.config.etp)
+                placements = [Shard(0), tp_placement(splits[n])]
+            else:
+                shard, placements = shard.clone(), [Shard(0)]
+            bank._parameters[n] = nn.Parameter(DTensor.from_local(shard, self.param_mesh, placements, run_check=False),
                                                requires_grad=p.requires_grad)
         counts = [a for a, v in vars(bank).items() if type(v) is int and v == experts]
-        bank.forward = self._dispatching(name, bank, bank.forward, names, counts, local, lo)
+        once = [n for n, sp in splits.items() if sp.dim is None]  # output biases: added once over tp
+        bank.forward = self._dispatching(name, bank, bank.forward, names, counts, local, lo, once)
         self.banks[name] = bank
         self.local_experts[name] = local
 
     def _dispatching(self, name: str, bank: nn.Module, forward, names: list[str], counts: list[str], local: int,
-                     lo: int):
-        group, ep = self.group, self.config.ep
+                     lo: int, once: list[str]):
+        ep, etp = self.config.ep, self.config.etp
+        sp = self.config.sequence_parallel
+
+        def local_params() -> dict[str, torch.Tensor]:
+            out = {}
+            for n in names:  # the bank's code sees its local experts (its tp slice of them) as plain tensors
+                p = bank._parameters[n]
+                p = p.to_local() if isinstance(p, DTensor) else p
+                out[n] = once_over_tp(p, etp) if n in once else p
+            return out
 
         @functools.wraps(forward)
         def run(*args, **kwargs):
             call = _routing_call(name, args, kwargs)
             x, index, weights = call.hidden, call.index, call.weights
-            whole = index.shape[0]
-            if self.split:  # folded: this tp rank's share of the tokens all tp ranks hold
-                x = take_share(x, self.tp_rank, self.tp_group)
-                weights = take_share(weights, self.tp_rank, self.tp_group)
-                index = index[_share(whole, self.config.tp, self.tp_rank)]
-            tokens, k = index.shape
-            expert = index.reshape(-1)
-            dest = torch.div(expert, local, rounding_mode="floor")
-            order = torch.argsort(dest, stable=True)
-            send = torch.bincount(dest, minlength=ep)
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=group)
-            send_n, recv_n = send.tolist(), recv.tolist()
-            token = torch.div(order, k, rounding_mode="floor")
-            rows = all_to_all(x[token], recv_n, send_n, group)
-            row_w = all_to_all(weights.reshape(-1)[order].unsqueeze(1), recv_n, send_n, group)
-            with torch.no_grad():
-                row_e = all_to_all((expert[order] % local).unsqueeze(1), recv_n, send_n, group)
-            held = {n: bank._parameters[n] for n in names}
-            saved = {a: getattr(bank, a) for a in counts}
-            try:
-                for n, p in held.items():  # the bank's code sees its local experts as plain tensors
-                    bank._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
-                for a in counts:
-                    setattr(bank, a, local)
-                out = forward(rows, row_e.to(index.dtype), row_w)
-                # every rank runs every all-to-all's backward, and every expert gets a gradient, even with no rows
-                anchor = rows.sum() + row_w.sum() + sum(bank._parameters[n].reshape(-1)[:1].sum() for n in held)
-                out = out + anchor.to(out.dtype) * 0
-            finally:
-                bank._parameters.update(held)
-                for a, v in saved.items():
-                    setattr(bank, a, v)
-            back = all_to_all(out, send_n, recv_n, group)
-            combined = torch.zeros((tokens, *back.shape[1:]), dtype=back.dtype, device=back.device)
-            out = combined.index_add(0, token, back).to(x.dtype)
-            return gather_shares(out, whole, self.tp_rank, self.tp_group) if self.split else out
+            rows = None
+            if etp > 1 and sp:  # every tp rank runs its tp group's tokens through its slice of the FFN
+                x, rows = gather_rows(x, self.etp_rank, self.etp_group)
+                weights, _ = gather_rows(weights, self.etp_rank, self.etp_group)
+                index, _ = gather_rows(index, self.etp_rank, self.etp_group)
+            elif etp > 1:
+                x, weights = copy_to_tp(x, self.etp_group), copy_to_tp(weights, self.etp_group)
+            out = self._experts(forward, bank, names, counts, local, local_params, x, index, weights) if ep > 1 \
+                else self._run_local(forward, bank, names, local_params, x, index, weights)
+            if etp > 1:
+                out = scatter_rows(out, rows, self.etp_rank, self.etp_group) if sp else \
+                    reduce_from_tp(out, self.etp_group)
+            return out
 
         return run
+
+    def _run_local(self, forward, bank: nn.Module, names: list[str], local_params, x: torch.Tensor,
+                   index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """ep = 1 (etp = tp): the bank's own forward on every token, with its tp slice of each expert."""
+        held = {n: bank._parameters[n] for n in names}
+        try:
+            bank._parameters.update(local_params())
+            return forward(x, index, weights)
+        finally:
+            bank._parameters.update(held)
+
+    def _experts(self, forward, bank: nn.Module, names: list[str], counts: list[str], local: int, local_params,
+                 x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The EP path: dispatch each (token, slot) to its expert's rank, run the bank there, combine."""
+        group, ep = self.group, self.config.ep
+        whole = index.shape[0]
+        if self.split:  # folded: this tp rank's share of the tokens all tp ranks hold
+            x = take_share(x, self.tp_rank, self.tp_group)
+            weights = take_share(weights, self.tp_rank, self.tp_group)
+            index = index[_share(whole, self.config.tp, self.tp_rank)]
+        tokens, k = index.shape
+        expert = index.reshape(-1)
+        dest = torch.div(expert, local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_n, recv_n = send.tolist(), recv.tolist()
+        token = torch.div(order, k, rounding_mode="floor")
+        rows = all_to_all(x[token], recv_n, send_n, group)
+        row_w = all_to_all(weights.reshape(-1)[order].unsqueeze(1), recv_n, send_n, group)
+        with torch.no_grad():
+            row_e = all_to_all((expert[order] % local).unsqueeze(1), recv_n, send_n, group)
+        held = {n: bank._parameters[n] for n in names}
+        saved = {a: getattr(bank, a) for a in counts}
+        try:
+            bank._parameters.update(local_params())
+            for a in counts:
+                setattr(bank, a, local)
+            out = forward(rows, row_e.to(index.dtype), row_w)
+            # every rank runs every all-to-all's backward, and every expert gets a gradient, even with no rows
+            anchor = rows.sum() + row_w.sum() + sum(bank._parameters[n].reshape(-1)[:1].sum() for n in held)
+            out = out + anchor.to(out.dtype) * 0
+        finally:
+            bank._parameters.update(held)
+            for a, v in saved.items():
+                setattr(bank, a, v)
+        back = all_to_all(out, send_n, recv_n, group)
+        combined = torch.zeros((tokens, *back.shape[1:]), dtype=back.dtype, device=back.device)
+        out = combined.index_add(0, token, back).to(x.dtype)
+        return gather_shares(out, whole, self.tp_rank, self.tp_group) if self.split else out
 
     def shard_states(self, *, zero_stage: int, offload_params: bool = False,
                      mp_policy: MixedPrecisionPolicy | None = None) -> set[nn.Parameter]:

@@ -203,7 +203,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                              mesh.mesh.reshape(cfg.pp, cfg.dp * cfg.cp, cfg.tp), cfg.pp)
     pp_rank = mesh["pp"].get_local_rank()
     span = sequence_span(graph) if cfg.sequence_parallel else None
-    experts = ExpertParallel(cfg, mesh) if cfg.ep > 1 else None
+    experts = ExpertParallel(cfg, mesh) if cfg.ep > 1 or cfg.etp > 1 else None
     parts: list[tuple[int, nn.Module]] = []
     token_shard: list[nn.Parameter] = []  # MoE blocks' parameters whose tp ranks saw other tokens (SP)
     failure: BaseException | None = None
