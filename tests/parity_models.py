@@ -224,11 +224,11 @@ def parity_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS, se
     return [parity_case(kind, cfg, steps, seq) for kind, cfg in cases]
 
 
-def check_experts_split(results: list[dict], ep: int) -> None:
-    """Under ep > 1 every bank a rank holds has E / ep = 4 / ep experts (hf_families: 4 experts), and each bank's
-    EP ranks together hold all of them; a pipeline stage of dense layers only holds none."""
+def check_experts_split(results: list[dict], ep: int, etp: int = 1) -> None:
+    """Under ep > 1 (or etp > 1) every bank a rank holds has E / ep = 4 / ep experts (hf_families: 4 experts),
+    and each bank's EP ranks together hold all of them; a pipeline stage of dense layers only holds none."""
     held = [r.get("experts", {}) for r in results]
-    if ep == 1:
+    if ep == 1 and etp == 1:
         assert not any(held), held
         return
     assert any(held) and all(local == 4 // ep for h in held for _, local in h.values()), (results[0]["case"], held)

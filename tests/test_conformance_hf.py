@@ -29,7 +29,7 @@ def _run(cases: list, world_size: int, timeout_s: float = 600.0) -> None:
     per_rank = run_distributed(parity_cases, world_size, cases, STEPS, timeout_s=timeout_s)
     _check(per_rank[0])
     for i, (_, config) in enumerate(cases):
-        check_experts_split([r[i] for r in per_rank], config.get("ep", 1))
+        check_experts_split([r[i] for r in per_rank], config.get("ep", 1), config.get("etp", 1))
     for other in per_rank[1:]:  # the reported loss is the global mean on every rank
         assert [r["losses"] for r in other] == [r["losses"] for r in per_rank[0]]
 
@@ -57,7 +57,10 @@ def test_tp2_dp2_on_four_ranks():
     Mixtral and Qwen3-MoE, expert states owned within the ranks holding them); ep2 under tp2, folded over the
     tp pair (edp2: Mixtral and Qwen3-MoE with sequence parallelism, Qwen3-MoE with ZeRO-2 over edp; DeepSeek,
     whose MLA is refused under SP, splitting its replicated tokens over tp); ep4 folded over tp2 × dp2
-    (Mixtral, Qwen3-MoE: the tokens split over tp, dispatched over all four ranks); and under pp2 1F1B."""
+    (Mixtral, Qwen3-MoE: the tokens split over tp, dispatched over all four ranks); and under pp2 1F1B.
+    Experts tensor-parallel (etp2, autopar.codegen.expert_tp): ep2 over the dp pair, each expert's FFN split
+    over the tp pair, on all four MoE families (Mixtral and Qwen3-MoE under sequence parallelism, Qwen3-MoE
+    with ZeRO-2 over edp, GPT-OSS's interleaved gate|up with biases under ZeRO-1)."""
     from hf_families import MOE_FAMILIES
 
     moe = MOE_FAMILIES[:4]
@@ -67,7 +70,11 @@ def test_tp2_dp2_on_four_ranks():
          + [("mixtral", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
             ("qwen3_moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True, zero_stage=2)),
             ("deepseek_v3", dict(tp=2, dp=2, ep=2))] + [(f, dict(tp=2, dp=2, ep=4)) for f in moe[:2]]
-         + [(f, dict(PP, dp=2, ep=2)) for f in moe], 4)
+         + [(f, dict(PP, dp=2, ep=2)) for f in moe]
+         + [("mixtral", dict(tp=2, dp=2, ep=2, etp=2, sequence_parallel=True)),
+            ("qwen3_moe", dict(tp=2, dp=2, ep=2, etp=2, sequence_parallel=True, zero_stage=2)),
+            ("deepseek_v3", dict(tp=2, dp=2, ep=2, etp=2)), ("gpt_oss", dict(tp=2, dp=2, ep=2, etp=2, zero_stage=1))],
+         4)
 
 
 def test_own_model_with_skip_connection_tied_head_and_root_parameter():
@@ -90,10 +97,11 @@ def test_moe_families_dp_tp_pp():
     run as the model's own code on every layout; Mixtral and Qwen3-MoE also under tp2 × ep2, the experts
     folded over the tp pair (Parallel Folding: each tp rank dispatches half the tokens both hold). Expert
     parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each stage of pp2 × ep2,
-    ep2 × edp2, ep2 and ep4 folded over tp2) and eight (tests/test_eight_ranks.py)."""
+    ep2 × edp2, ep2 and ep4 folded over tp2) and eight (tests/test_eight_ranks.py). GPT-OSS also with its
+    experts tensor-parallel without EP (etp2: biased, interleaved gate|up split over the tp pair)."""
     from hf_families import MOE_FAMILIES
 
     families = MOE_FAMILIES[:4]
     _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families]
          + [(f, PP) for f in families] + [("mixtral", dict(tp=2, sequence_parallel=True))]
-         + [(f, dict(tp=2, ep=2)) for f in families[:2]], 2)
+         + [(f, dict(tp=2, ep=2)) for f in families[:2]] + [("gpt_oss", dict(tp=2, etp=2))], 2)

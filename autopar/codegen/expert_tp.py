@@ -76,20 +76,21 @@ def tp_placement(split: FFNSplit) -> Placement:
 
 def _options(p: torch.Tensor, ffn: int, tp: int) -> list[FFNSplit]:
     """The splits of a stacked parameter [E, ...] consistent with FFN width `ffn` over tp ranks, likeliest
-    first; an output bias ([E, n] with no FFN-wide dimension) is held whole."""
+    first; a vector per expert ([E, n]) may also be an output bias, held whole."""
     out: list[FFNSplit] = []
     for d in range(1, p.dim()):
         if p.shape[d] == 2 * ffn and ffn % tp == 0:
             out += [FFNSplit(d, halves=True), FFNSplit(d)]
         elif p.shape[d] == ffn and ffn % tp == 0:
             out.append(FFNSplit(d))
-    return out or ([FFNSplit(None)] if p.dim() == 2 else [])
+    return out + ([FFNSplit(None)] if p.dim() == 2 else [])  # [E, n]: perhaps an output bias (n may be 2·F)
 
 
 @torch.no_grad()
 def ffn_splits(bank: nn.Module, spec: MoESpec, names: Sequence[str], tp: int, hidden: int) -> dict[str, FFNSplit]:
-    """Each stacked parameter's split over tp (module docstring), checked on the real weights: the bank's
-    outputs on the tp slices sum to its whole output. Refuses, naming the bank, what no split fits."""
+    """Each stacked parameter's split over tp (module docstring), checked on random weights of the bank's
+    shapes (real ones may be degenerate: biases initialised to zero fit any split): the bank's outputs on the
+    tp slices sum to its whole output. Refuses, naming the bank, what no split fits."""
     name, ffn = spec.experts, spec.ffn_hidden_size
     options = {n: _options(getattr(bank, n), ffn, tp) for n in names}
     if ffn <= 0 or ffn % tp or any(not o for o in options.values()):
@@ -102,11 +103,13 @@ def ffn_splits(bank: nn.Module, spec: MoESpec, names: Sequence[str], tp: int, hi
     x = torch.randn(tokens, hidden, generator=gen).to(p.device, p.dtype)
     index = torch.stack([torch.randperm(spec.num_experts, generator=gen)[:k] for _ in range(tokens)]).to(p.device)
     w = torch.rand(tokens, k, generator=gen).to(p.device, p.dtype)
-    whole = bank(x, index, w)
-    tol = max(1e-4, 16 * torch.finfo(p.dtype).eps) * float(whole.abs().max())
     held = {n: bank._parameters[n] for n in names}
+    probe = {n: torch.randn(held[n].shape, generator=gen).to(p.device, p.dtype) for n in names}
     tried = 0
     try:
+        bank._parameters.update({n: nn.Parameter(t) for n, t in probe.items()})
+        whole = bank(x, index, w)
+        tol = max(1e-4, 16 * torch.finfo(p.dtype).eps) * float(whole.abs().max())
         for choice in itertools.product(*(options[n] for n in names)):
             tried += 1
             splits = dict(zip(names, choice, strict=True))
@@ -114,7 +117,7 @@ def ffn_splits(bank: nn.Module, spec: MoESpec, names: Sequence[str], tp: int, hi
             try:
                 for r in range(tp):
                     for n, s in splits.items():
-                        part = tp_slice(held[n], s, r, tp)
+                        part = tp_slice(probe[n], s, r, tp)
                         bank._parameters[n] = nn.Parameter(part / tp if s.dim is None else part)
                     total += bank(x, index, w)
             except (RuntimeError, ValueError, IndexError):  # shapes that do not chain: not this split
