@@ -18,6 +18,7 @@ from hf_families import build_family
 from torch import nn
 
 from autopar.capture.graph import MoESpec
+from autopar.codegen.expert_tp import FFNSplit, ffn_splits, tp_slice
 from autopar.codegen.experts import check_bank
 from autopar.errors import PlanMismatchError
 
@@ -145,3 +146,68 @@ def test_token_share_split_and_gather_are_each_others_backward():
         assert torch.equal(r["y"], x * scale)
         assert torch.equal(r["grad"], (scale * torch.arange(5.0).unsqueeze(1)).expand(5, 3))
     assert [r["rows"] for r in out] == [3, 2]
+
+
+# ---- experts tensor-parallel (etp = tp): the FFN split found from the data flow, or refused by name ----
+
+def _bank_spec(model, bank: str) -> MoESpec:
+    import autopar
+
+    graph = autopar.capture(model, (torch.zeros(1, 8, dtype=torch.long),))
+    return next(la.moe for la in graph.layers if la.moe is not None and la.moe.experts == bank)
+
+
+@pytest.mark.parametrize(("family", "want"), [
+    # [gate; up] chunked in two along dim 1 (each half split apart), down row-parallel over its last dim
+    ("mixtral", {"gate_up_proj": FFNSplit(1, halves=True), "down_proj": FFNSplit(2)}),
+    # transposed, gate and up interleaved along the last dim (a block of pairs per rank), biases: the FFN one
+    # split with its columns, the output one held whole (added once)
+    ("gpt_oss", {"gate_up_proj": FFNSplit(2), "gate_up_proj_bias": FFNSplit(1), "down_proj": FFNSplit(1),
+                 "down_proj_bias": FFNSplit(None)}),
+])
+def test_ffn_split_found_from_the_data_flow(family, want):
+    """Which dimension of each stacked parameter is the FFN's, and how gate|up lies in it, from the bank's
+    outputs alone; the tp slices' outputs sum to the whole bank's on the real weights too."""
+    model = build_family(family)
+    name = "model.layers.0.mlp.experts"
+    bank, spec = model.get_submodule(name), _bank_spec(model, name)
+    splits = ffn_splits(bank, spec, list(want), 2, 64)
+    assert splits == want
+    x, index, w = torch.randn(5, 64), torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 1]]), torch.rand(5, 2)
+    whole = bank(x, index, w)
+    held = dict(bank._parameters)
+    total = torch.zeros_like(whole)
+    for r in range(2):
+        for n, s in splits.items():
+            part = tp_slice(held[n], s, r, 2)
+            bank._parameters[n] = nn.Parameter(part / 2 if s.dim is None else part)
+        total += bank(x, index, w)
+    bank._parameters.update(held)
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-6)
+
+
+class _NormedFFNBank(nn.Module):
+    """Experts that normalise the FFN activation over its whole width: no tp slice computes its share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4, 16, 8))
+        self.down = nn.Parameter(torch.randn(4, 8, 16))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for j in range(index.shape[1]):
+            h = torch.einsum("th,tfh->tf", x, self.up[index[:, j]])
+            h = torch.nn.functional.layer_norm(h, h.shape[-1:])
+            out = out + torch.einsum("tf,thf->th", h, self.down[index[:, j]]) * weights[:, j:j + 1]
+        return out
+
+
+def test_ffn_split_refused_by_name():
+    spec = MoESpec(experts="blk.experts", router=None, block="blk", num_experts=4, top_k=2, expert_params=0,
+                   expert_param_bytes=0, ffn_hidden_size=16)
+    with pytest.raises(PlanMismatchError, match=r"'blk.experts' \(_NormedFFNBank\): none of .* ways of splitting "
+                                                r"its FFN width 16 over tp=2.*etp=1"):
+        ffn_splits(_NormedFFNBank(), spec, ["up", "down"], 2, 8)
+    with pytest.raises(PlanMismatchError, match=r"'blk.experts'.*FFN width 16 cannot be split over tp=3.*etp=1"):
+        ffn_splits(_NormedFFNBank(), spec, ["up", "down"], 3, 8)

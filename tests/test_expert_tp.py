@@ -193,3 +193,30 @@ def test_cli_etp_flag_show_explain_diff(tmp_path, capsys) -> None:
     assert row.split() == ["*", "etp", "2", "1"]
     assert main(["plan", model, *common, "--etp", "4"]) == 1
     assert "etp=4" in capsys.readouterr().err
+
+
+def test_plan_with_etp_is_the_brute_force_minimum(moe) -> None:
+    """With tp pinned to 2 on 4 ranks, the planner's optimum over ep and etp is the minimum of every layout
+    priced one by one (tests/test_planner_search.py's enumeration, ep and etp written out from their rules:
+    etp = 2 needs ep to divide dp; at etp = 1, ep folds over tp where tp divides it) and every cut and
+    recompute assignment (test_ilp.brute_force)."""
+    from test_ilp import brute_force
+    from test_planner_search import every_layout
+
+    g = moe
+    cluster = fake_cluster(nodes=1, per_node=4, intra_GBps=50)
+    costs = CostModel.for_cluster(g, cluster)
+    best, n = None, 0
+    for base in (b for b in every_layout(g, 4, 4, 4, PlannerOptions().max_virtual_stages) if b.tp == 2):
+        for ep, etp in ((e, t) for e in (1, 2, 4) for t in (1, 2)):
+            fits = base.dp % ep == 0 if etp == 2 else base.dp % (ep // 2 if ep % 2 == 0 else ep) == 0
+            if not fits:
+                continue
+            c = dataclasses.replace(base, ep=ep, etp=etp)
+            n += 1
+            val = brute_force(costs.problem(c))
+            if val is not None and (best is None or val < best[0]):
+                best = (val, c)
+    plan = autopar.plan(g, cluster, global_batch_size=4, options=PlannerOptions(tp=2, top_k=0, offload="none"))
+    assert n > 50 and plan.solver.gap == 0.0
+    assert plan.estimate.step_time_s == pytest.approx(best[0], rel=1e-7)
