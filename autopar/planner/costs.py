@@ -91,6 +91,7 @@ class CostModel:
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
                               host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p, ep_dispatcher=ep_dispatcher)
         self._runs = lru_cache(maxsize=None)(self._run_list)
+        self._run_of = lru_cache(maxsize=None)(self._one_run)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
@@ -130,6 +131,12 @@ class CostModel:
                             grad_sync_latency_s=self.comm.dp_tail(c).fixed_s + self.comm.expert_tail(c).fixed_s)
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
+        # a run without experts is priced alike at every ep and etp: one Run shared by those candidates
+        dense = dataclasses.replace(c, ep=1, etp=1)
+        return tuple(self._run_of(ri, c if group[0].moe is not None else dense)
+                     for ri, group in enumerate(self.memory.runs))
+
+    def _one_run(self, ri: int, c: Candidate) -> Run:
         mem, comm = self.memory, self.comm
         tail, expert_tail = comm.dp_tail(c), comm.expert_tail(c)  # dense gradients over dp·cp, experts' apart
         group_size = c.shard_group  # ranks averaging gradients and sharding ZeRO states: dp·cp
@@ -137,69 +144,67 @@ class CostModel:
         overlaps = self.backend == "nccl" and c.zero_stage >= 2 and group_size > 1  # module docstring: what hides
         sp, mbs = c.sequence_parallel, c.tokens_share  # each rank runs 1/cp of every sequence
         gathered = mem.fp8_gathered(c)
-        runs = []
-        for ri, group in enumerate(mem.runs):
-            t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group, c.etp)
-            tp = comm.tp_times(ri, c.tp, sp, mbs)
-            ep = comm.ep_times(ri, c.tp, sp, mbs, c.ep, c.cp, c.etp)  # expert all-to-alls (and etp sums): as tp_comm
-            amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
-            cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
-                                attention_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, backward=b)
-                                                  for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
-                                attention_full_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, False, b)
-                                                       for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
-                                collective_s=comm.collective_s, devices_per_node=self.devices_per_node)
-            bn_fwd, bn_bwd = comm.batch_norm_s(ri, c)  # batch-norm statistics over dp: counted as tp_comm too
-            # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
-            tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd + cp.forward_s
-            tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd + cp.backward_s
-            # a mode that runs the forward again runs its TP collectives (and K/V all-gather) again; every
-            # recompute mode gathers K/V again (selective policies do not see the gather: cp_costs)
-            rec = tuple(r + tp_fwd if again else r + cp.forward_s if k != "none" else r
-                        for r, again, k in zip(t.recompute_s, t.recompute_tp, MODES, strict=True))
-            compute_s = t.compute_s + cp.attention_extra_s
-            # the runtime's sum of the micro-batches' weight gradients (cost_models.pipeline.GRAD_ACCUMULATION):
-            # a pass in every backward but the first micro-batch's, spread over the m micro-batches
-            if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
-                m = c.num_microbatches
-                compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
-            saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile)
-            acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
-                         for a, k in zip(saved, MODES, strict=True))
-            local = mem.run_local_params(ri, c.tp, c.ep, c.etp)
-            grad_bytes = mem.grad_bytes(local)
-            # the experts' gradients (their share of the layer's) reduce over the ranks holding them
-            expert_share = mem.local_expert_params(group[0], c.ep, c.etp) / local if local > 0 else 0.0
-            gather = mem.gathered_bytes(ri, c.tp, True, c.ep, c.etp) if gathered else None
-            # offload="params": every gather copies the shard in from the host, the reduce-scatter's goes back
-            copy = (mem.offload.gather_copy_s(grad_bytes / group_size) if c.offload == "params" and grad_bytes > 0
-                    else 0.0)
-            parts = tuple((pt, grad_bytes * s, gather * s if gather is not None else None,
-                           mem.offload.gather_copy_s(grad_bytes * s / pt.dp) if copy else 0.0)
-                          for pt, s in ((tail, 1.0 - expert_share), (expert_tail, expert_share)) if s > 0)
-            host_step = mem.offload.step_s(local / shards, c.offload)
-            if c.offload == "params" and tail.gathers_per_step == 0:  # one rank: FSDP copies without collectives
-                host_step += (2 * c.num_microbatches + 1) * copy
-            # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
-            hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
-            device_opt = 0.0 if c.offload != "none" else self.compute.optimizer_s(ri, c.tp, shards, c.ep, c.etp)
-            runs.append(Run(
-                name=group[0].name, count=len(group), layer_names=tuple(la.name for la in group),
-                time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),
-                compute_s=(compute_s + hooks,) * len(MODES),
-                recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
-                act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload,
-                                                             mem.pipelined(c), c.etp),
-                # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
-                backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
-                                     t.backward_s + cp.attention_extra_backward_s)
-                if overlaps else 0.0,
-                grad_sync_s=(sum(pt.layer_s(g, gb, cs) for pt, g, gb, cs in parts) + tp["step"]
-                             + comm.shared_sync_s(ri, c) + (comm.fp8_scales_s(c) if ri == 0 else 0.0)),
-                optimizer_s=device_opt + host_step + opt_host,
-                send_s=comm.send_s(ri, c.tp, sp, mbs), host_s=t.host_s + hooks,
-                optimizer_host_s=self.compute.optimizer_host_s(ri, c.tp, shards) + opt_host))
-        return tuple(runs)
+        group = mem.runs[ri]
+        t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group, c.etp)
+        tp = comm.tp_times(ri, c.tp, sp, mbs)
+        ep = comm.ep_times(ri, c.tp, sp, mbs, c.ep, c.cp, c.etp)  # expert all-to-alls (and etp sums): as tp_comm
+        amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
+        cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
+                            attention_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, backward=b)
+                                              for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
+                            attention_full_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, False, b)
+                                                   for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
+                            collective_s=comm.collective_s, devices_per_node=self.devices_per_node)
+        bn_fwd, bn_bwd = comm.batch_norm_s(ri, c)  # batch-norm statistics over dp: counted as tp_comm too
+        # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
+        tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd + cp.forward_s
+        tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd + cp.backward_s
+        # a mode that runs the forward again runs its TP collectives (and K/V all-gather) again; every
+        # recompute mode gathers K/V again (selective policies do not see the gather: cp_costs)
+        rec = tuple(r + tp_fwd if again else r + cp.forward_s if k != "none" else r
+                    for r, again, k in zip(t.recompute_s, t.recompute_tp, MODES, strict=True))
+        compute_s = t.compute_s + cp.attention_extra_s
+        # the runtime's sum of the micro-batches' weight gradients (cost_models.pipeline.GRAD_ACCUMULATION):
+        # a pass in every backward but the first micro-batch's, spread over the m micro-batches
+        if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
+            m = c.num_microbatches
+            compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
+        saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile)
+        acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
+                     for a, k in zip(saved, MODES, strict=True))
+        local = mem.run_local_params(ri, c.tp, c.ep, c.etp)
+        grad_bytes = mem.grad_bytes(local)
+        # the experts' gradients (their share of the layer's) reduce over the ranks holding them
+        expert_share = mem.local_expert_params(group[0], c.ep, c.etp) / local if local > 0 else 0.0
+        gather = mem.gathered_bytes(ri, c.tp, True, c.ep, c.etp) if gathered else None
+        # offload="params": every gather copies the shard in from the host, the reduce-scatter's goes back
+        copy = (mem.offload.gather_copy_s(grad_bytes / group_size) if c.offload == "params" and grad_bytes > 0
+                else 0.0)
+        parts = tuple((pt, grad_bytes * s, gather * s if gather is not None else None,
+                       mem.offload.gather_copy_s(grad_bytes * s / pt.dp) if copy else 0.0)
+                      for pt, s in ((tail, 1.0 - expert_share), (expert_tail, expert_share)) if s > 0)
+        host_step = mem.offload.step_s(local / shards, c.offload)
+        if c.offload == "params" and tail.gathers_per_step == 0:  # one rank: FSDP copies without collectives
+            host_step += (2 * c.num_microbatches + 1) * copy
+        # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
+        hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
+        device_opt = 0.0 if c.offload != "none" else self.compute.optimizer_s(ri, c.tp, shards, c.ep, c.etp)
+        return Run(
+            name=group[0].name, count=len(group), layer_names=tuple(la.name for la in group),
+            time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),
+            compute_s=(compute_s + hooks,) * len(MODES),
+            recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
+            act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload,
+                                                         mem.pipelined(c), c.etp),
+            # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
+            backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
+                                 t.backward_s + cp.attention_extra_backward_s)
+            if overlaps else 0.0,
+            grad_sync_s=(sum(pt.layer_s(g, gb, cs) for pt, g, gb, cs in parts) + tp["step"]
+                         + comm.shared_sync_s(ri, c) + (comm.fp8_scales_s(c) if ri == 0 else 0.0)),
+            optimizer_s=device_opt + host_step + opt_host,
+            send_s=comm.send_s(ri, c.tp, sp, mbs), host_s=t.host_s + hooks,
+            optimizer_host_s=self.compute.optimizer_host_s(ri, c.tp, shards) + opt_host)
 
 
 def _hidden_s(parts: tuple, forward_s: float, backward_s: float) -> float:
