@@ -9,6 +9,8 @@ direction. Here one training step of transformers' Mixtral runs on two gloo rank
 `torch.distributed.tensor.debug.CommDebugMode` (torch's own tally of the c10d ops) and a dispatch mode that
 records each collective's buffer: the hidden-row all-to-alls and all-gathers must be exactly the priced ones,
 in count and in bytes, and the routing metadata beside them (token counts, routing weights, expert ids) small.
+With the experts tensor-parallel (etp = tp) the tp collectives around the bank (autopar.codegen.expert_tp)
+are recorded as the runtime issues them and set against `etp_collectives`, without and with SP.
 """
 
 from __future__ import annotations
@@ -113,3 +115,77 @@ def test_expert_parallel_collectives_are_the_priced_ones():
         rows = [[b for p, b, w, d in res[i]["sends"] if p == "forward" and w == res[i]["hidden"]
                  and d.is_floating_point] for res in per_rank]
         assert sum(sum(f[1::2]) for f in rows) == sum(sum(f[0::2]) for f in rows), (config, rows)
+
+
+# ---- experts tensor-parallel (etp = tp): the tp collectives around the bank, as autopar.codegen.expert_tp
+# issues them, against comm_costs.etp_collectives ----
+
+ETP_CASES = (dict(tp=2, etp=2), dict(tp=2, etp=2, sequence_parallel=True))
+
+
+class _Recorded:
+    """torch.distributed as expert_tp sees it, each collective recorded as (phase, op, bytes): an all-reduce
+    its tensor, an all-gather its gathered output, a reduce-scatter its input."""
+
+    def __init__(self, real, calls: list) -> None:
+        self._real, self._calls = real, calls
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._real, name)
+        if name not in ("all_reduce", "all_gather", "reduce_scatter_tensor"):
+            return fn
+
+        def recorded(*args, **kwargs):
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            t = args[1] if name != "all_reduce" else args[0]
+            n = t.numel() * t.element_size()
+            if name == "all_gather":
+                n *= len(args[0])
+            if not (name == "all_gather" and t.numel() == 1):  # the row counts exchanged first: metadata
+                self._calls.append((phase, name, n))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+
+def _etp_step(cases: tuple[dict, ...]) -> list[dict]:
+    """In every rank: one training step per case, expert_tp's collectives recorded, beside the priced ones."""
+    from parity_models import batches, build_model, graph_of, make_plan, optimizer
+
+    import autopar.codegen.expert_tp as expert_tp
+    from autopar.codegen import lm_cross_entropy, parallelize
+    from autopar.planner.comm_costs import etp_collectives
+
+    out, graph = [], None
+    for config in cases:
+        model = build_model("mixtral")
+        graph = graph or graph_of("mixtral", model)
+        plan = make_plan(graph, **config)
+        pm = parallelize(model, plan, graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
+        (x, t), = batches(1)
+        calls: list = []
+        real, expert_tp.dist = expert_tp.dist, _Recorded(expert_tp.dist, calls)
+        try:
+            pm.train_step(pm.local_batch(x), pm.local_batch(t))
+        finally:
+            expert_tp.dist = real
+        cfg = plan.config
+        moe = [la.moe for la in graph.layers if la.moe is not None]
+        priced = etp_collectives(moe[0], cfg.micro_batch_size, cfg.sequence_parallel, model.config.hidden_size)
+        out.append({"calls": calls, "layers": len(moe), "priced": list(priced)})
+    return out
+
+
+def test_expert_tensor_parallel_collectives_are_the_priced_ones():
+    """Per MoE layer, forward and backward, the runtime's tp collectives are the priced ones in op and bytes
+    (gloo has no reduce-scatter: the runtime all-reduces the same input and keeps its rows)."""
+    from collections import Counter
+
+    per_rank = run_distributed(_etp_step, 2, ETP_CASES)
+    for i, config in enumerate(ETP_CASES):
+        for results in per_rank:
+            r = results[i]
+            want = Counter({(p, "all_reduce" if op == "reduce_scatter" else op, int(n)): k * r["layers"]
+                            for (p, op, n), k in Counter(r["priced"]).items()})
+            got = Counter((p, {"reduce_scatter_tensor": "all_reduce"}.get(op, op), n) for p, op, n in r["calls"])
+            assert got == want, (config, got, want)

@@ -7,7 +7,9 @@ DeepSeek-V3 with multi-head latent attention and a shared expert, GPT-OSS with b
 ep2 on 2 ranks, and folded over tp2 (Parallel Folding); ep2 × edp2 (dp4), ep2 folded over tp2 (edp2), ep4
 folded over tp2 × dp2 and ep2 under pp2 on 4 ranks; ep2 × pp2 × edp2 with ZeRO-3 on 8 ranks; 3 AdamW steps
 against one process, losses, weights and gradients within rtol 1e-4, each bank's experts
-split E / ep per rank.
+split E / ep per rank; and experts tensor-parallel (etp2: ep2 over dp2, each expert's FFN split over the tp
+pair) on all four families on 4 ranks, GPT-OSS at etp2 without EP on 2. Here, in one process: the refusals,
+and the FFN split each bank's data flow shows (autopar.codegen.expert_tp).
 """
 
 from __future__ import annotations

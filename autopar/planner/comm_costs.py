@@ -65,7 +65,7 @@ from cost_models import fleet
 from cost_models.comm import PIPELINE_P2P, CommModel
 from cost_models.compute import ComputeModel
 
-__all__ = ["CommCosts", "AMAX_BYTES", "ep_collective_bytes"]
+__all__ = ["CommCosts", "AMAX_BYTES", "etp_collectives", "ep_collective_bytes"]
 
 AMAX_BYTES = 4  # one fp32 amax (torchao reduces amaxes in fp32)
 
@@ -80,6 +80,22 @@ def ep_collective_bytes(moe: MoESpec, tp: int, sp: bool, ep: int, mbs: float, et
     send = moe.dispatch_bytes_per_sample * mbs * moe_token_share(tp, sp, ep, etp)
     gathered = moe.dispatch_bytes_per_sample / moe.top_k * mbs if ep_folds(tp, ep, etp) and not sp else 0.0
     return send, gathered
+
+def etp_collectives(moe: MoESpec, mbs: float, sp: bool, hidden: int) -> tuple[tuple[str, str, float], ...]:
+    """(phase, op, bytes) of the tp collectives around one MoE layer's bank split over the tp ranks (etp = tp),
+    per micro-batch of `mbs` samples, as autopar.codegen.expert_tp issues them (tests/test_ep_collectives.py
+    counts them in a real run): on the tokens [T, H] and the routing weights [T, k] in the model dtype and,
+    under SP, the expert choices [T, k] in int64. The reduce-scatter's bytes are its input (the gathered rows)."""
+    tokens = moe.dispatch_bytes_per_sample / moe.top_k * mbs
+    weights = moe.dispatch_bytes_per_sample / hidden * mbs if hidden else 0.0
+    choices = 8.0 * moe.tokens_per_sample * moe.top_k * mbs
+    if not sp:
+        return (("forward", "all_reduce", tokens), ("backward", "all_reduce", tokens),
+                ("backward", "all_reduce", weights))
+    return (("forward", "all_gather", tokens), ("forward", "all_gather", weights), ("forward", "all_gather", choices),
+            ("forward", "reduce_scatter", tokens), ("backward", "reduce_scatter", tokens),
+            ("backward", "reduce_scatter", weights), ("backward", "all_gather", tokens))
+
 
 class CommCosts:
     """Seconds of communication per layer, stage boundary and step; cached per (run, tp, …) and per layout."""
@@ -178,24 +194,15 @@ class CommCosts:
         fwd, bwd = self._etp_reduction_s(moe, mbs, sp, etp)
         return {"forward": 2 * one + gather + fwd, "backward": 2 * one + gather + bwd}
 
-    def _etp_reduction_s(self, moe, mbs: float, sp: bool, etp: int) -> tuple[float, float]:
+    def _etp_reduction_s(self, moe: MoESpec, mbs: float, sp: bool, etp: int) -> tuple[float, float]:
         """(forward, backward) seconds of the tp collectives around an expert bank split over etp = tp ranks
-        (module docstring), on the micro-batch's tokens [T, H], routing weights and expert choices [T, k]."""
+        (module docstring; `etp_collectives`)."""
         if etp == 1:
             return 0.0, 0.0
-        tokens = moe.dispatch_bytes_per_sample / moe.top_k * mbs  # [T, H] in the model dtype
-        hidden = self.graph.hidden_size or 0
-        weights = moe.dispatch_bytes_per_sample / hidden * mbs if hidden else 0.0  # [T, k], same dtype
-        choices = 8.0 * moe.tokens_per_sample * moe.top_k * mbs  # [T, k] int64
-
-        def c(op: str, n: float) -> float:
-            return self.collective_s(op, n, etp, etp)
-
-        if not sp:
-            return c("all_reduce", tokens), c("all_reduce", tokens) + c("all_reduce", weights)
-        return (c("all_gather", tokens) + c("all_gather", weights) + c("all_gather", choices)
-                + c("reduce_scatter", tokens),
-                c("reduce_scatter", tokens) + c("reduce_scatter", weights) + c("all_gather", tokens))
+        t = {"forward": 0.0, "backward": 0.0}
+        for phase, op, n in etp_collectives(moe, mbs, sp, self.graph.hidden_size or 0):
+            t[phase] += self.collective_s(op, n, etp, etp)
+        return t["forward"], t["backward"]
 
     # ---- FP8 scales ----
     def fp8_amax_s(self, ri: int, c: Candidate) -> float:
