@@ -83,16 +83,16 @@ def test_bank_refused_by_name(bank, message):
 
 # ---- checkpoints: expert-parallel state resharded by DCP into another layout ----
 
-def _save_under_ep_load_without(path: str) -> dict:
-    """Train Mixtral one step under ep2 (ZeRO-1), save; load into ep1 with ZeRO-3 (experts whole, every state
-    sharded over dp instead): the full weights and the next two steps' losses (the second after an AdamW
-    step on the loaded moments) must be those of the saved run."""
+def _save_under_ep_load_without(path: str, saved_layout: dict | None = None) -> dict:
+    """Train Mixtral one step under ep2 (ZeRO-1; or `saved_layout`), save; load into ep1 with ZeRO-3 (experts
+    whole, every state sharded over dp instead): the full weights and the next two steps' losses (the second
+    after an AdamW step on the loaded moments) must be those of the saved run."""
     from parity_models import batches, build_model, graph_of, make_plan, optimizer
 
     from autopar.codegen import lm_cross_entropy, parallelize
 
     data, out = batches(3), {}
-    for name, layout in [("ep2", dict(dp=2, ep=2, zero_stage=1)), ("ep1", dict(dp=2, zero_stage=3))]:
+    for name, layout in [("ep2", saved_layout or dict(dp=2, ep=2, zero_stage=1)), ("ep1", dict(dp=2, zero_stage=3))]:
         model = build_model("mixtral")
         graph = graph_of("mixtral", model)
         pm = parallelize(model, make_plan(graph, **layout), graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
@@ -117,6 +117,18 @@ def test_expert_parallel_checkpoint_loads_into_another_layout(tmp_path):
     assert out["split"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert out["max_weight_diff"] == 0.0
     assert out["losses_ep1"] == pytest.approx(out["losses_ep2"], rel=1e-5)  # weights, then moments, restored
+
+
+@pytest.mark.multiproc
+def test_expert_tensor_parallel_checkpoint_loads_into_another_layout(tmp_path):
+    """Saved with each expert's [gate; up] halves split over tp2 (etp2: a strided shard, which DCP writes
+    replicated over tp), loaded into dp2 with ZeRO-3: the same weights and next losses."""
+    from dist_harness import run_distributed
+
+    out = run_distributed(_save_under_ep_load_without, 2, str(tmp_path / "ck"), dict(tp=2, etp=2, zero_stage=1))[0]
+    assert out["split"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert out["max_weight_diff"] == 0.0
+    assert out["losses_ep1"] == pytest.approx(out["losses_ep2"], rel=1e-5)
 
 
 # ---- the folded layout's token split over tp (uneven shares) ----

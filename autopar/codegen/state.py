@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.codegen.offload import HostOptimizer
 
@@ -156,9 +157,28 @@ def init_optimizer_state(optimizer: Optimizer | None,
             p.grad = None
 
 
+def _strided_alone(value: Any) -> tuple[Placement, ...] | None:
+    """For a DTensor whose shard is not one block of the global tensor, a _StridedShard the only placement
+    splitting its tensor dim (an expert's [gate; up] halves split over tp, autopar.codegen.expert_tp), the
+    placements DCP can write and read (that one replicated); None for every other value."""
+    if not isinstance(value, DTensor):
+        return None
+    places = value.placements
+    alone = [i for i, p in enumerate(places) if isinstance(p, _StridedShard)
+             and sum(isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in places) == 1]
+    return tuple(Replicate() if i in alone else p for i, p in enumerate(places)) if alone else None
+
+
+def _writable(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with each strided value (`_strided_alone`) replicated over the mesh dim that strides it."""
+    return {k: v.redistribute(v.device_mesh, places) if (places := _strided_alone(v)) else v
+            for k, v in state.items()}
+
+
 def save(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None) -> None:
     """Sharded checkpoint of model and optimizer state by parameter name (collective)."""
-    dcp.save({"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}, checkpoint_id=path)
+    dcp.save({"model": _writable(model_state(parts)), "optim": _writable(optimizer_state(optimizer, parts))},
+             checkpoint_id=path)
 
 
 def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
@@ -167,8 +187,14 @@ def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
     saved global tensor its shard covers, whatever layout (tp, pp, dp, ZeRO stage, world size) saved it.
     The optimizer's hyper-parameters are restored too (collective)."""
     init_optimizer_state(optimizer, updates)
-    state = {"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}
+    live = {"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}
+    state = {k: _writable(v) for k, v in live.items()}
     dcp.load(state, checkpoint_id=path, **dcp_kwargs)  # tensors in place; plain values come back in `state`
+    with torch.no_grad():  # strided values were read replicated: this rank's slice back into the live tensor
+        for group, values in live.items():
+            for k, v in values.items():
+                if _strided_alone(v):
+                    v.to_local().copy_(state[group][k].redistribute(v.device_mesh, v.placements).to_local())
     restore_scalars(state["optim"], optimizer, parts)
 
 
