@@ -339,7 +339,7 @@ class ExpertParallel:
                 index, _ = gather_rows(index, self.etp_rank, self.etp_group)
             elif etp > 1:
                 x, weights = copy_to_tp(x, self.etp_group), copy_to_tp(weights, self.etp_group)
-            out = self._experts(forward, bank, names, counts, local, local_params, x, index, weights) if ep > 1 \
+            out = self._dispatched(forward, bank, names, counts, local, local_params, x, index, weights) if ep > 1 \
                 else self._run_local(forward, bank, names, local_params, x, index, weights)
             if etp > 1:
                 out = scatter_rows(out, rows, self.etp_rank, self.etp_group) if sp else \
@@ -358,7 +358,7 @@ class ExpertParallel:
         finally:
             bank._parameters.update(held)
 
-    def _experts(self, forward, bank: nn.Module, names: list[str], counts: list[str], local: int, local_params,
+    def _dispatched(self, forward, bank: nn.Module, names: list[str], counts: list[str], local: int, local_params,
                  x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The EP path: dispatch each (token, slot) to its expert's rank, run the bank there, combine."""
         group, ep = self.group, self.config.ep
