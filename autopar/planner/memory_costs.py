@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from autopar.capture.graph import LayerSpec, ModelGraph
 from autopar.config import expert_dp
@@ -395,12 +395,15 @@ class MemoryCosts:
         there is nothing beyond the activations."""
         if pp == 1 or self.pipeline_memory == "megatron":
             return 0.0
-        layers = self.graph.layers[:-1]  # a cut never follows the last layer
-        boundary = max((la.boundary_bytes for la in layers), default=0)
-        one = self.act_scale * boundary * mbs / (tp if sp else 1) / cp
+        one = self.act_scale * self._largest_boundary_bytes * mbs / (tp if sp else 1) / cp
         receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
         sending = v - (1 if q == pp - 1 else 0)  # nor its last
         return one * (receiving * (m - inflight) + sending * (inflight + m))
+
+    @cached_property
+    def _largest_boundary_bytes(self) -> int:
+        """The largest stage-boundary tensor the graph has (a cut never follows the last layer)."""
+        return max((la.boundary_bytes for la in self.graph.layers[:-1]), default=0)
 
     def memory_breakdown(self, c: Candidate, layer_names_by_rank: list[list[str]], act_bytes_by_rank: list[float],
                          workspace_by_rank: list[float]) -> list[dict[str, int]]:
