@@ -19,7 +19,7 @@ import torch
 from hf_families import build_family
 from torch import nn
 
-from autopar.capture.graph import MoESpec
+from autopar.capture.moe_spec import MoESpec
 from autopar.codegen.expert_tp import FFNSplit, ffn_splits, tp_slice
 from autopar.codegen.experts import check_bank
 from autopar.errors import PlanMismatchError

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.capture.graph import MoESpec
+from autopar.capture.moe_spec import MoESpec
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.planner.costs import CostModel

@@ -15,13 +15,13 @@ from autopar.capture.graph import (
     KernelMix,
     LayerSpec,
     ModelGraph,
-    MoESpec,
     SharedParam,
     TPPattern,
     merge_kernels,
 )
 from autopar.capture.layers import LayerGroup
 from autopar.capture.moe import DEFAULT_LOAD_IMBALANCE, find_moe
+from autopar.capture.moe_spec import MoESpec
 from autopar.capture.probe import CallStats
 from autopar.capture.record import Recording
 from autopar.capture.units import CONTAINERS

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from autopar.capture.graph import MoESpec
+from autopar.capture.moe_spec import MoESpec
 
 __all__ = ["GROUPED_MM_OPS", "grouped_mm_any_dtype", "grouped_mm_groups", "find_moe", "bank_width",
            "record_bank_calls", "DEFAULT_LOAD_IMBALANCE"]

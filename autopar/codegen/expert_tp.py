@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.capture.graph import MoESpec
+from autopar.capture.moe_spec import MoESpec
 from autopar.errors import PlanMismatchError
 
 __all__ = ["FFNSplit", "ffn_splits", "tp_slice", "tp_placement", "copy_to_tp", "reduce_from_tp", "gather_rows",

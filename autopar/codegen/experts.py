@@ -53,8 +53,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar.capture.graph import LayerSpec, MoESpec
+from autopar.capture.graph import LayerSpec
 from autopar.capture.moe import bank_width
+from autopar.capture.moe_spec import MoESpec
 from autopar.codegen.data_parallel import reduce_gradients
 from autopar.codegen.expert_tp import (
     FFNSplit,

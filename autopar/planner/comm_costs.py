@@ -53,7 +53,8 @@ import math
 from collections import Counter
 from functools import lru_cache
 
-from autopar.capture.graph import ModelGraph, MoESpec, sequence_span
+from autopar.capture.graph import ModelGraph, sequence_span
+from autopar.capture.moe_spec import MoESpec
 from autopar.config import ep_folds
 from autopar.planner.dp_costs import DPTail
 from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
-from autopar.capture.graph import MoESpec
+from autopar.capture.moe_spec import MoESpec
 from autopar.config import ep_folds
 
 __all__ = ["busiest_rank_factor", "expected_max_z", "moe_token_share"]
