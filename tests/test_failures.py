@@ -124,3 +124,34 @@ def test_a_peer_blocked_on_a_rank_that_caught_its_failure_stops_within_seconds(t
     # the store lived in rank 0's process (as `init_process_group` makes it): the entry point says it has ended
     # (under torchrun the agent holds it, and the entry point names rank 0's stop: the tests above)
     assert message.startswith("PeerFailedError: the job's store cannot be reached"), message
+
+
+_EXIT_INSIDE_A_STEP = """
+import atexit, os, sys, threading
+import torch.distributed as dist
+seen = {}
+atexit.register(lambda: print("watch alive at exit:", seen["thread"].is_alive(), flush=True))  # runs last
+from autopar.codegen import failures
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+with failures.named_failures("train_step"):  # starts the watch, which polls the store while inside
+    seen["thread"] = failures._thread
+    threading.Event().wait(3 * failures.POLL_S)
+    sys.exit(0)  # leaves the interpreter from inside an entry point, the group never destroyed
+"""
+
+
+def test_the_watch_thread_ends_before_the_interpreter_finalizes():
+    """A daemon thread caught inside a store request when finalization starts aborts the process after a
+    run that succeeded ("terminate called without an active exception"): the watch is stopped and joined
+    by an exit hook while the interpreter is whole, so no poll can be in flight when it finalizes."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", _EXIT_INSIDE_A_STEP, str(port)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "watch alive at exit: False" in out.stdout

@@ -20,6 +20,7 @@ error (bad input, checked before any collective) and go on together are never st
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -119,8 +120,11 @@ class FailureWatch:
         self._depth = max(0, self._depth - 1)
 
     def poll(self, now: float) -> str | None:
+        if self._depth == 0:  # outside entry points nothing can block: no store request
+            self._seen_s = None
+            return None
         self.refresh()
-        if self._depth == 0 or not self.standing:
+        if not self.standing:
             self._seen_s = None
             return None
         if self._seen_s is None:
@@ -135,23 +139,35 @@ class FailureWatch:
 
 _watch: FailureWatch | None = None
 _lock = threading.Lock()
+_stop = threading.Event()  # set at interpreter exit: the watch thread ends before finalization
+_thread: threading.Thread | None = None
+
+
+@atexit.register
+def _stop_watch() -> None:
+    """End the watch thread while the interpreter is whole. A daemon thread still inside a store request
+    when finalization starts is torn down as it takes the GIL back, through C++ frames that may not unwind:
+    the process then aborts ("terminate called without an active exception") after a run that succeeded."""
+    _stop.set()
+    if _thread is not None and _thread is not threading.current_thread():
+        _thread.join(timeout=10 * POLL_S)
 
 
 def _current_watch() -> FailureWatch | None:
     """This process's watch over the current default group (a new one when the group was made anew)."""
-    global _watch
+    global _watch, _thread
     if not dist.is_initialized() or (store := _store()) is None:
         return None
     with _lock:
         if _watch is None or _watch.store is not store:
             _watch = FailureWatch(store, dist.get_rank(), dist.get_world_size())
-            threading.Thread(target=_run_watch, args=(_watch,), name="autopar-failure-watch", daemon=True).start()
+            _thread = threading.Thread(target=_run_watch, args=(_watch,), name="autopar-failure-watch", daemon=True)
+            _thread.start()
         return _watch
 
 
 def _run_watch(watch: FailureWatch) -> None:
-    while True:
-        time.sleep(POLL_S)
+    while not _stop.wait(POLL_S):
         if _watch is not watch or not dist.is_initialized() or _store() is not watch.store:
             return  # the group was destroyed or made anew
         try:
