@@ -91,6 +91,27 @@ def test_ep_degrees_follow_dp_and_expert_count(moe) -> None:
         enumerate_candidates(g, world_size=8, devices_per_node=8, global_batch_size=8, options=PlannerOptions(ep=8))
 
 
+def test_estimate_refuses_expert_degrees_the_model_cannot_take() -> None:
+    """`autopar.estimate` of a layout checks ep and etp against the captured experts as the planner's options
+    are checked: the message names the model's expert count or FFN width (here 4 experts of width 30)."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=30, num_hidden_layers=2, num_attention_heads=8,
+                                     num_key_value_heads=4, num_local_experts=4, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
+    g = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),))
+    cluster = fake_cluster()
+    cases = [(ParallelConfig(dp=8, ep=8, micro_batch_size=1), r"ep=8 does not divide the expert count .*\[4\]"),
+             (ParallelConfig(tp=4, dp=2, ep=2, etp=4, micro_batch_size=4),
+              r"etp=4 does not divide the experts' FFN width .*\[30\]")]
+    for config, message in cases:
+        with pytest.raises(InfeasiblePlanError, match=message):
+            autopar.estimate(g, cluster, config, global_batch_size=8)
+    assert autopar.estimate(g, cluster, ParallelConfig(tp=2, dp=4, ep=2, etp=2, micro_batch_size=2),
+                            global_batch_size=8).step_time_s > 0  # 30 splits over 2
+
+
 def _states(n: float, zero: int, k: int) -> float:
     """ZeRO's per-device bytes of n parameters over k ranks under the bf16 policy (docs/design.md §4): fp32
     masters (4), fp32 gradients (4), two fp32 Adam moments (8), and the 16-bit compute copy (2) that autocast

@@ -35,7 +35,7 @@ from autopar.planner.fp8_costs import check_fp8_device, fp8_recipes
 from autopar.planner.ilp import select_solver, solve
 from autopar.planner.incumbent import incumbent
 from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate, mode_label
-from autopar.planner.space import Candidate, enumerate_candidates, tp_degrees
+from autopar.planner.space import Candidate, enumerate_candidates, expert_degrees_invalid, tp_degrees
 
 __all__ = ["Solved", "SearchResult", "search", "price"]
 
@@ -258,6 +258,8 @@ def _check_layout(costs: CostModel, c: ParallelConfig) -> None:
         raise InfeasiblePlanError(f"tp={c.tp} is not possible for {g.model_name} on {costs.devices_per_node} "
                                   f"devices per node (it must divide the node size and every head count and "
                                   f"vocabulary); possible tp: {tps}")
+    if why := expert_degrees_invalid(g, c.ep, c.etp):
+        raise InfeasiblePlanError(f"layout {c}: {why}")
     if c.pp * c.virtual_stages > g.num_layers:
         raise InfeasiblePlanError(f"pp·v = {c.pp * c.virtual_stages} stages exceed the {g.num_layers} layers of "
                                   f"{g.model_name}; lower pp or virtual_stages")

@@ -19,7 +19,8 @@ from autopar.capture.graph import ModelGraph
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
 
-__all__ = ["Candidate", "enumerate_candidates", "divisors", "tp_degrees", "ep_degrees", "etp_degrees", "cp_degrees",
+__all__ = ["Candidate", "enumerate_candidates", "expert_degrees_invalid",
+           "divisors", "tp_degrees", "ep_degrees", "etp_degrees", "cp_degrees",
            "MIN_CP_CHUNK"]
 
 # The shortest chunk (tokens) a context-parallel rank holds (it holds two). Llama 3 ran its 131,072-token
@@ -206,20 +207,29 @@ def _schedules(pp: int, m: int, num_layers: int, schedules: list[str],
     return out
 
 
+def expert_degrees_invalid(graph: ModelGraph, ep: int | None, etp: int | None) -> str | None:
+    """Why expert parallelism ep or expert tensor parallelism etp cannot split this model's experts (None when
+    they can, or are unset): both need MoE layers, ep must divide every layer's expert count and etp every
+    expert's FFN width."""
+    moes = [la.moe for la in graph.layers if la.moe is not None]
+    for name, degree in (("ep", ep), ("etp", etp)):
+        if degree is not None and degree > 1 and not moes:
+            return (f"{name}={degree} needs mixture-of-experts layers; {graph.model_name} has none: leave {name} "
+                    "unset or 1")
+    if ep is not None and any(not m.max_degree_ok(ep) for m in moes):
+        counts = sorted({m.num_experts for m in moes})
+        return f"ep={ep} does not divide the expert count of {graph.model_name} ({counts}); pick a divisor of it"
+    if etp is not None and etp > 1 and any(not m.ffn_split_ok(etp) for m in moes):
+        widths = sorted({m.ffn_hidden_size for m in moes})
+        return (f"etp={etp} does not divide the experts' FFN width of {graph.model_name} ({widths}); set etp=1 "
+                "or a tp that divides it")
+    return None
+
+
 def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch: int, o: PlannerOptions) -> str:
     tps = tp_degrees(graph, devices_per_node)
-    moes = [la.moe for la in graph.layers if la.moe is not None]
-    if o.ep is not None and o.ep > 1 and not moes:
-        return f"ep={o.ep} needs mixture-of-experts layers; {graph.model_name} has none: leave ep unset or 1"
-    if o.ep is not None and any(not m.max_degree_ok(o.ep) for m in moes):
-        counts = sorted({m.num_experts for m in moes})
-        return f"ep={o.ep} does not divide the expert count of {graph.model_name} ({counts}); pick a divisor of it"
-    if o.etp is not None and o.etp > 1 and not moes:
-        return f"etp={o.etp} needs mixture-of-experts layers; {graph.model_name} has none: leave etp unset or 1"
-    if o.etp is not None and o.etp > 1 and any(not m.ffn_split_ok(o.etp) for m in moes):
-        widths = sorted({m.ffn_hidden_size for m in moes})
-        return (f"etp={o.etp} does not divide the experts' FFN width of {graph.model_name} ({widths}); set etp=1 "
-                "or a tp that divides it")
+    if why := expert_degrees_invalid(graph, o.ep, o.etp):
+        return why
     if o.tp is not None and o.tp > 1 and (nothing := graph.no_tensor_parallelism()):
         return f"tp={o.tp} is not possible: {nothing}; leave tp unset or 1"
     if o.tp is not None and o.tp not in tps:
