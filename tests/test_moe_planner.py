@@ -24,6 +24,7 @@ from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.planner.costs import CostModel
 from autopar.planner.moe_load import busiest_rank_factor
+from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate, enumerate_candidates, ep_degrees
 from cost_models.compute import ComputeModel
 
@@ -357,6 +358,28 @@ def test_folded_expert_compute_on_half_the_tokens(moe) -> None:
     want = (expert_s(0.5, 2) - expert_s(1.0, 1)) * costs.compute.straggler
     assert folded - base == pytest.approx(want, rel=1e-9, abs=1e-15)
     assert folded < base
+
+
+def test_expert_bank_activations_follow_the_rows_each_rank_runs(moe) -> None:
+    """The bank's saved rows and FFN intermediates (LayerSpec.saved_activation_bytes_expert) are held at the
+    rank's share: whole at tp2 without SP (every tp rank runs all rows of its replicated bank); half folded
+    over tp (each tp rank takes half the rows) or tensor-parallel (etp2: half of each expert's FFN), and half
+    under SP whatever ep and etp are; the rest of the layer is priced as before."""
+    _, g = moe
+    costs = CostModel.for_cluster(g, fake_cluster())
+    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
+    layer, mem, mbs = costs.memory.runs[ri][0], costs.memory, 2
+    expert = layer.saved_activation_bytes_expert * mbs * mem.act_scale
+    assert expert > 0
+    none = MODES.index("none")
+    base = mem.activation_bytes(ri, 2, False, mbs)[none]
+    for ep, etp in ((2, 1), (1, 2), (2, 2)):  # folded over the tp pair; experts split over it; both ways
+        assert base - mem.activation_bytes(ri, 2, False, mbs, ep=ep, etp=etp)[none] == pytest.approx(expert / 2)
+    sp = mem.activation_bytes(ri, 2, True, mbs)[none]
+    assert all(mem.activation_bytes(ri, 2, True, mbs, ep=ep, etp=etp)[none] == pytest.approx(sp)
+               for ep, etp in ((2, 1), (1, 2), (2, 2)))
+    assert mem.activation_bytes(ri, 1, False, mbs, ep=4)[none] == pytest.approx(
+        mem.activation_bytes(ri, 1, False, mbs)[none])  # ep over dp: every rank runs its own tokens' rows
 
 
 def test_router_skew_option_prices_and_is_recorded(moe) -> None:

@@ -90,3 +90,25 @@ def test_runtime_peak_is_the_prediction_plus_the_measured_differences(steps: dic
 def test_runtime_peak_is_priced(steps: dict, name: str) -> None:
     r = runtime_memory.StepMemory(**steps[name])
     assert r.predicted_peak_bytes == pytest.approx(r.peak["Total"], rel=0.02)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_expert_bank_saved_bytes_match_autograd(family: str) -> None:
+    """What capture counts as the expert bank's saves (LayerSpec.saved_activation_bytes_expert: the token rows
+    and FFN intermediates that expert parallelism's token share and etp divide) against the storages autograd
+    keeps while the real bank runs, on random weights and routing (dropless: T·k rows whatever the routing)."""
+    from tests.hf_families import build_family
+
+    model, seq = build_family(family).to(torch.bfloat16), 64
+    layer = next(la for la in autopar.capture(model, (torch.zeros(1, seq, dtype=torch.long),)).layers if la.moe)
+    block = model.get_submodule(layer.moe.experts.rsplit(".", 1)[0])
+    x = torch.randn(1, seq, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+    def run() -> None:
+        out = block(x)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    measured = runtime_memory.saved_bytes_per_block(block, run)
+    assert layer.saved_activation_bytes_expert == pytest.approx(measured["experts"], rel=0.01)
+    assert 0 < layer.saved_activation_bytes_expert < (layer.saved_activation_bytes
+                                                      - layer.saved_activation_bytes_tp_sharded)

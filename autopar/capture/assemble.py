@@ -42,6 +42,7 @@ class _Sums:
     saved: int = 0
     saved_tp_sharded: int = 0
     saved_core: int = 0
+    saved_expert: int = 0
     saved_op_sac: int = 0
     saved_op_sac_tp_sharded: int = 0
     saved_op_sac_unread: int = 0
@@ -272,6 +273,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved += st.saved_bytes
         s.saved_tp_sharded += st.saved_bytes_tp_sharded
         s.saved_core += st.saved_bytes_attention_core
+        s.saved_expert += st.saved_bytes_expert
         s.saved_op_sac += st.saved_bytes_op_sac
         s.saved_op_sac_tp_sharded += st.saved_bytes_op_sac_tp_sharded
         s.saved_op_sac_unread += st.saved_bytes_op_sac_unread
@@ -350,6 +352,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             input_bytes=per_sample(input_bytes[i]), saved_activation_bytes=per_sample(s.saved),
             saved_activation_bytes_tp_sharded=per_sample(s.saved_tp_sharded),
             saved_activation_bytes_attention_core=per_sample(s.saved_core),
+            saved_activation_bytes_expert=min(per_sample(s.saved_expert),  # per-sample rounding kept in the total
+                                              per_sample(s.saved) - per_sample(s.saved_tp_sharded)),
             saved_activation_bytes_op_sac=per_sample(s.saved_op_sac),
             saved_activation_bytes_op_sac_tp_sharded=per_sample(s.saved_op_sac_tp_sharded),
             saved_activation_bytes_op_sac_unread=per_sample(s.saved_op_sac_unread),

@@ -241,6 +241,9 @@ class LayerSpec:
     saved_activation_bytes_op_sac_unread: int = 0
     # The layer's mixture-of-experts block, if any (its experts' parameters are part of num_params).
     moe: MoESpec | None = None
+    # Of saved_activation_bytes (outside its TP-sharded part), what the expert banks keep: their token rows
+    # and FFN intermediates, which expert parallelism's token share and etp divide (planner/memory_costs).
+    saved_activation_bytes_expert: int = 0
     # Channels of each batch norm the layer holds: under data parallelism codegen synchronises their
     # statistics over the dp group every micro-batch (autopar.codegen.batch_norm; priced in comm_costs).
     batch_norm_channels: tuple[int, ...] = ()
@@ -257,6 +260,8 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec {self.name}: {f} is negative")
         if self.saved_activation_bytes_tp_sharded > self.saved_activation_bytes:
             raise ValueError(f"LayerSpec {self.name}: tp-sharded activations exceed the total")
+        if self.saved_activation_bytes_expert + self.saved_activation_bytes_tp_sharded > self.saved_activation_bytes:
+            raise ValueError(f"LayerSpec {self.name}: expert and tp-sharded activations exceed the total")
 
     @property
     def flops_per_sample(self) -> float:
@@ -417,6 +422,8 @@ def _drop_moe_defaults(payload: dict[str, Any]) -> None:
     for layer in payload["layers"]:
         if layer.get("moe", 0) is None:
             del layer["moe"]
+        if layer.get("saved_activation_bytes_expert", 1) == 0:
+            del layer["saved_activation_bytes_expert"]
         for mix in ("kernels_forward", "kernels_backward"):
             for k in (*layer[mix]["kernels"], *layer[mix]["fused"]):
                 if k.get("groups") == 1 and k.get("expert") is False:

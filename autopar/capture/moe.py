@@ -149,6 +149,28 @@ def record_bank_calls(module: nn.Module, topks: list[tuple[int, int]]) -> list[A
     return [m.register_forward_pre_hook(hook(b[0])) for _, m in module.named_modules() if (b := _bank(m))]
 
 
+def record_bank_saves(module: nn.Module, saved: dict[Any, int], keys: list[Any]) -> list[Any]:
+    """Forward hooks on every expert bank under `module` (on each expert of a list of experts) that append
+    to `keys` the keys `saved` gained while the bank ran: the tensors autograd keeps for the experts'
+    backward (their token rows and FFN intermediates), which expert parallelism and expert tensor
+    parallelism split (planner/memory_costs). `saved` must keep insertion order (a dict). Returns the
+    handles (remove them after the call)."""
+    marks: list[int] = []
+
+    def pre(mod: nn.Module, inputs: tuple) -> None:
+        marks.append(len(saved))
+
+    def post(mod: nn.Module, inputs: tuple, output: Any) -> None:
+        keys.extend(list(saved)[marks.pop():])
+
+    handles = []
+    for _, m in module.named_modules():
+        if _bank(m):
+            for unit in (m if isinstance(m, nn.ModuleList) else (m,)):
+                handles += [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post)]
+    return handles
+
+
 def _router(module: nn.Module, experts: int, bank: set[int]) -> str | None:
     """The module whose 2-D weight (not the bank's) maps the hidden state to one score per expert."""
     for name, m in module.named_modules():

@@ -169,7 +169,7 @@ class CostModel:
         if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
             m = c.num_microbatches
             compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
-        saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile)
+        saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile, c.ep, c.etp)
         acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
                      for a, k in zip(saved, MODES, strict=True))
         local = mem.run_local_params(ri, c.tp, c.ep, c.etp)

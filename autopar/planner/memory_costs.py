@@ -57,6 +57,7 @@ from functools import cached_property, lru_cache
 from autopar.capture.graph import LayerSpec, ModelGraph
 from autopar.config import expert_dp
 from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
+from autopar.planner.moe_load import moe_token_share
 from autopar.planner.offload_costs import OffloadCosts, OffloadSummary
 from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate
@@ -263,17 +264,25 @@ class MemoryCosts:
         return self.model_states(n, zero_stage, dp, offload)
 
     # ---- activations ----
-    def activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> tuple[float, ...]:
+    def activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
+                         etp: int = 1) -> tuple[float, ...]:
         """Saved activation bytes of one layer of run `ri` per micro-batch in flight, per recompute mode
         (MODES). op_sac is priced from the bytes its policy keeps where capture measured them (blocks; other
         layers are not checkpointed by codegen and keep everything), else as none; a `compiled` block under
         op_sac keeps only what its backward reads (LayerSpec.saved_activation_bytes_op_sac_unread goes, its
-        TP-sharded share taken as the policy's)."""
-        return self._acts(ri, tp, sp, mbs, compiled)
+        TP-sharded share taken as the policy's). What the expert banks keep (LayerSpec.
+        saved_activation_bytes_expert) is priced at the rank's share of the tokens its bank runs
+        (moe_load.moe_token_share: 1/tp under SP or EP folded over tp, else 1) and 1/etp of each expert's FFN;
+        the rows entering the FFN are not split by etp, an undercount of their share of the bank's saves
+        (h of about h + 3·ffn per slot for a gated FFN) times 1 − 1/etp."""
+        return self._acts(ri, tp, sp, mbs, compiled, ep, etp)
 
-    def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False) -> tuple[float, ...]:
+    def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
+                          etp: int = 1) -> tuple[float, ...]:
         layer = self.runs[ri][0]
         sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
+        expert = layer.saved_activation_bytes_expert
+        expert_share = moe_token_share(tp, sp, ep, etp) / etp
 
         def acts_of(k: str) -> float:
             saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
@@ -283,11 +292,13 @@ class MemoryCosts:
                 if compiled and layer.saved_activation_bytes_op_sac_unread and saved > 0:
                     kept = saved - layer.saved_activation_bytes_op_sac_unread
                     saved, sharded = kept, sharded * kept / saved
-            return self.act_scale * memory.layer_activation_bytes(
-                saved_bytes=saved, tp_sharded_bytes=sharded,
+            mode = k if sac_known or k != "op_sac" else "none"
+            banks = expert if mode in ("none", "selective") else 0.0  # op_sac's policy bytes are not split apart
+            return self.act_scale * (memory.layer_activation_bytes(
+                saved_bytes=saved - banks, tp_sharded_bytes=sharded,
                 attention_core_bytes=min(layer.saved_activation_bytes_attention_core, sharded),
                 input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp,
-                recompute=k if sac_known or k != "op_sac" else "none")
+                recompute=mode) + mbs * banks * expert_share)
 
         return tuple(acts_of(k) if k != "op_sac" or layer.kind == "block" else acts_of("none") for k in MODES)
 
