@@ -92,6 +92,10 @@ class CostModel:
                               host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p, ep_dispatcher=ep_dispatcher)
         self._runs = lru_cache(maxsize=None)(self._run_list)
         self._run_of = lru_cache(maxsize=None)(self._one_run)
+        self._passes = lru_cache(maxsize=None)(self._layer_passes)
+        self._floor = lru_cache(maxsize=None)(self._floor_key)
+        self._accumulate = lru_cache(maxsize=None)(self._accumulation_sum)
+        self._optimizer = lru_cache(maxsize=None)(self._optimizer_sum)
 
     @classmethod
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
@@ -130,6 +134,60 @@ class CostModel:
                                    bottleneck_slots(c.pp, c.virtual_stages, c.num_microbatches, c.microbatch_group)),
                             grad_sync_latency_s=self.comm.dp_tail(c).fixed_s + self.comm.expert_tail(c).fixed_s)
 
+    def floor(self, c: Candidate) -> tuple[float, float]:
+        """(W, Ω): lower bounds on Σ over c's layers of each one's least time per micro-batch (min over modes
+        of Run.time_s) and of its optimizer seconds (Run.optimizer_s), from the parts' cached terms alone,
+        without pricing c's runs. Each is a sum of some of the non-negative terms `_one_run` adds up (passes,
+        the runtime's gradient accumulation, TP and expert collectives, cp's K/V exchange; not recompute,
+        FSDP hooks, FP8 amax or batch-norm reductions, the host step), shaved by 1e-12 for rounding, so the
+        search may order and prune candidates by it before building their problems (search: level −1)."""
+        gathered = self.memory.fp8_gathered(c)
+        work = self._floor(c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.compile, c.ep, c.etp, c.fp8,
+                           gathered, c.shard_group if gathered else 1)
+        if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
+            m = c.num_microbatches
+            work += self._accumulate(c.tp, c.ep, c.etp) * (m - 1) / m
+        shards = c.shard_group if c.zero_stage >= 1 else 1
+        opt = self._optimizer(c.tp, shards, c.ep, c.etp) if c.offload == "none" else 0.0
+        return work * (1 - 1e-12), opt * (1 - 1e-12)
+
+    def _layers_sum(self, per_layer, ep: int, etp: int) -> float:
+        """Σ over the graph's layers of per_layer(ri, ep, etp), a dense run priced at ep = etp = 1 as in
+        `_run_list`."""
+        return sum(len(group) * per_layer(ri, *((ep, etp) if group[0].moe is not None else (1, 1)))
+                   for ri, group in enumerate(self.memory.runs))
+
+    def _accumulation_sum(self, tp: int, ep: int, etp: int) -> float:
+        return self._layers_sum(lambda ri, e, et: self.compute.grad_accumulation_s(ri, tp, e, et), ep, etp)
+
+    def _optimizer_sum(self, tp: int, shards: int, ep: int, etp: int) -> float:
+        return self._layers_sum(lambda ri, e, et: self.compute.optimizer_s(ri, tp, shards, e, et), ep, etp)
+
+    def _floor_key(self, tp: int, sp: bool, mbs: int, cp: int, compiled: bool, ep: int, etp: int, fp8: str,
+                   gathered: bool, dp: int) -> float:
+        def layer(ri: int, e: int, et: int) -> float:
+            t, tp_s, ep_s, cp_s = self._passes(ri, tp, sp, mbs, cp, compiled, e, et, fp8, gathered, dp)
+            return (t.compute_s + cp_s.attention_extra_s + tp_s["forward"] + tp_s["backward"] + ep_s["forward"]
+                    + ep_s["backward"] + cp_s.forward_s + cp_s.backward_s)
+        return self._layers_sum(layer, ep, etp)
+
+    def _layer_passes(self, ri: int, tp: int, sp: bool, mbs: int, cp: int, compiled: bool, ep: int, etp: int,
+                      fp8: str, gathered: bool, dp: int) -> tuple:
+        """One layer of run ri's kernels, TP and expert collectives and context-parallel terms per micro-batch
+        (what `_one_run` and `floor` share)."""
+        share = mbs / cp  # Candidate.tokens_share: each rank runs 1/cp of every sequence
+        t = self.compute.run(ri, tp, sp, share, compiled, ep, fp8, gathered, dp, etp)
+        tp_s = self.comm.tp_times(ri, tp, sp, share)
+        ep_s = self.comm.ep_times(ri, tp, sp, share, ep, cp, etp)
+        cp_s = cp_layer_costs(self.graph, self.memory.runs[ri][0], tp=tp, cp=cp, micro_batch=mbs,
+                              elem=self.memory.elem,
+                              attention_s=tuple(self.compute.attention_s(ri, tp, sp, share, backward=b)
+                                                for b in (False, True)) if cp > 1 else (0.0, 0.0),
+                              attention_full_s=tuple(self.compute.attention_s(ri, tp, sp, share, False, b)
+                                                     for b in (False, True)) if cp > 1 else (0.0, 0.0),
+                              collective_s=self.comm.collective_s, devices_per_node=self.devices_per_node)
+        return t, tp_s, ep_s, cp_s
+
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         # a run without experts is priced alike at every ep and etp: one Run shared by those candidates
         dense = dataclasses.replace(c, ep=1, etp=1)
@@ -145,16 +203,10 @@ class CostModel:
         sp, mbs = c.sequence_parallel, c.tokens_share  # each rank runs 1/cp of every sequence
         gathered = mem.fp8_gathered(c)
         group = mem.runs[ri]
-        t = self.compute.run(ri, c.tp, sp, mbs, c.compile, c.ep, c.fp8, gathered, c.shard_group, c.etp)
-        tp = comm.tp_times(ri, c.tp, sp, mbs)
-        ep = comm.ep_times(ri, c.tp, sp, mbs, c.ep, c.cp, c.etp)  # expert all-to-alls (and etp sums): as tp_comm
+        # kernels; TP collectives; expert all-to-alls (and etp sums), priced as tp_comm; cp's terms
+        t, tp, ep, cp = self._passes(ri, c.tp, sp, c.micro_batch_size, c.cp, c.compile, c.ep, c.etp, c.fp8, gathered,
+                                     c.shard_group if gathered else 1)
         amax = comm.fp8_amax_s(ri, c)  # tensorwise scales of TP-sharded tensors: 2 forward, 1 backward
-        cp = cp_layer_costs(self.graph, group[0], tp=c.tp, cp=c.cp, micro_batch=c.micro_batch_size, elem=mem.elem,
-                            attention_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, backward=b)
-                                              for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
-                            attention_full_s=tuple(self.compute.attention_s(ri, c.tp, sp, mbs, False, b)
-                                                   for b in (False, True)) if c.cp > 1 else (0.0, 0.0),
-                            collective_s=comm.collective_s, devices_per_node=self.devices_per_node)
         bn_fwd, bn_bwd = comm.batch_norm_s(ri, c)  # batch-norm statistics over dp: counted as tp_comm too
         # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
         tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd + cp.forward_s

@@ -1,7 +1,10 @@
 """Exact search over the whole space: enumerate outer candidates, solve ILPs in lower-bound order.
 
 Branch and bound over the outer candidates, with bounds refined lazily in a priority queue:
-  level 0  every candidate enters with the cheap bound (`bound.lower_bound`);
+  level −1 every candidate enters with its floor (`_floor_s`: its passes' and collectives' least time and
+           its optimizer step from terms cached per tp, micro-batch, ep, …, before its problem is built:
+           most candidates of a large space never get further, and never get their runs priced);
+  level 0  when popped, its problem is built and it re-enters with the cheap bound (`bound.lower_bound`);
   level 1  when popped, it gets the tight bound (`bound.tight_bound`) and a feasible incumbent
            (`incumbent.incumbent`) and re-enters with the tight bound;
   level 2  when popped again: if its incumbent meets its tight bound, that is its optimum; if its bound
@@ -24,6 +27,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
@@ -105,25 +109,28 @@ def _host_fitting(costs: CostModel, cands: list[Candidate]) -> list[Candidate]:
     return kept
 
 
-def _grouped_where_needed(costs: CostModel, cands: list[Candidate], modes: tuple[str, ...],
-                          options: PlannerOptions) -> tuple[list[Candidate], list[InnerProblem]]:
-    """The candidates and their problems, those with a micro-batch group N below torch's (interleaving) only
-    where the same layout with torch's N = pp cannot fit memory: a smaller N is slower (its order stalls while
-    a group's first micro-batch goes round the pipeline, cost_models.pipeline_order) and only holds less."""
-    problem = {c: costs.problem(c, modes, options.recompute_per_layer) for c in cands if c.microbatch_group is None}
-    kept, fits = [], {}
+def _grouped_where_needed(costs: CostModel, cands: list[Candidate], problem: Callable[[Candidate], InnerProblem],
+                          options: PlannerOptions) -> list[Candidate]:
+    """The candidates, those with a micro-batch group N below torch's (interleaving) only where the same layout
+    with torch's N = pp cannot fit memory: a smaller N is slower (its order stalls while a group's first
+    micro-batch goes round the pipeline, cost_models.pipeline_order) and only holds less."""
+    if options.microbatch_group is not None or all(c.microbatch_group is None for c in cands):
+        return cands
+    torch_n = {c for c in cands if c.microbatch_group is None}
+    fits: dict[Candidate, bool] = {}
+    kept = []
     for c in cands:
         base = replace(c, microbatch_group=None)
-        if options.microbatch_group is None and c.microbatch_group is not None and base in problem \
-                and fits.setdefault(base, tight_bound(problem[base]).value_s < float("inf")):
+        if c.microbatch_group is not None and base in torch_n \
+                and fits.setdefault(base, tight_bound(problem(base)).value_s < float("inf")):
             continue
-        if c not in problem:
-            problem[c] = costs.problem(c, modes, options.recompute_per_layer)
         kept.append(c)
-    return kept, [problem[c] for c in kept]
+    return kept
 
 
-def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions) -> SearchResult:
+def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions, floors: bool = True) -> SearchResult:
+    """The exact optimum of the modelled step time over the space (module docstring); floors=False enters
+    every candidate at key 0 instead of its floor (`_floor_s`): the same result, slower (for tests)."""
     t0 = time.perf_counter()
     cands = enumerate_candidates(costs.graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
                                  global_batch_size=global_batch_size, options=options,
@@ -131,11 +138,18 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
                                  precision=costs.precision.name)
     cands = _host_fitting(costs, cands)
     modes = _modes(options)
-    cands, problems = _grouped_where_needed(costs, cands, modes, options)
+    built: dict[Candidate, InnerProblem] = {}
+
+    def problem_of(c: Candidate) -> InnerProblem:
+        if c not in built:
+            built[c] = costs.problem(c, modes, options.recompute_per_layer)
+        return built[c]
+
+    cands = _grouped_where_needed(costs, cands, problem_of, options)
     # the objective's factor per candidate: 1 for the fastest layout, the band's slow end for the pessimistic one
     scale = [pessimism(costs, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage) if options.objective == "pessimistic"
              else 1.0 for c in cands]
-    heap = [(lower_bound(pr) * scale[i], i, 0) for i, pr in enumerate(problems)]
+    heap = [(_floor_s(costs, c) * scale[i] if floors else 0.0, i, -1) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     keep = options.top_k + 1
     found: dict[int, Solved] = {}  # candidate → its best known solution: exact optimum, else incumbent
@@ -160,7 +174,12 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
         if time.perf_counter() - t0 > options.time_limit_s and found:
             status, open_bound = "time_limit", key
             break
-        pr = problems[i]
+        pr = problem_of(cands[i])
+        if level == -1:
+            lb = lower_bound(pr) * scale[i]
+            if lb < float("inf"):
+                heapq.heappush(heap, (max(key, lb), i, 0))
+            continue
         if level == 0:
             bnd = tight_bound(pr)
             if bnd.value_s == float("inf"):
@@ -192,7 +211,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     if not top:
         hint = ("; or let the planner keep model states in host memory (--offload auto, PlannerOptions(offload=None))"
                 if options.offload == "none" and costs.memory.offload.host is not None else "")
-        raise InfeasiblePlanError(_why_infeasible(costs, list(zip(cands, problems, strict=True))) + hint)
+        raise InfeasiblePlanError(_why_infeasible(costs, [(c, problem_of(c)) for c in cands]) + hint)
     best = top[0]
     best_key = best.objective_s * scale[index[id(best.candidate)]]
     gap = 0.0 if status == "optimal" else max(0.0, (best_key - open_bound) / best_key)
@@ -200,6 +219,15 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions)
     return SearchResult(best=best, alternatives=tuple(top[1:]), status=status, gap=gap, solver=solver_name,
                         configs_considered=len(cands), ilps_solved=solved, solve_time_s=time.perf_counter() - t0,
                         ilp_time_s=ilp_time)
+
+
+def _floor_s(costs: CostModel, c: Candidate) -> float:
+    """A lower bound on c's step time from CostModel.floor, before its problem is built: the objective
+    a·T + Σt/v + E with Σt ≥ W, T ≥ W/p and E ≥ Ω/p (the bottleneck and the tail are at least their rank
+    averages), a = m − 1/v under torch's order, else (a shorter group) 0 ≤ a."""
+    work, opt = costs.floor(c)
+    a = c.num_microbatches - 1 / c.virtual_stages if c.microbatch_group is None else 0.0
+    return a * work / c.pp + work / c.virtual_stages + opt / c.pp
 
 
 def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | None = None,
