@@ -5,12 +5,12 @@ Branch and bound over the outer candidates, with bounds refined lazily in a prio
            its optimizer step from terms cached per tp, micro-batch, ep, …, before its problem is built:
            most candidates of a large space never get further, and never get their runs priced);
   level 0  when popped, its problem is built and it re-enters with the cheap bound (`bound.lower_bound`);
-  level 1  when popped, it gets the tight bound (`bound.tight_bound`) and a feasible incumbent
-           (`incumbent.incumbent`) and re-enters with the tight bound;
-  level 2  when popped again: if its incumbent meets its tight bound, that is its optimum; if its bound
-           exceeds the best objective known (the lead), it cannot win and its incumbent stays as a
-           runner-up; otherwise its ILP (`ilp.solve`) is solved exactly, warm-started from the
-           incumbent, with the tight bound as valid inequalities and the lead as cutoff.
+  level 1  when popped, it gets the tight bound (`bound.tight_bound`) and re-enters with it;
+  level 2  when popped again, it gets a feasible incumbent (`incumbent.incumbent`, only here: most
+           tight bounds end above the window, and those candidates never need one): if it meets its tight
+           bound, that is its optimum; if its bound exceeds the best objective known (the lead), it cannot
+           win and its incumbent stays as a runner-up; otherwise its ILP (`ilp.solve`) is solved exactly,
+           warm-started from the incumbent, with the tight bound as valid inequalities and the lead as cutoff.
 With `PlannerOptions(objective="pessimistic")` every key and objective of a candidate is its step time
 times the slow end of its error band (`band.pessimism`, one factor per outer candidate, so bounds stay
 bounds and the order of the search is the same argument).
@@ -154,7 +154,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
     keep = options.top_k + 1
     found: dict[int, Solved] = {}  # candidate → its best known solution: exact optimum, else incumbent
     ranked: list[float] = []  # sorted (scaled) objectives of `found`; ranked[0] is the best known
-    tight: dict[int, tuple[Bound, InnerSolution | None]] = {}
+    tight: dict[int, Bound] = {}
     solved, status, open_bound, ilp_time = 0, "optimal", float("inf"), 0.0
     solver_name = type(select_solver(1.0)).__name__.replace("PULP_CBC_CMD", "CBC").replace("_HiGHSWarm", "HiGHS")
 
@@ -184,13 +184,13 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
             bnd = tight_bound(pr)
             if bnd.value_s == float("inf"):
                 continue
-            inc = incumbent(pr, bnd)
-            tight[i] = (bnd, inc)
-            if inc is not None:
-                offer(i, inc)
+            tight[i] = bnd
             heapq.heappush(heap, (max(key, bnd.value_s * scale[i]), i, 1))
             continue
-        bnd, inc = tight.pop(i)
+        bnd = tight.pop(i)
+        inc = incumbent(pr, bnd)
+        if inc is not None:
+            offer(i, inc)
         lead = ranked[0] * (1 + 1e-9) if ranked else float("inf")
         if key > lead or (inc is not None and inc.objective_s <= bnd.value_s * (1 + 1e-9)):
             continue  # it cannot beat the lead (its incumbent, if any, stays a runner-up), or its incumbent
