@@ -143,13 +143,13 @@ def _layer_arrays(pr: InnerProblem):
 
 
 def _cheapest_sums(values: np.ndarray, optional: np.ndarray, width: int) -> np.ndarray:
-    """values (L,) or (L, p); optional (L, p) → (p, width+1): sum of the n cheapest optional layers per rank."""
+    """values (L,) or (L, p); optional (L, p) → (p, width+1): sum of the n cheapest optional layers per rank
+    (+inf past the rank's optional layers)."""
     v = values if values.ndim == 2 else np.broadcast_to(values[:, None], optional.shape)
     srt = np.sort(np.where(optional, v, np.inf).T, axis=1)[:, :width]
     out = np.zeros((optional.shape[1], width + 1))
-    with np.errstate(invalid="ignore"):
-        out[:, 1:] = np.cumsum(srt, axis=1)
-    return np.nan_to_num(out, nan=np.inf)
+    np.cumsum(srt, axis=1, out=out[:, 1:])
+    return out
 
 
 def _minmax(F: np.ndarray, lo: np.ndarray, hi: np.ndarray, L: int) -> tuple[float, np.ndarray | None]:
@@ -189,12 +189,15 @@ def _minsum(F: np.ndarray, lo: np.ndarray, hi: np.ndarray, L: int) -> float:
     """min over N (lo ≤ N ≤ hi, Σ N = L) of Σ_q F[q, N_q]: min-plus convolution rank by rank."""
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
+    total = np.arange(L + 1)
     for q in range(F.shape[0]):
-        nxt = np.full(L + 1, np.inf)
-        for n in range(int(lo[q]), int(min(hi[q], L)) + 1):
-            if np.isfinite(F[q, n]):
-                np.minimum(nxt[n:], best[:L + 1 - n] + F[q, n], out=nxt[n:])
-        best = nxt
+        n = np.arange(int(lo[q]), int(min(hi[q], L)) + 1)
+        n = n[np.isfinite(F[q, n])]
+        if not len(n):
+            return _INF
+        before = total[None, :] - n[:, None]  # (|n|, L+1): layers on ranks < q
+        prev = np.where(before >= 0, best[np.maximum(before, 0)], np.inf)
+        best = (prev + F[q, n][:, None]).min(axis=0)
     return float(best[L])
 
 
@@ -236,30 +239,52 @@ def _where(pr: InnerProblem, send: np.ndarray) -> _Where:
                   boundary_send_s=bsend)
 
 
-def _table(w: _Where, counted: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Least sum of `values` (L,) or (L, p) over the layers rank q holds, as a function of b, the number of
-    `counted` layers it holds: its mandatory layers, the b − (mandatory counted) cheapest optional counted
-    layers, and as few cheapest optional uncounted layers as its count range needs. Returns (table (p, n+1)
-    with +inf where impossible, b_lo, b_hi)."""
+@dataclass(frozen=True)
+class _Shape:
+    """What `_table` needs of (where, counted) alone, the same for every `values` a bound tabulates."""
+
+    opt_c: np.ndarray  # (L, p) optional counted layers of each rank
+    opt_o: np.ndarray | None  # (L, p) optional uncounted layers; None when there are none
+    take_c: np.ndarray  # (p, n+1) optional counted layers taken at b
+    x: np.ndarray  # (p, n+1) optional uncounted layers taken at b (≤ L)
+    ok: np.ndarray  # (p, n+1) whether b is possible
+    b_lo: np.ndarray
+    b_hi: np.ndarray
+
+
+def _shape(w: _Where, counted: np.ndarray) -> _Shape:
     L, p = w.allowed.shape
-    vals = values if values.ndim == 2 else np.broadcast_to(values[:, None], (L, p))
     cnt = counted[:, None]
     opt_c, opt_o = w.allowed & ~w.mandatory & cnt, w.allowed & ~w.mandatory & ~cnt
     mand_c, mand_o = (w.mandatory & cnt).sum(axis=0), (w.mandatory & ~cnt).sum(axis=0)
     n = int(counted.sum())
     b = np.arange(n + 1)[None, :]
-    base = (w.mandatory * vals).sum(axis=0)[:, None]
-    cs_c = _cheapest_sums(vals, opt_c, n)  # (p, n+1)
     take_c = np.clip(b - mand_c[:, None], 0, n)
     x = np.maximum(0, w.lo[:, None] - b - mand_o[:, None])  # uncounted layers still needed
-    cs_o = _cheapest_sums(vals, opt_o, L)
-    ok = (b >= mand_c[:, None]) & (b + mand_o[:, None] <= w.hi[:, None]) & (x <= opt_o.sum(axis=0)[:, None])
+    n_o = opt_o.sum(axis=0)
+    ok = (b >= mand_c[:, None]) & (b + mand_o[:, None] <= w.hi[:, None]) & (x <= n_o[:, None])
     ok &= b - mand_c[:, None] <= opt_c.sum(axis=0)[:, None]
-    table = base + cs_c[np.arange(p)[:, None], take_c] + cs_o[np.arange(p)[:, None], np.minimum(x, L)]
-    table = np.where(ok, table, np.inf)
     b_lo = np.where(ok.any(axis=1), ok.argmax(axis=1), n + 1)
     b_hi = np.where(ok.any(axis=1), n - ok[:, ::-1].argmax(axis=1), -1)
-    return table, b_lo, b_hi
+    return _Shape(opt_c=opt_c, opt_o=opt_o if n_o.any() else None, take_c=take_c, x=np.minimum(x, L), ok=ok,
+                  b_lo=b_lo, b_hi=b_hi)
+
+
+def _table(w: _Where, counted: np.ndarray, values: np.ndarray,
+           shape: _Shape | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Least sum of `values` (L,) or (L, p) over the layers rank q holds, as a function of b, the number of
+    `counted` layers it holds: its mandatory layers, the b − (mandatory counted) cheapest optional counted
+    layers, and as few cheapest optional uncounted layers as its count range needs. Returns (table (p, n+1)
+    with +inf where impossible, b_lo, b_hi). `shape`: `_shape(w, counted)`, when the caller has it."""
+    sh = shape if shape is not None else _shape(w, counted)
+    L, p = w.allowed.shape
+    vals = values if values.ndim == 2 else np.broadcast_to(values[:, None], (L, p))
+    rows = np.arange(p)[:, None]
+    base = (w.mandatory * vals).sum(axis=0)[:, None]
+    table = base + _cheapest_sums(vals, sh.opt_c, sh.take_c.shape[1] - 1)[rows, sh.take_c]
+    if sh.opt_o is not None:  # else x = 0 wherever b is possible: nothing to add there
+        table = table + _cheapest_sums(vals, sh.opt_o, L)[rows, sh.x]
+    return np.where(sh.ok, table, np.inf), sh.b_lo, sh.b_hi
 
 
 def _envelope(F: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -294,13 +319,14 @@ def _rank_times(pr: InnerProblem, w: _Where, counted: np.ndarray, tau, act, stat
     w_lb = min(pr.workspace_bytes(MODES[k]) for k in ks)
     mem = state[:, None, None] + act[:, ks][:, None, :] * phi[None, :, None]  # (L, p, K)
     t = tau[:, ks][:, None, :]  # (L, 1, K)
-    lean, b_lo, b_hi = _table(w, counted, mem.min(axis=2))
+    sh = _shape(w, counted)
+    lean, b_lo, b_hi = _table(w, counted, mem.min(axis=2), sh)
     fits = lean + w_lb <= cap[:, None] * (1 + 1e-9)
-    F, _, _ = _table(w, counted, np.broadcast_to(t.min(axis=2), mem.shape[:2]))
+    F, _, _ = _table(w, counted, np.broadcast_to(t.min(axis=2), mem.shape[:2]), sh)
     for slope in _slopes(pr):
         lam = slope / np.maximum(phi, 1e-30)  # (p,): seconds per byte of rank q's memory
         vals = (t + lam[None, :, None] * mem).min(axis=2)
-        G, _, _ = _table(w, counted, vals)
+        G, _, _ = _table(w, counted, vals, sh)
         F = np.maximum(F, G - (lam * (cap - w_lb))[:, None])
     F = F + w.rank_send_s[:, None]
     return np.where(fits, F, np.inf), b_lo, b_hi
@@ -336,8 +362,9 @@ def tight_bound(pr: InnerProblem) -> Bound:
         work = max(work, _minsum(Fr, lo_r, hi_r, r.count))
     ks = [MODES.index(k) for k in pr.modes]
     T = max(T, work / p, max(min(r.time_s[k] for k in ks) for r in pr.runs))  # never weaker than the cheap one
-    G, _, _ = _table(w, every, omega)
-    D, _, _ = _table(w, every, delta)
+    sh = _shape(w, every)
+    G, _, _ = _table(w, every, omega, sh)
+    D, _, _ = _table(w, every, delta, sh)
     E, _ = _minmax(_envelope(G + np.maximum(0.0, D + pr.grad_sync_latency_s), lo, hi), lo, hi, L)
     opt, dsum = float(omega.sum()), float(delta.sum())
     E = max(E, opt / p, (opt + dsum) / p + pr.grad_sync_latency_s)
