@@ -206,3 +206,28 @@ def test_active_params_of_full_mixtral() -> None:
     g = autopar.capture(model, (torch.zeros(1, 64, dtype=torch.long, device="meta"),))
     assert g.num_params / 1e9 == pytest.approx(46.7, abs=0.05)
     assert g.active_params / 1e9 == pytest.approx(12.9, abs=0.05)
+
+
+@pytest.mark.parametrize("config_cls,model_cls,extra,block,router", [
+    # its forward takes the KV-cache flag only through **kwargs while its config turns the cache on: captured
+    # without the cache a training step never builds (capture.targets.training_forward_kwargs)
+    ("GraniteMoeConfig", "GraniteMoeForCausalLM", {}, "block_sparse_moe", "router"),
+    # lightning (linear) attention on one of its two layers: ops whose inputs repeat a tensor, compared by identity
+    ("MiniMaxConfig", "MiniMaxForCausalLM", {"head_dim": 16}, "mlp", "gate"),
+])
+def test_more_moe_families_capture(config_cls, model_cls, extra, block, router) -> None:
+    hf = transformers
+    cfg = getattr(hf, config_cls)(vocab_size=128, hidden_size=H, intermediate_size=FFN, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  num_local_experts=E, num_experts_per_tok=K, **extra)
+    assert cfg.use_cache
+    with torch.device("meta"):
+        model = getattr(hf, model_cls)(cfg)
+    g = autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),))
+    moes = [la for la in g.layers if la.moe is not None]
+    assert [la.name for la in moes] == ["model.layers.0", "model.layers.1"]
+    for la in moes:
+        m = la.moe
+        assert (m.num_experts, m.top_k, m.ffn_hidden_size) == (E, K, FFN)
+        assert (m.block, m.router) == (f"{la.name}.{block}", f"{la.name}.{block}.{router}")
+        assert m.expert_params == sum(p.numel() for p in model.get_submodule(m.experts).parameters())

@@ -17,7 +17,6 @@ keeps q, k, v, its output and a fp32 log-sum-exp [b, heads, s] instead of Korthi
 from __future__ import annotations
 
 import gc
-import inspect
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -34,7 +33,7 @@ from autopar.capture.meta import on_meta, swap_tensors, to_meta
 from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.capture.probe import ModelState, measure_call
 from autopar.capture.record import record
-from autopar.capture.targets import with_example_targets
+from autopar.capture.targets import training_forward_kwargs, with_example_targets
 from autopar.capture.trace import flow_from_export, flow_from_fx, trace_model
 from autopar.capture.units import discover_units, structure_signature
 from autopar.capture.values import MAX_TRACKED_ELEMENTS, ShapeValues
@@ -151,8 +150,8 @@ def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) ->
     start = time.perf_counter()
     first = _first_tensor(inputs, forward_kwargs)
     batch = int(first.shape[0])
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        forward_kwargs.setdefault("use_cache", False)  # a KV cache is for inference; training never builds it
+    for name, value in training_forward_kwargs(model).items():
+        forward_kwargs.setdefault(name, value)
     units = discover_units(model)
     modes = {m: m.training for m in model.modules()}
     if not all(modes.values()):

@@ -70,7 +70,8 @@ class HeadTables:
             scores = [t for t, (_, core) in zip(ins, in_tags, strict=True) if core and t.dim() >= 3]
         else:
             return
-        if not scores or not (sources := in_tags[ins.index(scores[0])][0]):
+        # by identity: list.index compares tensors with ==, which is elementwise (MiniMax's lightning attention)
+        if not scores or not (sources := in_tags[next(i for i, t in enumerate(ins) if t is scores[0])][0]):
             return
         ref = scores[0]
         for t, call in zip(ins, from_call, strict=True):

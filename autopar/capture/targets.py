@@ -17,9 +17,20 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.errors import PlanMismatchError
 
-__all__ = ["TARGET_NAMES", "target_parameter", "example_targets", "with_example_targets"]
+__all__ = ["TARGET_NAMES", "target_parameter", "example_targets", "with_example_targets", "training_forward_kwargs"]
 
 TARGET_NAMES = ("targets", "labels")
+
+
+def training_forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments every training forward gets, in capture and at run time alike: no KV cache (it is
+    for inference), `use_cache=False` where forward names it, or takes **kwargs while the model's config turns
+    the cache on (transformers' convention: `config.use_cache`, read when the argument is not passed)."""
+    params = inspect.signature(model.forward).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if "use_cache" in params or takes_kwargs and getattr(getattr(model, "config", None), "use_cache", False) is True:
+        return {"use_cache": False}
+    return {}
 
 
 def target_parameter(model: nn.Module, target_arg: str | None) -> str | None:

@@ -23,7 +23,6 @@ which is exact because glue is deterministic (random glue is refused under pipel
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map_on
 
 from autopar.capture.meta import swap_tensors
 from autopar.capture.moe import grouped_mm_any_dtype
+from autopar.capture.targets import training_forward_kwargs
 from autopar.codegen.model_loss import loss_of
 from autopar.errors import PlanMismatchError
 
@@ -186,8 +186,8 @@ def _is_random_call(name: str, args: tuple, kwargs: dict) -> bool:
 
 
 def forward_kwargs(model: nn.Module) -> dict[str, Any]:
-    """Keyword arguments every training forward gets: no KV cache (it is for inference)."""
-    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    """Keyword arguments every training forward gets (capture.targets.training_forward_kwargs)."""
+    return training_forward_kwargs(model)
 
 
 def model_logits(out: Any) -> torch.Tensor:
