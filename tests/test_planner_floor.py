@@ -1,7 +1,8 @@
 """The search's level −1 floor (`search._floor_s`, from `CostModel.floor`) never exceeds a candidate's cheap
-bound (`bound.lower_bound`, itself checked below the optimum by tests/test_planner_bound.py), on every
-layout of small dense and MoE models, with FP8, offload, context parallelism and ep/etp in the space; and
-the search returns the same plan with the floors as without them (every candidate priced first)."""
+bound (`bound.lower_bound`, itself checked below the optimum by tests/test_planner_bound.py), and where
+`CostModel.over_memory` says a layout cannot fit, that bound is +inf: on every layout of small dense and
+MoE models, with FP8, offload, context parallelism and ep/etp in the space. And the search returns the
+same plans with the floors as without them (every candidate priced first)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from autopar.cluster import Cluster
 from autopar.config import PlannerOptions
 from autopar.planner.bound import lower_bound
 from autopar.planner.costs import CostModel
+from autopar.planner.problem import MODES
 from autopar.planner.search import _floor_s, _fp8_choices, _offload_choices, search
 from autopar.planner.space import enumerate_candidates
 
@@ -42,18 +44,25 @@ def _cases(moe):
 
 
 def test_floor_is_below_the_cheap_bound_of_every_layout(moe) -> None:
+    overs = []
     for graph, cluster, batch, opts in _cases(moe):
         costs = CostModel.for_cluster(graph, cluster)
         cands = enumerate_candidates(graph, world_size=costs.world_size, devices_per_node=costs.devices_per_node,
                                      global_batch_size=batch, options=opts, fp8s=_fp8_choices(costs, opts),
                                      offloads=_offload_choices(costs, opts), precision=costs.precision.name)
-        ratios = []
+        ratios, over = [], 0
         for c in cands:
             floor, lb = _floor_s(costs, c), lower_bound(costs.problem(c))
             assert 0.0 < floor <= lb, c
             if lb < float("inf"):
                 ratios.append(floor / lb)
+            for modes in (MODES, ("none",)):
+                if costs.over_memory(c, modes):
+                    over += 1
+                    assert lower_bound(costs.problem(c, modes)) == float("inf"), c
         assert len(cands) > 100 and sorted(ratios)[len(ratios) // 2] > 0.3  # and the floor is not vacuous
+        overs.append(over)
+    assert max(overs) > 100  # nor the memory check
 
 
 def test_search_with_floors_returns_the_same_plans(moe) -> None:

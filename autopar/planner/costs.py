@@ -139,7 +139,7 @@ class CostModel:
         of Run.time_s) and of its optimizer seconds (Run.optimizer_s), from the parts' cached terms alone,
         without pricing c's runs. Each is a sum of some of the non-negative terms `_one_run` adds up (passes,
         the runtime's gradient accumulation, TP and expert collectives, cp's K/V exchange; not recompute,
-        FSDP hooks, FP8 amax or batch-norm reductions, the host step), shaved by 1e-12 for rounding, so the
+        FSDP hooks, FP8 amax or batch-norm reductions, offload's copies), shaved by 1e-12 for rounding, so the
         search may order and prune candidates by it before building their problems (search: level −1)."""
         gathered = self.memory.fp8_gathered(c)
         work = self._floor(c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.compile, c.ep, c.etp, c.fp8,
@@ -148,8 +148,25 @@ class CostModel:
             m = c.num_microbatches
             work += self._accumulate(c.tp, c.ep, c.etp) * (m - 1) / m
         shards = c.shard_group if c.zero_stage >= 1 else 1
-        opt = self._optimizer(c.tp, shards, c.ep, c.etp) if c.offload == "none" else 0.0
+        opt = self._optimizer(c.tp, shards, c.ep, c.etp, c.offload)
         return work * (1 - 1e-12), opt * (1 - 1e-12)
+
+    def over_memory(self, c: Candidate, modes: tuple[str, ...]) -> bool:
+        """Whether c's layers under their leanest allowed modes (model states, and activations at the fewest
+        micro-batches any rank holds in flight, without cp's K/V), pooled over its pipeline ranks, exceed
+        their memory: then `bound.lower_bound` of its problem is +inf, known without pricing its runs."""
+        phi = min(self.memory.inflight(c))
+        pipelined = self.memory.pipelined(c)
+        ks = [MODES.index(k) for k in modes]
+        need = 0.0
+        for ri, group in enumerate(self.memory.runs):
+            ep, etp = (c.ep, c.etp) if group[0].moe is not None else (1, 1)
+            acts = self.memory.activation_bytes(ri, c.tp, c.sequence_parallel, c.micro_batch_size, c.compile)
+            need += len(group) * (self.memory.run_state_bytes(ri, c.tp, c.zero_stage, c.shard_group, ep, c.offload,
+                                                              pipelined, etp)
+                                  + phi * min(acts[k] for k in ks) / c.cp)
+        capacity = sum(r.capacity_bytes for r in self.memory.rank_memory(c))
+        return need * (1 - 1e-12) > capacity * (1 + 1e-9)
 
     def _layers_sum(self, per_layer, ep: int, etp: int) -> float:
         """Σ over the graph's layers of per_layer(ri, ep, etp), a dense run priced at ep = etp = 1 as in
@@ -160,8 +177,13 @@ class CostModel:
     def _accumulation_sum(self, tp: int, ep: int, etp: int) -> float:
         return self._layers_sum(lambda ri, e, et: self.compute.grad_accumulation_s(ri, tp, e, et), ep, etp)
 
-    def _optimizer_sum(self, tp: int, shards: int, ep: int, etp: int) -> float:
-        return self._layers_sum(lambda ri, e, et: self.compute.optimizer_s(ri, tp, shards, e, et), ep, etp)
+    def _optimizer_sum(self, tp: int, shards: int, ep: int, etp: int, offload: str) -> float:
+        """The layers' optimizer steps: on the device, or the host's part of an offloaded one (Run.optimizer_s)."""
+        def one(ri: int, e: int, et: int) -> float:
+            if offload == "none":
+                return self.compute.optimizer_s(ri, tp, shards, e, et)
+            return self.memory.offload.step_s(self.memory.run_local_params(ri, tp, e, et) / shards, offload)
+        return self._layers_sum(one, ep, etp)
 
     def _floor_key(self, tp: int, sp: bool, mbs: int, cp: int, compiled: bool, ep: int, etp: int, fp8: str,
                    gathered: bool, dp: int) -> float:

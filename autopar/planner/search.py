@@ -174,12 +174,15 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
         if time.perf_counter() - t0 > options.time_limit_s and found:
             status, open_bound = "time_limit", key
             break
-        pr = problem_of(cands[i])
         if level == -1:
+            if floors and costs.over_memory(cands[i], modes):
+                continue  # its cheap bound is +inf
+            pr = problem_of(cands[i])
             lb = lower_bound(pr) * scale[i]
             if lb < float("inf"):
                 heapq.heappush(heap, (max(key, lb), i, 0))
             continue
+        pr = problem_of(cands[i])
         if level == 0:
             bnd = tight_bound(pr)
             if bnd.value_s == float("inf"):
