@@ -125,6 +125,7 @@ class MemoryCosts:
             lambda sched, pp, m, v, n=None: tuple(memory.inflight_microbatches(sched, pp, m, q, v, n)
                                                   for q in range(pp)))
         self._ranks = lru_cache(maxsize=None)(self._rank_memory_key)
+        self._host_fits = lru_cache(maxsize=None)(self._host_fits_key)
 
     # ---- parameters and their states ----
     def tp_param_fraction(self, layer: LayerSpec) -> float:
@@ -249,8 +250,12 @@ class MemoryCosts:
         even (a rank holds 1/pp of the model's layers)."""
         if c.offload == "none":
             return True, 0.0
-        params = sum(len(g) * self._local_run(ri, c.tp, c.ep, c.etp) for ri, g in enumerate(self.runs)) / c.pp
-        per_node = self.offload.devices_per_node * self.host_state_bytes(params, c.zero_stage, c.shard_group, c.offload)
+        return self._host_fits(c.tp, c.ep, c.etp, c.pp, c.zero_stage, c.shard_group, c.offload)
+
+    def _host_fits_key(self, tp: int, ep: int, etp: int, pp: int, zero_stage: int, dp: int,
+                       offload: str) -> tuple[bool, float]:
+        params = sum(len(g) * self._local_run(ri, tp, ep, etp) for ri, g in enumerate(self.runs)) / pp
+        per_node = self.offload.devices_per_node * self.host_state_bytes(params, zero_stage, dp, offload)
         return per_node <= self.offload.host_capacity_bytes, per_node
 
     def shared_duplicate_states(self, tp: int, zero_stage: int, dp: int, offload: str = "none"

@@ -148,6 +148,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
             if (o.dp is not None and dp != o.dp) or global_batch_size % dp:
                 continue
             eps = _pinned(ep_degrees(graph, dp, tp), o.ep)
+            etps = {ep: _pinned(etp_degrees(graph, dp, tp, ep), o.etp) for ep in eps}
             for mbs in _pinned(divisors(global_batch_size // dp), o.micro_batch_size):
                 m = global_batch_size // (dp * mbs)
                 if o.num_microbatches is not None and m != o.num_microbatches:
@@ -165,7 +166,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                                      sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
                                                      offload=off, precision=precision, microbatch_group=n,
                                                      etp=etp)
-                                           for ep in eps for etp in _pinned(etp_degrees(graph, dp, tp, ep), o.etp))
+                                           for ep in eps for etp in etps[ep])
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out
