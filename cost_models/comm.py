@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from cost_models.monotone import nondecreasing_fit
 from cost_models.profile import CollectiveSample, Profile
 
 __all__ = ["Topology", "CommModel", "ALGORITHMS", "EP_DISPATCHERS", "PIPELINE_P2P", "fit_link", "hit_probability",
-           "interpolate_time_s"]
+           "expected_units_hit", "interpolate_time_s"]
 
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 
@@ -88,6 +89,57 @@ def hit_probability(num_experts: int, top_k: int, group_experts: int) -> float:
     for i in range(top_k):  # C(E − g, k) / C(E, k) as a product, no big integers
         miss *= max(0, num_experts - group_experts - i) / (num_experts - i)
     return 1.0 - miss
+
+
+@cache
+def expected_units_hit(num_experts: int, top_k: int, units: int, groups: int = 1, group_top_k: int = 1) -> float:
+    """Expected number of distinct units (the ranks or nodes an EP group's experts are split over, E / units
+    consecutive experts each) one token's top_k experts land on. The router opens group_top_k of `groups`
+    groups of E / groups consecutive experts to the token (group-limited routing, MoESpec.route_groups; 1 of
+    1: all), each set of groups alike, and picks top_k distinct experts alike among the open ones (a balanced
+    router: the uniform routing hit_probability assumes). With groups on whole nodes (DeepSeek-V3: 8 groups
+    of 32 experts, 32 experts a node under EP64 on 8 nodes) a token reaches at most group_top_k nodes.
+
+    Per unit u, with a_j of its experts in group j: P(u missed | open set S) = C(n − a_S, k) / C(n, k),
+    n = group_top_k · E / groups the open experts and a_S = Σ_{j∈S} a_j; the open sets are counted by the
+    sum they give (a polynomial over the groups), so the expectation is exact without enumerating them."""
+    e, k, g, m = num_experts, top_k, groups, group_top_k
+    if units < 1 or e % units or g < 1 or e % g or not 1 <= m <= g or not 1 <= k <= m * (e // g):
+        raise ValueError(f"expected_units_hit: num_experts={e}, top_k={k}, units={units}, groups={g}, "
+                         f"group_top_k={m}; expected units and groups dividing the experts, 1 ≤ group_top_k ≤ "
+                         "groups and 1 ≤ top_k ≤ the open experts")
+    if m == g:
+        return units * hit_probability(e, k, e // units)
+    size, width, n = e // units, e // g, m * (e // g)
+    total = 0.0
+    for u in range(units):
+        lo, hi = u * size, (u + 1) * size
+        overlaps = [min(hi, (j + 1) * width) - max(lo, j * width) for j in range(g)]
+        total += 1.0 - _miss_probability(tuple(sorted(a for a in overlaps if a > 0)), g, m, n, k)
+    return total
+
+
+@cache
+def _miss_probability(overlaps: tuple[int, ...], groups: int, open_groups: int, open_experts: int, k: int) -> float:
+    """P(a unit with `overlaps` experts in some groups (none in the rest) gets none of a token's k experts),
+    the token's open_groups of `groups` alike and its k experts alike among their open_experts."""
+    ways: dict[tuple[int, int], int] = {(0, 0): 1}  # (groups chosen among the unit's, its experts in them) → count
+    for a in overlaps:
+        nxt = dict(ways)
+        for (c, s), w in ways.items():
+            if c < open_groups:
+                nxt[(c + 1, s + a)] = nxt.get((c + 1, s + a), 0) + w
+        ways = nxt
+    others = groups - len(overlaps)
+    miss = 0.0
+    for (c, s), w in ways.items():
+        count = w * math.comb(others, open_groups - c)
+        if count:
+            p = 1.0
+            for i in range(k):  # C(n − s, k) / C(n, k) as a product
+                p *= max(0, open_experts - s - i) / (open_experts - i)
+            miss += count * p
+    return miss / math.comb(groups, open_groups)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -299,13 +351,16 @@ class CommModel:
         return self._priced("all_to_all", n_bytes, group_size, ranks_per_node, model)
 
     def dispatch_time_s(self, dispatcher: str, *, tokens: float, token_bytes: float, num_experts: int, top_k: int,
-                        group_size: int, ranks_per_node: int | None = None) -> float:
+                        group_size: int, ranks_per_node: int | None = None, route_groups: int = 1,
+                        route_group_top_k: int = 1) -> float:
         """One dispatch (or combine: the same bytes back) of one rank's `tokens` tokens of token_bytes each,
         each routed to top_k of num_experts experts split evenly over the group's ranks in order, by
         `dispatcher` (EP_DISPATCHERS). "all_to_all": an all-to-all of the tokens · top_k copies. "deepep":
         over InfiniBand one copy per token and destination node other than its own, over NVLink one per
         token and destination GPU other than the one the copy reaches the node on (its own index); the two
-        at once, so the slower of them."""
+        at once, so the slower of them. Destinations per token: expected_units_hit (route_groups /
+        route_group_top_k: a router that opens only some expert groups to a token), the token's own node
+        (and GPU) one of them as often as any other."""
         if dispatcher not in EP_DISPATCHERS:
             raise ValueError(f"dispatcher={dispatcher!r}; expected one of {EP_DISPATCHERS}")
         rpn, nodes = self._layout(group_size, ranks_per_node)
@@ -313,10 +368,11 @@ class CommModel:
             return self.all_to_all_time_s(tokens * top_k * token_bytes, group_size, ranks_per_node)
         if group_size == 1 or tokens <= 0:
             return 0.0
-        per_node = hit_probability(num_experts, top_k, num_experts // nodes)
-        per_rank = hit_probability(num_experts, top_k, num_experts // group_size)
-        rdma_bytes = tokens * token_bytes * (nodes - 1) * per_node
-        nvlink_bytes = tokens * token_bytes * group_size * per_rank * (rpn - 1) / rpn
+        routing = (num_experts, top_k)
+        node_hits = expected_units_hit(*routing, nodes, route_groups, route_group_top_k)
+        rank_hits = expected_units_hit(*routing, group_size, route_groups, route_group_top_k)
+        rdma_bytes = tokens * token_bytes * node_hits * (nodes - 1) / nodes
+        nvlink_bytes = tokens * token_bytes * rank_hits * (rpn - 1) / rpn
         rdma = self._inter.alpha_s + rdma_bytes / self._inter.beta_Bps if nodes > 1 else 0.0
         nvlink = self._intra.alpha_s + nvlink_bytes / self._intra.beta_Bps if rpn > 1 else 0.0
         return max(rdma, nvlink)

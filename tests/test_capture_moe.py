@@ -3,6 +3,8 @@ each layer (experts, top-k, FFN width, shared experts, router), expert FLOPs aga
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -139,16 +141,21 @@ class _UserMoE(nn.Module):
     """A mixture of experts written by hand (not transformers): a linear router, top-2 of 6 experts,
     tokens sorted by expert and multiplied by stacked weights with torch._grouped_mm."""
 
-    def __init__(self, h: int = 32, f: int = 48, e: int = 6) -> None:
+    def __init__(self, h: int = 32, f: int = 48, e: int = 6, groups: int = 1, open_groups: int = 1) -> None:
         super().__init__()
         self.score = nn.Linear(h, e, bias=False)
         self.w_in = nn.Parameter(torch.randn(e, h, f) * 0.02)
         self.w_out = nn.Parameter(torch.randn(e, f, h) * 0.02)
-        self.k, self.e = 2, e
+        self.k, self.e, self.groups, self.open_groups = 2, e, groups, open_groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, idx = torch.topk(self.score(flat).softmax(-1), self.k, dim=-1)
+        probs = self.score(flat).softmax(-1)
+        if self.open_groups < self.groups:  # group-limited: the best expert of each group ranks the groups
+            best = probs.view(-1, self.groups, self.e // self.groups).amax(-1)
+            keep = torch.zeros_like(best).scatter(1, torch.topk(best, self.open_groups, dim=-1).indices, 1.0)
+            probs = probs * keep.repeat_interleave(self.e // self.groups, dim=-1)
+        weights, idx = torch.topk(probs, self.k, dim=-1)
         order = idx.reshape(-1).argsort()
         rows = flat[order // self.k]
         counts = torch.histc(idx.reshape(-1).float(), bins=self.e, min=0, max=self.e - 1)
@@ -159,10 +166,10 @@ class _UserMoE(nn.Module):
 
 
 class _UserModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, **moe: int) -> None:
         super().__init__()
         self.emb = nn.Embedding(100, 32)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(32), _UserMoE()) for _ in range(2)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(32), _UserMoE(**moe)) for _ in range(2)])
         self.head = nn.Linear(32, 100)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -180,6 +187,45 @@ def test_user_moe_found_without_family_names() -> None:
     assert (m.num_experts, m.top_k, m.ffn_hidden_size, m.router) == (6, 2, 48, "blocks.0.1.score")
     assert m.shared_params == 0 and m.dispatch_bytes_per_sample == 8 * 2 * 32 * 4
     assert m.expert_params == 2 * 6 * 32 * 48
+
+
+def test_group_limited_routing_found_from_the_data_flow(graphs) -> None:
+    """A router that opens m of G expert groups to each token is found from its top-m over G groups on the
+    tokens it routes: transformers' DeepseekV3 (n_group=2, topk_group=1: a top-2 inside each group, then a
+    top-1 of 2 groups) and a hand-written router (best expert per group, top-2 of 3 groups of 4) alike;
+    routers open to every expert keep the default, and graphs round-trip through JSON."""
+    assert {(la.moe.route_groups, la.moe.route_group_top_k)
+            for la in graphs["deepseek_v3"][1].layers if la.moe} == {(2, 1)}
+    for name in ("mixtral", "qwen2_moe", "gpt_oss", "phimoe"):
+        assert {(la.moe.route_groups, la.moe.route_group_top_k, la.moe.group_limited)
+                for la in graphs[name][1].layers if la.moe} == {(1, 1, False)}
+    g = autopar.capture(_UserModel(e=12, groups=3, open_groups=2), (torch.zeros(2, 8, dtype=torch.long),))
+    assert {(la.moe.route_groups, la.moe.route_group_top_k) for la in g.layers if la.moe} == {(3, 2)}
+    assert ModelGraph.from_json(g.to_json()).fingerprint == g.fingerprint
+    open_all = autopar.capture(_UserModel(e=12), (torch.zeros(2, 8, dtype=torch.long),))
+    assert {la.moe.group_limited for la in open_all.layers if la.moe} == {False}
+    spec = next(la.moe for la in g.layers if la.moe)
+    with pytest.raises(ValueError, match="route_group_top_k"):
+        dataclasses.replace(spec, route_groups=5)  # 5 groups do not split 12 experts
+    with pytest.raises(ValueError, match="route_group_top_k"):
+        dataclasses.replace(spec, route_groups=12, route_group_top_k=1)  # one open expert for a top-2
+    assert not dataclasses.replace(spec, route_groups=6, route_group_top_k=6).group_limited
+
+
+def test_mla_attention_runs_the_causal_kernel() -> None:
+    """MLA's value heads may be narrower than its query and key heads (8 against 8 + 8 here; 128 against 192 in
+    DeepSeek-V3): the attention is captured as the causal fused kernel training runs, with FLOPs of
+    2·s²·(d_qk + d_v) per head and sample (it used to fall back to a pass on fake tensors, where transformers
+    builds an explicit s×s mask: a kernel over the full score matrix)."""
+    cfg = transformers.DeepseekV3Config(vocab_size=128, hidden_size=H, intermediate_size=96, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                                        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    g = autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),))
+    kernels = [k for la in g.layers for k in la.kernels_forward.kernels if k.kind == "attention"]
+    assert kernels and all(k.causal for k in kernels)
+    assert kernels[0].work == pytest.approx(2 * S * S * 4 * (16 + 8))
 
 
 def test_load_imbalance_settable_and_checked(graphs) -> None:

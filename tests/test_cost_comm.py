@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cost_models import catalog
-from cost_models.comm import CommModel, Topology, fit_link, hit_probability, interpolate_time_s
+from cost_models.comm import CommModel, Topology, expected_units_hit, fit_link, hit_probability, interpolate_time_s
 from cost_models.hardware import LinkSpec
 from cost_models.profile import CollectiveSample
 
@@ -148,6 +148,60 @@ def test_hit_probability_against_enumeration(experts, top_k, group):
     sets = list(itertools.combinations(range(experts), top_k))
     hits = sum(any(e < group for e in s) for s in sets)
     assert hit_probability(experts, top_k, group) == pytest.approx(hits / len(sets))
+
+
+def _enumerated_units_hit(experts: int, top_k: int, units: int, groups: int, open_groups: int) -> float:
+    """Mean distinct units (experts // units consecutive experts each) over every routing: each set of
+    open_groups of the groups alike, then each top_k set of the open experts alike."""
+    width, size = experts // groups, experts // units
+    total = 0.0
+    opens = list(itertools.combinations(range(groups), open_groups))
+    for chosen in opens:
+        pool = [e for j in chosen for e in range(j * width, (j + 1) * width)]
+        sets = list(itertools.combinations(pool, top_k))
+        total += sum(len({e // size for e in s}) for s in sets) / len(sets)
+    return total / len(opens)
+
+
+@pytest.mark.parametrize("experts,top_k,units,groups,open_groups", [
+    (8, 3, 4, 4, 2),     # groups of 2 experts on units of 2: one group a unit
+    (16, 4, 4, 8, 3),    # two groups a unit
+    (16, 4, 8, 4, 2),    # a group over two units
+    (12, 2, 3, 4, 2),    # groups of 3 across units of 4: not nested
+    (12, 3, 6, 6, 6),    # every group open: uniform routing
+    (8, 2, 8, 2, 1),     # per rank, one group of 4 open
+])
+def test_expected_units_hit_against_enumeration(experts, top_k, units, groups, open_groups):
+    """Group-limited routing's expected destinations per token against enumerating every routing; with every
+    group open, units · hit_probability; DeepSeek-V3's layout (256 experts in 8 groups of 32, 4 open, top-8,
+    EP64 on 8 nodes) reaches at most 4 nodes, fewer than the 5.3 nodes of routing open to all."""
+    got = expected_units_hit(experts, top_k, units, groups, open_groups)
+    assert got == pytest.approx(_enumerated_units_hit(experts, top_k, units, groups, open_groups))
+    assert expected_units_hit(experts, top_k, units) == pytest.approx(
+        units * hit_probability(experts, top_k, experts // units))
+    nodes = expected_units_hit(256, 8, 8, 8, 4)
+    assert nodes <= min(8, 4, 8) < expected_units_hit(256, 8, 8)
+    with pytest.raises(ValueError, match="group_top_k"):
+        expected_units_hit(256, 8, 8, 8, 0)
+    with pytest.raises(ValueError, match="open experts"):
+        expected_units_hit(16, 8, 4, 8, 1)  # one group of 2 cannot hold a top-8
+
+
+def test_deepep_dispatch_with_group_limited_routes():
+    """DeepEP's dispatch over 4 nodes × 1 rank, 8 experts in 4 groups (one a node), top-2 of the 2 groups a
+    token may use: InfiniBand bytes per token = the other nodes its routing reaches, enumerated."""
+    cm = ring_model(devices_per_node=1)
+    experts, top_k, ranks, tokens, token_bytes = 8, 2, 4, 1000.0, 4096.0
+    routes = 0.0
+    opens = list(itertools.combinations(range(4), 2))
+    for chosen in opens:  # sender on node 0; expert e on node e // 2
+        sets = list(itertools.combinations([e for j in chosen for e in (2 * j, 2 * j + 1)], top_k))
+        routes += sum(len({e // 2 for e in s} - {0}) for s in sets) / len(sets) / len(opens)
+    got = cm.dispatch_time_s("deepep", tokens=tokens, token_bytes=token_bytes, num_experts=experts, top_k=top_k,
+                             group_size=ranks, ranks_per_node=1, route_groups=4, route_group_top_k=2)
+    assert got == pytest.approx(SLOW.latency_s + tokens * token_bytes * routes / SLOW.bandwidth_Bps)
+    assert got < cm.dispatch_time_s("deepep", tokens=tokens, token_bytes=token_bytes, num_experts=experts,
+                                    top_k=top_k, group_size=ranks, ranks_per_node=1)
 
 
 def test_deepep_dispatch_against_enumerated_routes():

@@ -422,6 +422,8 @@ def _drop_moe_defaults(payload: dict[str, Any]) -> None:
     for layer in payload["layers"]:
         if layer.get("moe", 0) is None:
             del layer["moe"]
+        elif layer.get("moe") and layer["moe"].get("route_groups") == 1 and layer["moe"].get("route_group_top_k") == 1:
+            del layer["moe"]["route_groups"], layer["moe"]["route_group_top_k"]  # routers open to every expert
         if layer.get("saved_activation_bytes_expert", 1) == 0:
             del layer["saved_activation_bytes_expert"]
         for mix in ("kernels_forward", "kernels_backward"):

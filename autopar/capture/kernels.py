@@ -69,9 +69,14 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     if kv_heads != heads:  # grouped-query attention: the kernel sees each KV head repeated
         key = key.repeat_interleave(heads // kv_heads, dim=-3)
         value = value.repeat_interleave(heads // kv_heads, dim=-3)
-    if attn_mask is None:
+    if attn_mask is None and value.shape[-1] == query.shape[-1]:
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
                                                         scale=scale)[0]
+    if attn_mask is None:  # a value head narrower than the query's (MLA: 192 / 128): flash's kernel assumes
+        # one head size and its meta kernel shapes the output by the query's; the memory-efficient kernel
+        # takes both, as SDPA dispatches it on a GPU
+        return aten._scaled_dot_product_efficient_attention(query, key, value, None, True, dropout_p, is_causal,
+                                                            scale=scale)[0]
     bias = attn_mask
     if bias.dtype == torch.bool:  # a boolean mask becomes an additive bias of the query dtype, as SDPA does
         bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device)

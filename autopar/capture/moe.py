@@ -14,6 +14,13 @@ routers that pick by sampling or repeated max instead of `topk`, PhiMoE's sparse
 is the module of the layer whose own parameters stack E matrices (leading dimension E) or a list of E
 identical modules; the router is the module whose weight has E rows. What else the MoE block holds
 (shared experts that every token passes through, a shared expert's gate) is dense.
+
+Group-limited routing (DeepSeek's device- and node-limited routing; `MoESpec.route_groups`) is found from
+the same data flow: before choosing its k of E experts for T tokens, the router takes a top-m of G < E
+(G dividing E, m < G) for the same T tokens — the groups of E / G consecutive experts it opens to each
+token. A top-k inside each group (a [T, G, E / G] score tensor, T · G rows) is the groups' scoring, not the
+choice. No class or attribute name is read: a router that limits groups some other way (by sampling, or by
+masking without a top-k) is priced as open to every expert, which overstates its dispatch.
 """
 
 from __future__ import annotations
@@ -132,8 +139,8 @@ def _bank(module: nn.Module) -> tuple[int, list[nn.Parameter]] | None:
     return experts, [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == experts]
 
 
-def record_bank_calls(module: nn.Module, topks: list[tuple[int, int]]) -> list[Any]:
-    """Forward pre-hooks on every expert bank under `module` that append (k, E) to `topks` when the bank is
+def record_bank_calls(module: nn.Module, topks: list[tuple[int, int, int]]) -> list[Any]:
+    """Forward pre-hooks on every expert bank under `module` that append (k, E, T) to `topks` when the bank is
     called with an integer [T, k] tensor (k < E): the experts each token chose, however the router chose
     them. Returns the hook handles (remove them after the call)."""
 
@@ -142,7 +149,7 @@ def record_bank_calls(module: nn.Module, topks: list[tuple[int, int]]) -> list[A
             for t in inputs:
                 if (isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
                         and t.dtype != torch.bool and 0 < t.shape[-1] < experts):
-                    topks.append((int(t.shape[-1]), experts))
+                    topks.append((int(t.shape[-1]), experts, int(t.shape[0])))
                     return
         return pre
 
@@ -180,14 +187,15 @@ def _router(module: nn.Module, experts: int, bank: set[int]) -> str | None:
     return None
 
 
-def find_moe(module: nn.Module, prefix: str, topks: tuple[tuple[int, int], ...], dtype_bytes: int, *,
+def find_moe(module: nn.Module, prefix: str, topks: tuple[tuple[int, int, int], ...], dtype_bytes: int, *,
              tokens_per_sample: int, load_imbalance: float) -> MoESpec | None:
-    """The MoE of a layer's module: `topks` are the (k, width) of each topk the call ran. None without one.
+    """The MoE of a layer's module: `topks` are the (k, width, rows) of each topk the call ran. None without
+    one.
 
     Raises ValueError for a layer with several expert banks the same topk could route (ambiguous).
     """
     banks = {name: b for name, m in module.named_modules() if (b := _bank(m))}
-    for k, width in topks:
+    for i, (k, width, rows) in enumerate(topks):
         matches = [n for n, (e, _) in banks.items() if e == width]
         if not matches:
             continue
@@ -211,8 +219,21 @@ def find_moe(module: nn.Module, prefix: str, topks: tuple[tuple[int, int], ...],
             shared_params=sum(p.numel() for p in block.parameters() if id(p) not in exclude),
             ffn_hidden_size=_ffn_hidden(params, width, hidden),
             dispatch_bytes_per_sample=tokens_per_sample * k * hidden * dtype_bytes,
-            tokens_per_sample=tokens_per_sample, load_imbalance=load_imbalance)
+            tokens_per_sample=tokens_per_sample, load_imbalance=load_imbalance,
+            **_route_groups(topks[:i], experts=width, top_k=k, rows=rows))
     return None
+
+
+def _route_groups(before: tuple[tuple[int, int, int], ...], *, experts: int, top_k: int,
+                  rows: int) -> dict[str, int]:
+    """MoESpec's route_groups / route_group_top_k from the top-k selections a call ran before choosing its
+    experts (module docstring): the last top-m of G groups over the same rows (tokens) with G dividing E,
+    1 < G < E, m < G and room for top_k experts in m groups; none: {} (every expert open)."""
+    for m, groups, r in reversed(before):
+        if (r == rows and 1 < groups < experts and experts % groups == 0 and 1 <= m < groups
+                and m * (experts // groups) >= top_k):
+            return {"route_groups": groups, "route_group_top_k": m}
+    return {}
 
 
 def _expert_matrices(params: list[nn.Parameter], experts: int) -> list[tuple[int, ...]]:

@@ -26,6 +26,11 @@ class MoESpec:
     load_imbalance: the router's systematic skew, busiest expert-parallel rank's tokens ÷ the mean in
       expectation (autopar.capture.moe.DEFAULT_LOAD_IMBALANCE); the sampling spread of a finite micro-batch
       comes on top (autopar.planner.moe_load).
+    route_groups / route_group_top_k: group-limited routing (DeepSeek-V2 §2.1.3 "device-limited routing",
+      DeepSeek-V3 §2.1.2 "node-limited routing", arXiv 2405.04434 / 2412.19437): the router splits the E
+      experts into route_groups contiguous groups of E / route_groups, picks route_group_top_k of them per
+      token and its top_k experts only inside those (found from the router's data flow:
+      autopar.capture.moe.find_moe). 1 of 1: every expert open to every token.
     """
 
     experts: str
@@ -40,6 +45,8 @@ class MoESpec:
     dispatch_bytes_per_sample: int = 0
     tokens_per_sample: int = 0
     load_imbalance: float = 1.0
+    route_groups: int = 1
+    route_group_top_k: int = 1
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -51,6 +58,16 @@ class MoESpec:
         if not 1.0 <= self.load_imbalance <= self.num_experts / self.top_k + 1e-9:
             raise ValueError(f"MoESpec {self.experts}: load_imbalance={self.load_imbalance} must lie in "
                              f"[1, num_experts / top_k = {self.num_experts / self.top_k:g}] (1 = perfectly even)")
+        g, m = self.route_groups, self.route_group_top_k
+        if g < 1 or self.num_experts % g or not 1 <= m <= g or m * (self.num_experts // g) < self.top_k:
+            raise ValueError(f"MoESpec {self.experts}: route_group_top_k={m} of route_groups={g} over "
+                             f"num_experts={self.num_experts}, top_k={self.top_k}; expected groups dividing the "
+                             "experts and 1 ≤ route_group_top_k ≤ route_groups with top_k experts in the open groups")
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether the router opens only some expert groups to each token (route_group_top_k < route_groups)."""
+        return self.route_group_top_k < self.route_groups
 
     def max_degree_ok(self, ep: int) -> bool:
         """Whether expert-parallel degree `ep` splits the experts evenly."""

@@ -95,9 +95,10 @@ class CallStats:
     saved_bytes_op_sac: int = 0
     saved_bytes_op_sac_tp_sharded: int = 0
     saved_bytes_op_sac_unread: int = 0  # of saved_bytes_op_sac, outputs no backward reads (fusion.unread_saves)
-    # (k, width) of each top-k selection over a tensor's last dimension: a router choosing k of `width`
-    # experts (autopar.capture.moe.find_moe)
-    topks: tuple[tuple[int, int], ...] = ()
+    # (k, width, rows) of each top-k selection over a tensor's last dimension, rows the selections it makes
+    # (the other dimensions' product): a router choosing k of `width` experts for each of `rows` tokens, or
+    # k of `width` expert groups (autopar.capture.moe.find_moe)
+    topks: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -277,7 +278,7 @@ class _Tracker(TorchDispatchMode):
         self.matmuls = 0  # OP_SAC_MATMUL_OPS so far (op_sac's counter)
         self.steps = StepLog()  # one per op in self.ops, for the fused kernels of a compiled block
         self.saved_ids: set[int] = set()  # StepLog names of the tensors saved for backward
-        self.topks: list[tuple[int, int]] = []  # (k, width) of each top-k over a last dimension
+        self.topks: list[tuple[int, int, int]] = []  # (k, width, rows) of each top-k over a last dimension
         # storages computed from the call's inputs; the rest derive from parameters, buffers and fresh
         # constants (position tables, a position-bias MLP over fixed coordinates)
         self.from_call: set[int] = set()
@@ -349,7 +350,8 @@ class _Tracker(TorchDispatchMode):
         if packet is aten.topk:
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             if dim in (-1, ins[0].dim() - 1):
-                self.topks.append((int(args[1]), int(ins[0].shape[-1])))
+                width = int(ins[0].shape[-1])
+                self.topks.append((int(args[1]), width, ins[0].numel() // width if width else 0))
         in_core = kind == "attention" or any(core for _, core in out_tags)
         self.matmuls += packet in OP_SAC_MATMUL_OPS
         sac = tensor_bytes(outs) if op_sac_saves(packet, self.matmuls) else 0

@@ -15,7 +15,8 @@ Part of the planner's time pricing (compute_costs prices the kernels; costs.Cost
                   ranks), the busiest rank receiving more than the mean (autopar.planner.moe_load), each rank
                   sending its own tokens' copies (÷ tp under SP or folding: moe_load.moe_token_share), one
                   per (token, expert) or, priced for DeepEP, one per destination node and GPU
-                  (CommModel.dispatch_time_s, PlannerOptions.ep_dispatcher). Folded
+                  (CommModel.dispatch_time_s, PlannerOptions.ep_dispatcher; fewer nodes under a router that
+                  opens only some expert groups to a token, MoESpec.route_groups). Folded
                   without SP, the tp ranks hold the same tokens and split them: the combined outputs are
                   all-gathered over tp in forward, the tokens' gradients in backward (autopar.codegen.experts).
                   With the experts tensor-parallel (etp = tp, never folded) every tp index moves all its tp
@@ -189,7 +190,8 @@ class CommCosts:
         if ep > 1:
             one = self.model.dispatch_time_s(self.ep_dispatcher, tokens=tokens, token_bytes=token_bytes,
                                              num_experts=moe.num_experts, top_k=moe.top_k, group_size=ep,
-                                             ranks_per_node=self.ep_ranks_per_node(tp, ep, cp, etp))
+                                             ranks_per_node=self.ep_ranks_per_node(tp, ep, cp, etp),
+                                             route_groups=moe.route_groups, route_group_top_k=moe.route_group_top_k)
             one *= busiest_rank_factor(moe, ep, tokens) * self.sharing_factor(ep)
         gather = self.collective_s("all_gather", gathered, tp, tp)
         fwd, bwd = self._etp_reduction_s(moe, mbs, sp, etp)
