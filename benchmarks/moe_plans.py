@@ -82,12 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     h800 = Cluster.preset("hgx-h800", nodes=256)
     _plan(dsv3, h800, 15360, "DeepSeek-V3 on 2,048 H800, batch 15,360 × 4096")
     pub_mfu = 6 * DEEPSEEK_ACTIVE_PARAMS * DEEPSEEK_TOKENS_PER_S_PER_GPU / h800.device.peak_flops_for("bfloat16")
-    for recompute in ("none", "full"):  # DeepSeek recomputes norms and MLA up-projections: between the two
+    moe = next(la.moe for la in dsv3.layers if la.moe is not None)
+    print(f"    router: top-{moe.top_k} of {moe.num_experts} experts inside {moe.route_group_top_k} of "
+          f"{moe.route_groups} groups (found by capture)")
+    # DeepSeek recomputes norms and MLA up-projections: between none and full. Dispatched by autopar's runtime
+    # (an NCCL all-to-all of every routed copy) and as DeepSeek dispatches (DeepEP's kernels: InfiniBand once
+    # per token and destination node, at most 4 nodes under its node-limited router)
+    for recompute, dispatcher in (("none", "all_to_all"), ("full", "all_to_all"), ("full", "deepep")):
         own = ParallelConfig(pp=16, dp=128, ep=64, zero_stage=1, micro_batch_size=1, num_microbatches=120,
                              recompute=recompute)
-        est = autopar.estimate(dsv3, h800, own, global_batch_size=15360)
-        print(f"  DeepSeek's layout {own}: MFU {est.mfu:.1%}, {est.tokens_per_s / h800.world_size:,.0f} "
-              f"tokens/s/GPU, all-to-all and TP {est.breakdown['tp_comm']:.1f} s of {est.step_time_s:.1f} s, "
+        est = autopar.estimate(dsv3, h800, own, global_batch_size=15360,
+                               options=PlannerOptions(ep_dispatcher=dispatcher))
+        print(f"  DeepSeek's layout {own}, {dispatcher} dispatch: MFU {est.mfu:.1%}, "
+              f"{est.tokens_per_s / h800.world_size:,.0f} tokens/s/GPU, all-to-all and TP "
+              f"{est.breakdown['tp_comm']:.1f} s of {est.step_time_s:.1f} s, "
               f"peak {est.peak_memory_bytes / 2**30:.0f} GiB, fits={est.fits}")
     print(f"    published: {DEEPSEEK_TOKENS_PER_S_PER_GPU:,.0f} tokens/s/GPU over pre-training = {pub_mfu:.1%} of the "
           "bf16 peak by 6·37B (FP8 GEMMs, all-to-all hidden under DualPipe; arXiv 2412.19437)")
