@@ -26,7 +26,7 @@ class MoESpec:
     load_imbalance: the router's systematic skew, busiest expert-parallel rank's tokens ÷ the mean in
       expectation (autopar.capture.moe.DEFAULT_LOAD_IMBALANCE); the sampling spread of a finite micro-batch
       comes on top (autopar.planner.moe_load).
-    route_groups / route_group_top_k: group-limited routing (DeepSeek-V2 §2.1.3 "device-limited routing",
+    route_groups / route_group_top_k: group-limited routing (DeepSeek-V2 §2.2.2 "device-limited routing",
       DeepSeek-V3 §2.1.2 "node-limited routing", arXiv 2405.04434 / 2412.19437): the router splits the E
       experts into route_groups contiguous groups of E / route_groups, picks route_group_top_k of them per
       token and its top_k experts only inside those (found from the router's data flow:

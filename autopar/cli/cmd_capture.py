@@ -32,7 +32,8 @@ def _moe(la: LayerSpec) -> str:
     if m is None:
         return ""
     shared = f",shared={_si(m.shared_params)}" if m.shared_params else ""
-    return f" moe(E={m.num_experts},k={m.top_k},ffn={m.ffn_hidden_size}{shared})"
+    groups = f",groups={m.route_group_top_k}/{m.route_groups}" if m.group_limited else ""
+    return f" moe(E={m.num_experts},k={m.top_k}{groups},ffn={m.ffn_hidden_size}{shared})"
 
 
 def _pattern(p: TPPattern) -> str:
