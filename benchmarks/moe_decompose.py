@@ -116,6 +116,8 @@ def decompose(run: dict) -> None:
                          ("both", hidden + fp8)):
         step = without(saved)
         print(f"    {label:<40} {step:6.2f} s ({step / pub - 1:+.1%} against the published {pub:.2f} s)")
+    if plan.config.cp > 1:  # ParallelConfig refuses compiled blocks under context parallelism
+        return
     fused = autopar.estimate(graph, cluster, dataclasses.replace(plan.config, compile=True), options=opts,
                              stages=plan.stages)
     print(f"    {'memory-bound kernels fused (compile=True)':<40} {fused.step_time_s:6.2f} s "
