@@ -213,6 +213,27 @@ def test_deepep_dispatcher_option_prices_each_node_once(moe) -> None:
         PlannerOptions(ep_dispatcher="nvshmem")
 
 
+def test_group_limited_router_reaches_fewer_nodes(moe) -> None:
+    """The same layer with its router opening 1 of 2 groups of 2 experts (one group a node under ep 4 on 2
+    nodes): a token's top-2 lands on one node, the other node half the time, so DeepEP's InfiniBand copies
+    fall from 5/6 to 1/2 of a token; the all-to-all of every routed copy does not change."""
+    _, g = moe
+    limited = dataclasses.replace(g, layers=tuple(
+        dataclasses.replace(la, moe=dataclasses.replace(la.moe, route_groups=2, route_group_top_k=1))
+        if la.moe is not None else la for la in g.layers))
+    cluster = fake_cluster(nodes=2, per_node=2, intra_GBps=300, inter_GBps=25)
+    deepep = CostModel.for_cluster(limited, cluster, ep_dispatcher="deepep")
+    ri = next(i for i, run in enumerate(deepep.memory.runs) if run[0].moe is not None)
+    m = deepep.memory.runs[ri][0].moe
+    mbs, ep = 2, 4
+    token_bytes = m.dispatch_bytes_per_sample / (m.top_k * m.tokens_per_sample)
+    rdma = 1e-5 + mbs * SEQ * token_bytes * (1 / 2) / 25e9
+    assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] == pytest.approx(
+        2 * rdma * _busiest(m, ep, mbs * SEQ), rel=0.02)
+    a2a = (CostModel.for_cluster(limited, cluster), CostModel.for_cluster(g, cluster))
+    assert a2a[0].comm.ep_times(ri, 1, False, mbs, ep) == a2a[1].comm.ep_times(ri, 1, False, mbs, ep)
+
+
 def test_grouped_gemm_is_its_groups() -> None:
     """One launch over g expert GEMMs: g GEMMs of work/g at that size's efficiency, one launch floor."""
     cm = ComputeModel(fake_cluster().device)
