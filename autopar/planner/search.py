@@ -109,7 +109,7 @@ def _host_fitting(costs: CostModel, cands: list[Candidate]) -> list[Candidate]:
     return kept
 
 
-def _grouped_where_needed(costs: CostModel, cands: list[Candidate], problem: Callable[[Candidate], InnerProblem],
+def _grouped_where_needed(cands: list[Candidate], problem: Callable[[Candidate], InnerProblem],
                           options: PlannerOptions) -> list[Candidate]:
     """The candidates, those with a micro-batch group N below torch's (interleaving) only where the same layout
     with torch's N = pp cannot fit memory: a smaller N is slower (its order stalls while a group's first
@@ -121,9 +121,11 @@ def _grouped_where_needed(costs: CostModel, cands: list[Candidate], problem: Cal
     kept = []
     for c in cands:
         base = replace(c, microbatch_group=None)
-        if c.microbatch_group is not None and base in torch_n \
-                and fits.setdefault(base, tight_bound(problem(base)).value_s < float("inf")):
-            continue
+        if c.microbatch_group is not None and base in torch_n:
+            if base not in fits:
+                fits[base] = tight_bound(problem(base)).value_s < float("inf")
+            if fits[base]:
+                continue
         kept.append(c)
     return kept
 
@@ -145,7 +147,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
             built[c] = costs.problem(c, modes, options.recompute_per_layer)
         return built[c]
 
-    cands = _grouped_where_needed(costs, cands, problem_of, options)
+    cands = _grouped_where_needed(cands, problem_of, options)
     # the objective's factor per candidate: 1 for the fastest layout, the band's slow end for the pessimistic one
     scale = [pessimism(costs, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage) if options.objective == "pessimistic"
              else 1.0 for c in cands]
