@@ -53,6 +53,7 @@ def _captured(config_name: str, model_name: str, seq_len: int, imbalance: float 
 def _plan(graph, cluster: Cluster, batch: int, label: str) -> autopar.Plan:
     t0, c0 = time.perf_counter(), time.process_time()
     plan = autopar.plan(graph, cluster, global_batch_size=batch)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     try:
         dense = autopar.plan(graph, cluster, global_batch_size=batch, options=PlannerOptions(ep=1, top_k=0))
         without = f"{dense.config}: MFU {dense.estimate.mfu:.1%}"
@@ -60,7 +61,8 @@ def _plan(graph, cluster: Cluster, batch: int, label: str) -> autopar.Plan:
         without = f"none fits ({e})"
     print(f"  {label}: {plan.config}\n    MFU {plan.estimate.mfu:.1%}, step {plan.estimate.step_time_s:.2f} s, "
           f"{plan.estimate.tokens_per_s / cluster.world_size:,.0f} tokens/s/GPU; planned in "
-          f"{time.perf_counter() - t0:.1f} s wall / {time.process_time() - c0:.1f} s CPU (both searches), "
+          f"{wall:.1f} s wall / {cpu:.1f} s CPU ({plan.solver.configs_considered:,} layouts, {plan.solver.ilps_solved} "
+          f"ILPs; both searches {time.perf_counter() - t0:.1f} s wall / {time.process_time() - c0:.1f} s CPU), "
           f"{plan.solver.status}, gap {plan.solver.gap:g}\n"
           f"    best without expert parallelism: {without}")
     return plan
