@@ -212,6 +212,26 @@ def test_group_limited_routing_found_from_the_data_flow(graphs) -> None:
     assert not dataclasses.replace(spec, route_groups=6, route_group_top_k=6).group_limited
 
 
+@pytest.mark.parametrize("family,extra", [
+    ("DeepseekV2", dict(topk_method="group_limited_greedy", kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8)),
+    ("Glm4Moe", {}),
+    ("Dots1", dict(n_shared_experts=1)),
+])
+def test_group_limited_routing_in_other_families(family: str, extra: dict) -> None:
+    """The routers of DeepSeek-V2 (device-limited), GLM-4-MoE and dots.llm1, each its own code, open 2 of 4
+    groups of 2 experts: found by the same data flow as DeepSeek-V3's."""
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=128, hidden_size=H, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=FFN, n_group=4,
+        topk_group=2, first_k_dense_replace=0, **extra)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{family}ForCausalLM")(cfg)
+    g = autopar.capture(model, (torch.zeros(1, S, dtype=torch.long, device="meta"),))
+    assert {(la.moe.num_experts, la.moe.route_groups, la.moe.route_group_top_k) for la in g.layers if la.moe} == {
+        (8, 4, 2)}
+
+
 def test_mla_attention_runs_the_causal_kernel() -> None:
     """MLA's value heads may be narrower than its query and key heads (8 against 8 + 8 here; 128 against 192 in
     DeepSeek-V3): the attention is captured as the causal fused kernel training runs, with FLOPs of
