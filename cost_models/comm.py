@@ -94,15 +94,20 @@ def hit_probability(num_experts: int, top_k: int, group_experts: int) -> float:
 @cache
 def expected_units_hit(num_experts: int, top_k: int, units: int, groups: int = 1, group_top_k: int = 1) -> float:
     """Expected number of distinct units (the ranks or nodes an EP group's experts are split over, E / units
-    consecutive experts each) one token's top_k experts land on. The router opens group_top_k of `groups`
-    groups of E / groups consecutive experts to the token (group-limited routing, MoESpec.route_groups; 1 of
-    1: all), each set of groups alike, and picks top_k distinct experts alike among the open ones (a balanced
-    router: the uniform routing hit_probability assumes). With groups on whole nodes (DeepSeek-V3: 8 groups
-    of 32 experts, 32 experts a node under EP64 on 8 nodes) a token reaches at most group_top_k nodes.
+    consecutive experts each) one token's top_k experts land on, under a balanced router (every expert alike,
+    as hit_probability assumes). A router that opens only group_top_k = m of `groups` groups of E / groups
+    consecutive experts to a token (group-limited routing, MoESpec.route_groups; m = groups: every expert
+    open) opens a group for its best experts (DeepSeek-V3 §2.1.2 ranks nodes by the sum of their top
+    K_r / M = 2 experts' affinities): each set of m groups alike, one expert of each open group chosen (when
+    top_k ≥ m) and the other top_k − m alike among the rest of the open experts. DeepSeek-V3's router (8 groups
+    of 32 experts, 4 open, top-8; one group a node under EP64 on 8 nodes) then reaches 4.0 nodes, its own
+    rule on independent scores 3.96 (tests/test_cost_comm.py), where picking all 8 alike among the open
+    experts would give 3.63 and every group open 5.29.
 
-    Per unit u, with a_j of its experts in group j: P(u missed | open set S) = C(n − a_S, k) / C(n, k),
-    n = group_top_k · E / groups the open experts and a_S = Σ_{j∈S} a_j; the open sets are counted by the
-    sum they give (a polynomial over the groups), so the expectation is exact without enumerating them."""
+    Per unit u, with a_j of its experts in group j and the open set S: P(u missed | S) = Π_{j∈S}(1 − a_j / w)
+    · C(n − m − a_S, k − m) / C(n − m, k − m), w = E / groups, n = m · w, a_S = Σ_{j∈S} a_j (no forced
+    picks, the product empty and m → 0 in the binomials, when top_k < m); the open sets are summed by
+    (groups taken, a_S), so the expectation is exact without enumerating them."""
     e, k, g, m = num_experts, top_k, groups, group_top_k
     if units < 1 or e % units or g < 1 or e % g or not 1 <= m <= g or not 1 <= k <= m * (e // g):
         raise ValueError(f"expected_units_hit: num_experts={e}, top_k={k}, units={units}, groups={g}, "
@@ -110,34 +115,36 @@ def expected_units_hit(num_experts: int, top_k: int, units: int, groups: int = 1
                          "groups and 1 ≤ top_k ≤ the open experts")
     if m == g:
         return units * hit_probability(e, k, e // units)
-    size, width, n = e // units, e // g, m * (e // g)
+    size, width = e // units, e // g
     total = 0.0
     for u in range(units):
         lo, hi = u * size, (u + 1) * size
         overlaps = [min(hi, (j + 1) * width) - max(lo, j * width) for j in range(g)]
-        total += 1.0 - _miss_probability(tuple(sorted(a for a in overlaps if a > 0)), g, m, n, k)
+        total += 1.0 - _miss_probability(tuple(sorted(a for a in overlaps if a > 0)), g, m, width, k)
     return total
 
 
 @cache
-def _miss_probability(overlaps: tuple[int, ...], groups: int, open_groups: int, open_experts: int, k: int) -> float:
-    """P(a unit with `overlaps` experts in some groups (none in the rest) gets none of a token's k experts),
-    the token's open_groups of `groups` alike and its k experts alike among their open_experts."""
-    ways: dict[tuple[int, int], int] = {(0, 0): 1}  # (groups chosen among the unit's, its experts in them) → count
+def _miss_probability(overlaps: tuple[int, ...], groups: int, open_groups: int, width: int, k: int) -> float:
+    """P(a unit with `overlaps` experts in some groups of `width` (none in the rest) gets none of a token's k
+    experts), routed as expected_units_hit describes."""
+    forced = open_groups if k >= open_groups else 0  # one expert of each open group
+    ways: dict[tuple[int, int], float] = {(0, 0): 1.0}  # (unit's groups open, its experts in them) → Σ Π(1 − a/w)
     for a in overlaps:
         nxt = dict(ways)
+        keep = 1.0 - a / width if forced else 1.0
         for (c, s), w in ways.items():
             if c < open_groups:
-                nxt[(c + 1, s + a)] = nxt.get((c + 1, s + a), 0) + w
+                nxt[(c + 1, s + a)] = nxt.get((c + 1, s + a), 0.0) + w * keep
         ways = nxt
-    others = groups - len(overlaps)
+    others, pool, extra = groups - len(overlaps), open_groups * width - forced, k - forced
     miss = 0.0
     for (c, s), w in ways.items():
         count = w * math.comb(others, open_groups - c)
         if count:
             p = 1.0
-            for i in range(k):  # C(n − s, k) / C(n, k) as a product
-                p *= max(0, open_experts - s - i) / (open_experts - i)
+            for i in range(extra):  # C(pool − s, extra) / C(pool, extra) as a product
+                p *= max(0, pool - s - i) / (pool - i)
             miss += count * p
     return miss / math.comb(groups, open_groups)
 

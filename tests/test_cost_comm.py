@@ -150,17 +150,20 @@ def test_hit_probability_against_enumeration(experts, top_k, group):
     assert hit_probability(experts, top_k, group) == pytest.approx(hits / len(sets))
 
 
-def _enumerated_units_hit(experts: int, top_k: int, units: int, groups: int, open_groups: int) -> float:
-    """Mean distinct units (experts // units consecutive experts each) over every routing: each set of
-    open_groups of the groups alike, then each top_k set of the open experts alike."""
-    width, size = experts // groups, experts // units
-    total = 0.0
+def _routings(experts: int, top_k: int, groups: int, open_groups: int) -> list[tuple[float, set[int]]]:
+    """Every routing of one token with its probability: each set of open_groups of the groups alike; one
+    expert of each open group alike (when top_k ≥ open_groups), the other experts alike among the rest."""
+    width = experts // groups
     opens = list(itertools.combinations(range(groups), open_groups))
+    out = []
     for chosen in opens:
-        pool = [e for j in chosen for e in range(j * width, (j + 1) * width)]
-        sets = list(itertools.combinations(pool, top_k))
-        total += sum(len({e // size for e in s}) for s in sets) / len(sets)
-    return total / len(opens)
+        members = [list(range(j * width, (j + 1) * width)) for j in chosen]
+        firsts = list(itertools.product(*members)) if top_k >= open_groups else [()]
+        for first in firsts:
+            rest = [e for grp in members for e in grp if e not in first]
+            sets = list(itertools.combinations(rest, top_k - len(first)))
+            out += [(1.0 / (len(opens) * len(firsts) * len(sets)), set(first) | set(s)) for s in sets]
+    return out
 
 
 @pytest.mark.parametrize("experts,top_k,units,groups,open_groups", [
@@ -170,33 +173,49 @@ def _enumerated_units_hit(experts: int, top_k: int, units: int, groups: int, ope
     (12, 2, 3, 4, 2),    # groups of 3 across units of 4: not nested
     (12, 3, 6, 6, 6),    # every group open: uniform routing
     (8, 2, 8, 2, 1),     # per rank, one group of 4 open
+    (16, 2, 4, 8, 3),    # fewer experts than open groups: all alike among the open ones
 ])
 def test_expected_units_hit_against_enumeration(experts, top_k, units, groups, open_groups):
     """Group-limited routing's expected destinations per token against enumerating every routing; with every
-    group open, units · hit_probability; DeepSeek-V3's layout (256 experts in 8 groups of 32, 4 open, top-8,
-    EP64 on 8 nodes) reaches at most 4 nodes, fewer than the 5.3 nodes of routing open to all."""
+    group open, units · hit_probability."""
     got = expected_units_hit(experts, top_k, units, groups, open_groups)
-    assert got == pytest.approx(_enumerated_units_hit(experts, top_k, units, groups, open_groups))
-    assert expected_units_hit(experts, top_k, units) == pytest.approx(
-        units * hit_probability(experts, top_k, experts // units))
-    nodes = expected_units_hit(256, 8, 8, 8, 4)
-    assert nodes <= min(8, 4, 8) < expected_units_hit(256, 8, 8)
+    size = experts // units
+    if open_groups == groups:
+        want = units * hit_probability(experts, top_k, size)
+    else:
+        want = sum(p * len({e // size for e in s}) for p, s in _routings(experts, top_k, groups, open_groups))
+    assert got == pytest.approx(want)
+    assert expected_units_hit(experts, top_k, units) == pytest.approx(units * hit_probability(experts, top_k, size))
     with pytest.raises(ValueError, match="group_top_k"):
         expected_units_hit(256, 8, 8, 8, 0)
     with pytest.raises(ValueError, match="open experts"):
         expected_units_hit(16, 8, 4, 8, 1)  # one group of 2 cannot hold a top-8
 
 
+def test_deepseek_v3_nodes_a_token_reaches():
+    """DeepSeek-V3's router (arXiv 2412.19437 §2.1.2: 256 experts, 8 groups of 32 = one node's under EP64 on 8
+    nodes, the 4 groups with the largest sum of their top-2 affinities open, top-8 among them), run on
+    independent random scores: the nodes a token reaches average within 2% of expected_units_hit's 4 (at most
+    4, fewer than the 5.3 of routing open to all; 3.63 if the 8 were drawn alike among the 128 open experts)."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    tokens = 20000
+    scores = torch.randn(tokens, 256, generator=gen).sigmoid()
+    best = scores.view(tokens, 8, 32).topk(2, dim=-1).values.sum(-1).topk(4, dim=-1).indices
+    open_ = torch.zeros(tokens, 8, dtype=torch.bool).scatter(1, best, True).repeat_interleave(32, dim=1)
+    groups = scores.masked_fill(~open_, -1.0).topk(8, dim=-1).indices // 32
+    nodes = torch.stack([(groups == j).any(-1) for j in range(8)], -1).sum(-1).double().mean().item()
+    assert expected_units_hit(256, 8, 8, 8, 4) == pytest.approx(nodes, rel=0.02)
+    assert nodes <= 4 < expected_units_hit(256, 8, 8)
+
+
 def test_deepep_dispatch_with_group_limited_routes():
-    """DeepEP's dispatch over 4 nodes × 1 rank, 8 experts in 4 groups (one a node), top-2 of the 2 groups a
-    token may use: InfiniBand bytes per token = the other nodes its routing reaches, enumerated."""
+    """DeepEP's dispatch over 4 nodes × 1 rank, 8 experts in 4 groups (one a node), top-3 in the 2 groups a
+    token may use: InfiniBand bytes per token = the other nodes its routing reaches, enumerated (1.5 a token,
+    1.9 with every group open)."""
     cm = ring_model(devices_per_node=1)
-    experts, top_k, ranks, tokens, token_bytes = 8, 2, 4, 1000.0, 4096.0
-    routes = 0.0
-    opens = list(itertools.combinations(range(4), 2))
-    for chosen in opens:  # sender on node 0; expert e on node e // 2
-        sets = list(itertools.combinations([e for j in chosen for e in (2 * j, 2 * j + 1)], top_k))
-        routes += sum(len({e // 2 for e in s} - {0}) for s in sets) / len(sets) / len(opens)
+    experts, top_k, ranks, tokens, token_bytes = 8, 3, 4, 1000.0, 4096.0
+    routes = sum(p * len({e // 2 for e in s} - {0}) for p, s in _routings(experts, top_k, 4, 2))
     got = cm.dispatch_time_s("deepep", tokens=tokens, token_bytes=token_bytes, num_experts=experts, top_k=top_k,
                              group_size=ranks, ranks_per_node=1, route_groups=4, route_group_top_k=2)
     assert got == pytest.approx(SLOW.latency_s + tokens * token_bytes * routes / SLOW.bandwidth_Bps)
