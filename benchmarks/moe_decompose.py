@@ -116,6 +116,16 @@ def decompose(run: dict) -> None:
                          ("both", hidden + fp8)):
         step = without(saved)
         print(f"    {label:<40} {step:6.2f} s ({step / pub - 1:+.1%} against the published {pub:.2f} s)")
+    moe = next(la.moe for la in graph.layers if la.moe is not None)
+    # the dispatch as priced before: every routed copy by all-to-all, and DeepEP with every expert group open
+    opened = dataclasses.replace(graph, layers=tuple(
+        dataclasses.replace(la, moe=dataclasses.replace(la.moe, route_groups=1, route_group_top_k=1))
+        if la.moe is not None else la for la in graph.layers))
+    for label, g, dispatcher in (("every routed copy by all-to-all", graph, "all_to_all"),
+                                 ("DeepEP, every expert group open", opened, "deepep")):
+        if dispatcher != opts.ep_dispatcher or g is not graph and moe.group_limited:
+            other, _, _ = pr.price({**run, "ep_dispatcher": dispatcher}, g, cluster)
+            print(f"    {label:<40} {other.step_time_s:6.2f} s ({other.step_time_s / pub - 1:+.1%}; as priced before)")
     if plan.config.cp > 1:  # ParallelConfig refuses compiled blocks under context parallelism
         return
     fused = autopar.estimate(graph, cluster, dataclasses.replace(plan.config, compile=True), options=opts,
@@ -127,7 +137,6 @@ def decompose(run: dict) -> None:
     step = fused.step_time_s - (hidden + fp8) * (1 + fb["pipeline_bubble"] / rank)
     print(f"    {'all three':<40} {step:6.2f} s ({step / pub - 1:+.1%}; left: the "
           "schedule's bubble, the run's own recompute)")
-    moe = next(la.moe for la in graph.layers if la.moe is not None)
     ep, rpn = c.ep, costs.comm.ep_ranks_per_node(c.tp, c.ep, c.cp, c.etp)
     nodes = ep // rpn
     routing = (moe.num_experts, moe.top_k)
