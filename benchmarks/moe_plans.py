@@ -71,7 +71,7 @@ def _plan(graph, cluster: Cluster, batch: int, label: str) -> autopar.Plan:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--load-imbalance", type=float, default=None,
-                    help="busiest expert's tokens ÷ the mean (default: capture's, 1.25)")
+                    help="busiest expert's tokens ÷ the mean (default: capture's DEFAULT_LOAD_IMBALANCE, 1.0)")
     args = ap.parse_args(argv)
 
     mixtral = _captured("MixtralConfig", "MixtralForCausalLM", 4096, args.load_imbalance)
