@@ -331,9 +331,9 @@ class PlannerOptions:
     # the mean, autopar.planner.moe_load); None: the captured graph's (MoESpec.load_imbalance, by default
     # autopar.capture.moe.DEFAULT_LOAD_IMBALANCE). A plan records it (Plan.router_skew)
     router_skew: float | None = None
-    # the runtime pp > 1 is priced on (cost_models.pipeline.PIPELINE_RUNTIMES: its boundary transfers and what
-    # it holds in memory): "torch", the one autopar runs (torch.distributed.pipelining); "megatron" or
-    # "deepspeed" to price a run made with another framework
+    # the runtime pp > 1 is priced on (cost_models.pipeline.PIPELINE_RUNTIMES: its boundary transfers, what it
+    # holds in memory and how its framework launches expert GEMMs): "torch", the one autopar runs
+    # (torch.distributed.pipelining); "megatron" or "deepspeed" to price a run made with another framework
     pipeline_runtime: str = "torch"
     # how expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS): "all_to_all", as autopar
     # runs it; "deepep" to price a run made with DeepEP's node-deduplicating kernels

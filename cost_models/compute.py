@@ -297,7 +297,7 @@ class ComputeModel:
 
     def kernel_time_s(self, kind: str, work: float, *, dtype: str = "bfloat16", tensor_bytes: float = 0.0,
                       layout: str | None = None, mnk: tuple[int, int, int] | None = None, groups: int = 1,
-                      causal: bool = False, backward: bool = False) -> float:
+                      causal: bool = False, backward: bool = False, launch_per_group: bool = False) -> float:
         """Seconds for one kernel of a layer pass, priced as `optrace.predict_op_time_s` prices the op:
 
           gemm            `work` FLOPs at the GEMM table's rate for that work and operand layout (the
@@ -310,14 +310,19 @@ class ComputeModel:
         plus the launch floor (measured times already include it, so there it is a minimum). A grouped GEMM
         (`groups` > 1: one launch over that many weight matrices, as torch._grouped_mm runs a mixture of
         experts) is `groups` GEMMs of work / groups each, at the efficiency of that smaller size, and one
-        launch floor. A `causal` fused attention kernel on a GPU (Kernel.causal) takes CAUSAL_TIME_FRACTION
-        of its pass's (`backward` or forward) full-matrix time: it skips the masked tiles.
+        launch floor; with `launch_per_group` (a framework that issues each group's GEMM as a kernel of its
+        own: cost_models.pipeline.EXPERT_GEMMS "per_expert") each of them pays the floor. A `causal` fused
+        attention kernel on a GPU (Kernel.causal) takes CAUSAL_TIME_FRACTION of its pass's (`backward` or
+        forward) full-matrix time: it skips the masked tiles.
         """
         if work < 0 or tensor_bytes < 0 or groups < 1:
             raise ValueError(f"kernel_time_s: work={work}, tensor_bytes={tensor_bytes} must be non-negative and "
                              f"groups={groups} ≥ 1")
         if kind == "gemm":
-            t = groups * self._compute_s(work / groups, dtype, layout)
+            t = self._compute_s(work / groups, dtype, layout)
+            if launch_per_group:
+                return groups * _kernel_floor(self._measured_tables(dtype), self.launch_s, t)
+            t *= groups
         elif kind == "attention":
             rows = self.profile.gemm_samples(dtype, layout, batched=True) if self.profile is not None else []
             if mnk is not None and rows and work > 0:

@@ -243,6 +243,35 @@ def test_grouped_gemm_is_its_groups() -> None:
     assert cm.kernel_time_s("gemm", work, groups=g) > cm.kernel_time_s("gemm", work)  # small GEMMs are slower
 
 
+def test_per_expert_launches_are_the_groups_as_gemms_of_their_own() -> None:
+    """A framework that issues each expert's GEMM apart (Megatron-Core's TE GroupedLinear: one cuBLAS call per
+    expert) runs g GEMMs of work/g, each with its launch floor: g − 1 floors more than one grouped launch."""
+    cm = ComputeModel(fake_cluster().device)
+    work, g = 4.0e9, 16
+    apart = cm.kernel_time_s("gemm", work, groups=g, launch_per_group=True)
+    assert apart == pytest.approx(g * cm.kernel_time_s("gemm", work / g))
+    assert apart - cm.kernel_time_s("gemm", work, groups=g) == pytest.approx((g - 1) * cm.launch_s)
+    assert cm.kernel_time_s("gemm", work, launch_per_group=True) == cm.kernel_time_s("gemm", work)  # one group
+
+
+def test_megatron_runtime_launches_each_local_expert(moe) -> None:
+    """Under pipeline_runtime "megatron" each expert GEMM kernel of a layer pays one launch floor per local expert
+    (E / ep of them) where autopar's runtime pays one; nothing else in the layer moves."""
+    _, g = moe
+    torch_rt = CostModel.for_cluster(g, fake_cluster())
+    megatron = CostModel.for_cluster(g, fake_cluster(), pipeline_runtime="megatron")
+    ri = next(i for i, run in enumerate(torch_rt.memory.runs) if run[0].moe is not None)
+    layer = torch_rt.memory.runs[ri][0]
+    launch_s = torch_rt.compute.model.launch_s
+    for ep in (1, 2, 4):
+        for mix, attr in ((layer.kernels_forward, "forward_s"), (layer.kernels_backward, "backward_s")):
+            launches = sum(k.count * (layer.moe.num_experts // ep - 1) for k in mix.kernels if k.expert)
+            extra = (getattr(megatron.compute.run(ri, 1, False, 2, False, ep), attr)
+                     - getattr(torch_rt.compute.run(ri, 1, False, 2, False, ep), attr))
+            assert extra == pytest.approx(launches * launch_s * torch_rt.compute.straggler, abs=1e-12)
+    assert layer.moe.num_experts == 4 and any(k.expert for k in layer.kernels_backward.kernels)
+
+
 def _moe_layer(g):
     """(cost model, run index, layer, compute model) of the first MoE layer of `g` on the fake cluster."""
     costs = CostModel.for_cluster(g, fake_cluster())

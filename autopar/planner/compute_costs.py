@@ -27,7 +27,10 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
                   spread of the micro-batch): the step waits for it. A rank's own tokens are the
                   micro-batch's ÷ tp under sequence parallelism or EP folded over tp (moe_token_share); with
                   the experts tensor-parallel (etp = tp) every tp rank runs all the tokens (gathered under SP)
-                  through 1/etp of each expert's FFN: the expert GEMMs' work ÷ etp, at that per-rank size
+                  through 1/etp of each expert's FFN: the expert GEMMs' work ÷ etp, at that per-rank size;
+                  one launch floor per grouped GEMM, or one per local expert where the runtime issues each
+                  expert's GEMM apart (cost_models.pipeline.EXPERT_GEMMS: Megatron-Core's TE GroupedLinear,
+                  DeepSpeed-MoE)
   FP8             (Candidate.fp8) the weight GEMMs of every layer but the LM head at the device's FP8 peak, plus
                   torchao's casts, amaxes and transposes as memory-bound kernels (fp8_costs); emulated on CPU
   optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
@@ -48,7 +51,7 @@ from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.moe_load import busiest_rank_factor, moe_token_share
 from autopar.planner.problem import MODES
 from cost_models.compute import ComputeModel
-from cost_models.pipeline import ACCUMULATE_PASSES
+from cost_models.pipeline import ACCUMULATE_PASSES, EXPERT_GEMMS
 
 __all__ = ["ComputeCosts", "RunCompute", "ADAM_BYTES_PER_PARAM", "TP_HOST_FLOORS_PER_GEMM",
            "TP_OPTIMIZER_FLOORS_PER_GEMM"]
@@ -100,7 +103,11 @@ class ComputeCosts:
     """Kernel, recompute, optimizer and host seconds of a graph's layers; cached per (run, tp, sp, b)."""
 
     def __init__(self, graph: ModelGraph, memory: MemoryCosts, *, compute: ComputeModel,
-                 host_floor_s: float, straggler: float = 1.0) -> None:
+                 host_floor_s: float, straggler: float = 1.0, expert_gemm: str = "grouped") -> None:
+        """expert_gemm: how the runtime launches an expert bank's GEMMs (cost_models.pipeline.EXPERT_GEMMS)."""
+        if expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"ComputeCosts: expert_gemm={expert_gemm!r}; expected one of {EXPERT_GEMMS}")
+        self.expert_launch_per_group = expert_gemm == "per_expert"
         self.graph = graph
         self.memory = memory
         self.model = compute
@@ -299,7 +306,7 @@ class ComputeCosts:
                 total += k.count * self.model.kernel_time_s(
                     k.kind, mbs * share * load * k.work, dtype=dtype, tensor_bytes=mbs * share * k.tensor_bytes,
                     layout=k.layout, mnk=k.mnk, groups=max(1, k.groups // ep) if k.expert else k.groups,
-                    causal=k.causal, backward=backward)
+                    causal=k.causal, backward=backward, launch_per_group=k.expert and self.expert_launch_per_group)
             return total
 
         def work(total: float, sharded: float, all_sharded: bool = False) -> float:

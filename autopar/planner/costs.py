@@ -59,9 +59,9 @@ class CostModel:
                  ep_dispatcher: str = "all_to_all") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
         practitioner default, cost_models.precision.default_precision). pipeline_runtime: the runtime
-        that runs pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES): how it issues stage-boundary transfers
-        and what it holds in memory. ep_dispatcher: how expert-parallel groups move routed tokens
-        (cost_models.comm.EP_DISPATCHERS)."""
+        that runs pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES): how it issues stage-boundary transfers,
+        what it holds in memory and how its framework launches expert GEMMs. ep_dispatcher: how
+        expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS)."""
         runtime = pipeline.runtime(pipeline_runtime)
         self.runtime = runtime
         self.graph = graph
@@ -86,7 +86,7 @@ class CostModel:
         # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
         straggler = fleet.straggler_factor(devices_per_node * nodes) if device.kind == "gpu" else 1.0
         self.compute = ComputeCosts(graph, self.memory, compute=ComputeModel(device, profile),
-                                    host_floor_s=host_floor_s, straggler=straggler)
+                                    host_floor_s=host_floor_s, straggler=straggler, expert_gemm=runtime.expert_gemm)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
                               host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p, ep_dispatcher=ep_dispatcher)
