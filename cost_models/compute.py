@@ -59,8 +59,10 @@ GPU_GEMM_RAMP_S = 5e-6
 # "Evaluating attainable memory bandwidth of parallel programming models via BabelStream", 2018, and
 # later published A100 runs at ~1.3–1.4 TB/s of 1.555).
 GPU_MEM_EFF = 0.85
-# Host-side launch floor of one eager PyTorch op on CUDA (dispatch + cudaLaunchKernel), ~4–10 µs;
-# profiles replace it with launch_overhead_s measured on the machine.
+# Host-side launch floor of one eager PyTorch op on CUDA (dispatch + cudaLaunchKernel): the low end of the
+# 5–20 µs that Meta's Holistic Trace Analysis reports as the usual CPU time of a kernel launch in PyTorch
+# training traces (facebookresearch/HolisticTraceAnalysis, docs/source/features/cuda_kernel_launch_stats.rst,
+# "Short GPU kernels"); profiles replace it with launch_overhead_s measured on the machine.
 GPU_LAUNCH_S = 5e-6
 # Fused attention reaches a lower fraction of peak than a GEMM, and how much lower depends on the
 # architecture, because FlashAttention-2 (the kernel PyTorch's scaled_dot_product_attention runs on CUDA) does
