@@ -188,22 +188,33 @@ def test_all_to_all_priced_by_links_crossed(moe) -> None:
     assert costs.comm.ep_times(dense_ri, 1, False, mbs, 2)["forward"] == 0.0
 
 
+def _deepep_on_two_nodes(g):
+    """(cluster, DeepEP-priced cost model, the MoE run's index, mbs, ep): ep 4 over 2 nodes of 2 GPUs."""
+    cluster = fake_cluster(nodes=2, per_node=2, intra_GBps=300, inter_GBps=25)
+    deepep = CostModel.for_cluster(g, cluster, ep_dispatcher="deepep")
+    ri = next(i for i, run in enumerate(deepep.memory.runs) if run[0].moe is not None)
+    return cluster, deepep, ri, 2, 4
+
+
+def _deepep_forward_s(costs: CostModel, ri: int, mbs: int, ep: int, nodes_share: float) -> float:
+    """Dispatch + combine forward, written out: each token's InfiniBand copies (nodes_share of a token) at
+    25 GB/s plus the 10 µs latency, twice, at the busiest rank's load."""
+    m = costs.memory.runs[ri][0].moe
+    token_bytes = m.dispatch_bytes_per_sample / (m.top_k * m.tokens_per_sample)
+    rdma = 1e-5 + mbs * SEQ * token_bytes * nodes_share / 25e9
+    return 2 * rdma * _busiest(m, ep, mbs * SEQ)
+
+
 def test_deepep_dispatcher_option_prices_each_node_once(moe) -> None:
     """PlannerOptions(ep_dispatcher="deepep") reaches the cost model: across nodes a token crosses InfiniBand
     once per other node its experts sit on (4 experts, top-2, ep 4 over 2 nodes: 1 − C(2,2)/C(4,2) = 5/6 of
     a token, against the all-to-all's 2 copies × 2/4 remote = 1), so the layer's all-to-alls get cheaper;
     an unknown dispatcher is refused."""
     _, g = moe
-    cluster = fake_cluster(nodes=2, per_node=2, intra_GBps=300, inter_GBps=25)
+    cluster, deepep, ri, mbs, ep = _deepep_on_two_nodes(g)
     a2a = CostModel.for_cluster(g, cluster)
-    deepep = CostModel.for_cluster(g, cluster, ep_dispatcher="deepep")
-    ri = next(i for i, run in enumerate(a2a.memory.runs) if run[0].moe is not None)
-    m = a2a.memory.runs[ri][0].moe
-    mbs, ep = 2, 4
-    token_bytes = m.dispatch_bytes_per_sample / (m.top_k * m.tokens_per_sample)
-    rdma = 1e-5 + mbs * SEQ * token_bytes * (5 / 6) / 25e9
-    f = _busiest(m, ep, mbs * SEQ)
-    assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] == pytest.approx(2 * rdma * f, rel=0.02)
+    assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] == pytest.approx(
+        _deepep_forward_s(deepep, ri, mbs, ep, nodes_share=5 / 6), rel=0.02)
     assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] < a2a.comm.ep_times(ri, 1, False, mbs, ep)["forward"]
     cfg = ParallelConfig(dp=4, ep=4, micro_batch_size=1, num_microbatches=1)
     slow = autopar.estimate(g, cluster, cfg)
@@ -221,15 +232,9 @@ def test_group_limited_router_reaches_fewer_nodes(moe) -> None:
     limited = dataclasses.replace(g, layers=tuple(
         dataclasses.replace(la, moe=dataclasses.replace(la.moe, route_groups=2, route_group_top_k=1))
         if la.moe is not None else la for la in g.layers))
-    cluster = fake_cluster(nodes=2, per_node=2, intra_GBps=300, inter_GBps=25)
-    deepep = CostModel.for_cluster(limited, cluster, ep_dispatcher="deepep")
-    ri = next(i for i, run in enumerate(deepep.memory.runs) if run[0].moe is not None)
-    m = deepep.memory.runs[ri][0].moe
-    mbs, ep = 2, 4
-    token_bytes = m.dispatch_bytes_per_sample / (m.top_k * m.tokens_per_sample)
-    rdma = 1e-5 + mbs * SEQ * token_bytes * (1 / 2) / 25e9
+    cluster, deepep, ri, mbs, ep = _deepep_on_two_nodes(limited)
     assert deepep.comm.ep_times(ri, 1, False, mbs, ep)["forward"] == pytest.approx(
-        2 * rdma * _busiest(m, ep, mbs * SEQ), rel=0.02)
+        _deepep_forward_s(deepep, ri, mbs, ep, nodes_share=1 / 2), rel=0.02)
     a2a = (CostModel.for_cluster(limited, cluster), CostModel.for_cluster(g, cluster))
     assert a2a[0].comm.ep_times(ri, 1, False, mbs, ep) == a2a[1].comm.ep_times(ri, 1, False, mbs, ep)
 
