@@ -109,6 +109,9 @@ def test_expert_bank_saved_bytes_match_autograd(family: str) -> None:
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
 
     measured = runtime_memory.saved_bytes_per_block(block, run)
-    assert layer.saved_activation_bytes_expert == pytest.approx(measured["experts"], rel=0.01)
+    # the rows and intermediates are T·k whatever the routing; each expert the routing reaches also keeps its
+    # own small index tensor, which capture counts for every expert: a routing that leaves some unreached
+    # (DeepSeek-V3's group-limited router, 512 B an expert here) keeps up to 3% less
+    assert measured["experts"] <= layer.saved_activation_bytes_expert <= 1.03 * measured["experts"]
     assert 0 < layer.saved_activation_bytes_expert < (layer.saved_activation_bytes
                                                       - layer.saved_activation_bytes_tp_sharded)
