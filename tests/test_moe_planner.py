@@ -24,7 +24,6 @@ from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.planner.costs import CostModel
 from autopar.planner.moe_load import busiest_rank_factor
-from autopar.planner.problem import MODES
 from autopar.planner.space import Candidate, enumerate_candidates, ep_degrees
 from cost_models.compute import ComputeModel
 
@@ -90,27 +89,6 @@ def test_ep_degrees_follow_dp_and_expert_count(moe) -> None:
     assert {c.ep for c in cands if c.dp == 8} == {1, 2, 4}
     with pytest.raises(InfeasiblePlanError, match="does not divide the expert count"):
         enumerate_candidates(g, world_size=8, devices_per_node=8, global_batch_size=8, options=PlannerOptions(ep=8))
-
-
-def test_estimate_refuses_expert_degrees_the_model_cannot_take() -> None:
-    """`autopar.estimate` of a layout checks ep and etp against the captured experts as the planner's options
-    are checked: the message names the model's expert count or FFN width (here 4 experts of width 30)."""
-    import transformers
-
-    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=30, num_hidden_layers=2, num_attention_heads=8,
-                                     num_key_value_heads=4, num_local_experts=4, vocab_size=128)
-    with torch.device("meta"):
-        model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
-    g = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),))
-    cluster = fake_cluster()
-    cases = [(ParallelConfig(dp=8, ep=8, micro_batch_size=1), r"ep=8 does not divide the expert count .*\[4\]"),
-             (ParallelConfig(tp=4, dp=2, ep=2, etp=4, micro_batch_size=4),
-              r"etp=4 does not divide the experts' FFN width .*\[30\]")]
-    for config, message in cases:
-        with pytest.raises(InfeasiblePlanError, match=message):
-            autopar.estimate(g, cluster, config, global_batch_size=8)
-    assert autopar.estimate(g, cluster, ParallelConfig(tp=2, dp=4, ep=2, etp=2, micro_batch_size=2),
-                            global_batch_size=8).step_time_s > 0  # 30 splits over 2
 
 
 def _states(n: float, zero: int, k: int) -> float:
@@ -413,28 +391,6 @@ def test_folded_expert_compute_on_half_the_tokens(moe) -> None:
     want = (expert_s(0.5, 2) - expert_s(1.0, 1)) * costs.compute.straggler
     assert folded - base == pytest.approx(want, rel=1e-9, abs=1e-15)
     assert folded < base
-
-
-def test_expert_bank_activations_follow_the_rows_each_rank_runs(moe) -> None:
-    """The bank's saved rows and FFN intermediates (LayerSpec.saved_activation_bytes_expert) are held at the
-    rank's share: whole at tp2 without SP (every tp rank runs all rows of its replicated bank); half folded
-    over tp (each tp rank takes half the rows) or tensor-parallel (etp2: half of each expert's FFN), and half
-    under SP whatever ep and etp are; the rest of the layer is priced as before."""
-    _, g = moe
-    costs = CostModel.for_cluster(g, fake_cluster())
-    ri = next(i for i, run in enumerate(costs.memory.runs) if run[0].moe is not None)
-    layer, mem, mbs = costs.memory.runs[ri][0], costs.memory, 2
-    expert = layer.saved_activation_bytes_expert * mbs * mem.act_scale
-    assert expert > 0
-    none = MODES.index("none")
-    base = mem.activation_bytes(ri, 2, False, mbs)[none]
-    for ep, etp in ((2, 1), (1, 2), (2, 2)):  # folded over the tp pair; experts split over it; both ways
-        assert base - mem.activation_bytes(ri, 2, False, mbs, ep=ep, etp=etp)[none] == pytest.approx(expert / 2)
-    sp = mem.activation_bytes(ri, 2, True, mbs)[none]
-    assert all(mem.activation_bytes(ri, 2, True, mbs, ep=ep, etp=etp)[none] == pytest.approx(sp)
-               for ep, etp in ((2, 1), (1, 2), (2, 2)))
-    assert mem.activation_bytes(ri, 1, False, mbs, ep=4)[none] == pytest.approx(
-        mem.activation_bytes(ri, 1, False, mbs)[none])  # ep over dp: every rank runs its own tokens' rows
 
 
 def test_router_skew_option_prices_and_is_recorded(moe) -> None:

@@ -429,9 +429,8 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         handles.append(m.register_forward_pre_hook(pre_hook(name)))
         handles.append(m.register_forward_hook(post_hook(name)))
     handles.extend(m.register_forward_pre_hook(norm_hook(name)) for name, m in module.named_modules() if is_norm(m))
-    handles.extend(record_bank_calls(module, tracker.topks))
-    bank_keys: list[Any] = []
-    handles.extend(record_bank_saves(module, tracker.saved, bank_keys))
+    bank_keys: list[Any] = []  # storages saved inside expert banks' calls
+    handles += [*record_bank_calls(module, tracker.topks), *record_bank_saves(module, tracker.saved, bank_keys)]
     try:
         with torch.enable_grad(), counter, tracker, saved_tensors_hooks(tracker.pack, lambda t: t), gpu_kernels():
             out = module(*args, **kwargs)
@@ -473,7 +472,6 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
     kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears, tracker.steps.steps, tracker.saved_ids)
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
-    saved_expert = sum(tracker.saved[k] for k in set(bank_keys) if not sharded(tracker.tags.get(k, _CONSTANT)[0]))
     inputs = tensor_bytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t not in state])
     sac_sharded = sum(op.sac_saved_bytes for op in tracker.ops if op.linear not in tp_linears and sharded(op.src)
                       or op.linear in tp_linears and op.linear not in {row for row, _ in pairs})
@@ -487,7 +485,8 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         saved_bytes=sum(tracker.saved.values()),
         saved_bytes_tp_sharded=saved_sharded,
         saved_bytes_attention_core=saved_core,
-        saved_bytes_expert=saved_expert,
+        saved_bytes_expert=sum(tracker.saved[k] for k in set(bank_keys)
+                               if not sharded(tracker.tags.get(k, _CONSTANT)[0])),
         pairs=tuple(specs),
         linear_io=tuple((name, i, o, sum(op.flops for op in tracker.ops if op.linear == name))
                         for name, (i, o) in io.items()),
