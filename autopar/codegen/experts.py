@@ -396,8 +396,12 @@ class ExpertParallel:
             for a, v in saved.items():
                 setattr(bank, a, v)
         back = all_to_all(out, send_n, recv_n, group)
-        combined = torch.zeros((tokens, *back.shape[1:]), dtype=back.dtype, device=back.device)
-        out = combined.index_add(0, token, back).to(x.dtype)
+        # each token sums its slots: the returned rows put back in slot order (`slot`, the inverse of `order`), then
+        # summed over k. index_add would save its source for backward (torch's derivatives.yaml: expand_as(source)),
+        # a second copy of every returned row beside what the bank keeps; indexing saves only the int64 order
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(order.numel(), device=order.device)
+        out = back[slot].reshape(tokens, k, *back.shape[1:]).sum(1).to(x.dtype)
         return gather_shares(out, whole, self.tp_rank, self.tp_group) if self.split else out
 
     def shard_states(self, *, zero_stage: int, offload_params: bool = False,

@@ -276,18 +276,29 @@ class MemoryCosts:
         layers are not checkpointed by codegen and keep everything), else as none; a `compiled` block under
         op_sac keeps only what its backward reads (LayerSpec.saved_activation_bytes_op_sac_unread goes, its
         TP-sharded share taken as the policy's). What the expert banks keep (LayerSpec.
-        saved_activation_bytes_expert) is priced at the rank's share of the tokens its bank runs
-        (moe_load.moe_token_share: 1/tp under SP or EP folded over tp, else 1) and 1/etp of each expert's FFN;
-        the rows entering the FFN are not split by etp, an undercount of their share of the bank's saves
-        (h of about h + 3·ffn per slot for a gated FFN) times 1 − 1/etp."""
+        saved_activation_bytes_expert) is priced by `expert_bank_share`."""
         return self._acts(ri, tp, sp, mbs, compiled, ep, etp)
+
+    @staticmethod
+    def expert_bank_share(layer: LayerSpec, tp: int, sp: bool, ep: int, etp: int = 1) -> float:
+        """Of the bytes the layer's expert banks keep per sample (LayerSpec.saved_activation_bytes_expert), those
+        one rank keeps: the rank's share of the tokens its bank runs (moe_load.moe_token_share: 1/tp under SP or
+        EP folded over tp, else 1), of which the FFN-wide intermediates ÷ etp. Under etp every tp rank runs all
+        its group's (token, slot) pairs through its slice of each expert, and two h-wide rows per pair stay
+        whole on each: the tokens entering the first GEMM (its weight gradient reads them) and the expert's
+        output, a partial sum over tp that the routing weight multiplies (that weight's gradient reads it):
+        2 · MoESpec.dispatch_bytes_per_sample per sample. Measured per rank on a real 2-rank run with
+        tests/test_moe_expert_memory.py (Mixtral's bank at etp2: 2·h of 2·h + 4·ffn floats per pair whole)."""
+        saved = layer.saved_activation_bytes_expert
+        rows = min(saved, 2 * layer.moe.dispatch_bytes_per_sample) if layer.moe is not None else 0
+        return moe_token_share(tp, sp, ep, etp) * (rows + (saved - rows) / etp)
 
     def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
                           etp: int = 1) -> tuple[float, ...]:
         layer = self.runs[ri][0]
         sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
         expert = layer.saved_activation_bytes_expert
-        expert_share = moe_token_share(tp, sp, ep, etp) / etp
+        expert_share = self.expert_bank_share(layer, tp, sp, ep, etp) / expert if expert else 0.0
 
         def acts_of(k: str) -> float:
             saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
