@@ -10,6 +10,7 @@ for the banks at the layout (`_priced`: the layer with and without LayerSpec.sav
 What each rank must keep, with b = capture's bank bytes per routed (token, slot) pair and T the micro-batch's
 tokens, k = 2 slots each:
 
+- tp2, the bank replicated over the tp pair: each rank runs all T·k pairs, b·T·k, whatever the routing;
 - ep2 over dp2, ep2 folded over tp2 (each tp rank dispatches half the tokens both hold), ep2 folded under
   sequence parallelism (each tp rank's own sequence half): a rank's bank runs the pairs routed to its 2
   experts, whose number depends on the routing; the EP group's ranks together run every pair once (dropless),
@@ -38,18 +39,17 @@ from autopar.config import ep_folds
 pytestmark = pytest.mark.multiproc
 
 FAMILY, SEQ = "mixtral", 16
-LAYOUTS = (dict(dp=2, ep=2), dict(tp=2, ep=2), dict(tp=2, ep=2, sequence_parallel=True), dict(tp=2, etp=2),
+LAYOUTS = (dict(tp=2), dict(dp=2, ep=2), dict(tp=2, ep=2), dict(tp=2, ep=2, sequence_parallel=True), dict(tp=2, etp=2),
            dict(tp=2, etp=2, sequence_parallel=True))
 _DISPATCH_BYTES_PER_PAIR = 3 * 8  # autopar.codegen.experts._dispatched: token, order and slot, int64 each
 
 
-def _bank_saves(family: str, layouts: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+def _bank_saves(family: str, graph, layouts: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     """On every rank, per layout: the bytes autograd keeps inside each expert bank's call during one training
-    step, and the bank call's routing (its [T, k] expert choices) to count the pairs each rank runs."""
+    step, and the bank call's routing (its [T, k] expert choices) to count the pairs each rank runs. `graph`:
+    the family's capture, made once by the caller."""
     from hf_families import build_family
-    from parity_models import graph_of
 
-    graph = graph_of(family, build_family(family), SEQ)
     return [_one_step(build_family(family), graph, config) for config in layouts]
 
 
@@ -123,16 +123,16 @@ def _priced(graph, config: dict[str, Any], mbs: int) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def measured() -> list[list[dict[str, Any]]]:
-    return run_distributed(_bank_saves, 2, FAMILY, LAYOUTS, timeout_s=300)
-
-
-@pytest.fixture(scope="module")
 def graph():
     from hf_families import build_family
     from parity_models import graph_of
 
     return graph_of(FAMILY, build_family(FAMILY), SEQ)
+
+
+@pytest.fixture(scope="module")
+def measured(graph) -> list[list[dict[str, Any]]]:
+    return run_distributed(_bank_saves, 2, FAMILY, graph, LAYOUTS, timeout_s=300)
 
 
 @pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=[",".join(f"{k}{v}" for k, v in c.items()).replace(
@@ -145,7 +145,8 @@ def test_bank_saves_per_rank_are_priced(measured, graph, i: int) -> None:
     ep = config.get("ep", 1)
     for bank, layer in moe.items():
         got = [r["saved"][bank] for r in ranks]
-        if ep == 1:  # etp2: every rank runs every pair of its tp group, whatever the routing
+        if ep == 1:  # tp2, etp2: every rank runs every pair of its tp group, whatever the routing (etp2: the
+            # per-pair routing weight and indices, 2% of b here, kept whole and priced halved)
             assert got == pytest.approx([priced[bank]] * 2, rel=0.02), (bank, got, priced[bank])
             continue
         # pairs each rank sends (its own tokens: half the call's rows where folded over tp without SP) and runs
