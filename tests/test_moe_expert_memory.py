@@ -14,10 +14,13 @@ tokens, k = 2 slots each:
 - ep2 over dp2, ep2 folded over tp2 (each tp rank dispatches half the tokens both hold), ep2 folded under
   sequence parallelism (each tp rank's own sequence half): a rank's bank runs the pairs routed to its 2
   experts, whose number depends on the routing; the EP group's ranks together run every pair once (dropless),
-  so the ranks' sum is what the planner prices at the mean share (T·k/2 pairs each). The dispatch and combine
-  add three int64 indices per pair the rank sends (the rows gathered, the routing weights gathered, the
-  returned rows put back in slot order: `_DISPATCH_BYTES_PER_PAIR`), which the planner does not price (0.02%
-  of b at Mixtral-8x7B's width in bf16);
+  so the ranks' sum is what the planner prices at the mean share (T·k/2 pairs each). The busier rank keeps
+  more by the routing's spread, which the memory price leaves out (the time price adds it:
+  autopar.planner.moe_load): 7-15% here, 128 pairs a rank at random initialisation; the sampling term of a
+  balanced router, 1.5% at Mixtral-8x7B's 4096 tokens a rank under ep8. The dispatch and combine add three
+  int64 indices per pair the rank sends (the rows gathered, the routing weights gathered, the returned rows
+  put back in slot order: `_DISPATCH_BYTES_PER_PAIR`), which the planner does not price (0.02% of b at
+  Mixtral-8x7B's width in bf16);
 - etp2 over tp2, with and without sequence parallelism (every tp rank runs all T·k pairs of its tp group
   through its half of each expert's FFN): routing-independent, each rank keeps the FFN-wide intermediates
   halved and the h-wide rows whole (the tokens entering the first GEMM and the expert outputs the routing
