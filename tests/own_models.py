@@ -12,7 +12,9 @@ spelling-invariance tests). Written for these tests, each in its own idiom:
   attribute, a tied embedding two levels down, and `forward(input_ids, labels=None)` that shifts the labels
   inside and returns an object with `.loss`;
 - `TargetArgLM`: rotary Llama whose `forward(x, y=None)` returns only the scalar loss, an `nll_loss` over
-  `log_softmax` with ignore_index, its target named by `target_arg="y"`.
+  `log_softmax` with ignore_index, its target named by `target_arg="y"`;
+- `LoopedLM` and `DictLM` (tests/own_models_reuse.py): one block applied at every depth between blocks of its
+  own, and a forward returning a dict.
 
 All take `(dim, n_layers, n_heads, vocab, seq)` so that the same code is built tiny (parity, CI) or large (on
 the meta device, for pricing).
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from own_models_reuse import DictLM, LoopedLM
 from torch import nn
 
 SEQ, VOCAB, DIM, HEADS, LAYERS = 16, 128, 64, 4, 2
@@ -403,7 +406,7 @@ class TargetArgLM(nn.Module):
 
 
 MODELS = {"nanogpt": NanoGPT, "meta_llama": MetaLlama, "eager_gpt": EagerGPT, "functional_lm": FunctionalLM,
-          "target_arg_lm": TargetArgLM}
+          "target_arg_lm": TargetArgLM, "looped_lm": LoopedLM, "dict_lm": DictLM}
 TARGET_ARG = {"nanogpt": "targets", "functional_lm": "labels", "target_arg_lm": "y"}  # models with their own loss
 
 
@@ -438,7 +441,8 @@ def own_loss(model: nn.Module, name: str, x: torch.Tensor, t: torch.Tensor) -> t
         return out if isinstance(out, torch.Tensor) else out.loss if hasattr(out, "loss") else out[1]
     from autopar.codegen import lm_cross_entropy
 
-    return lm_cross_entropy(model(x), t)
+    out = model(x)
+    return lm_cross_entropy(out["logits"] if isinstance(out, dict) else out, t)
 
 
 _DONE: dict[tuple[str, int], tuple] = {}

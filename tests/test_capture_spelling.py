@@ -121,3 +121,30 @@ def test_equivalent_models_written_differently_capture_and_plan_alike(pair):
     assert bb.saved_activation_bytes == pytest.approx(ba.saved_activation_bytes, rel=0.02)
     pa, pb = (autopar.plan(g, Cluster.preset("dgx-h100", nodes=1), global_batch_size=64) for g in (a, b))
     assert pa.config == pb.config
+
+
+def test_a_block_applied_at_every_depth_is_priced_per_call_and_never_cut_between_its_calls():
+    """LoopedLM (tests/own_models_reuse.py) applies `shared` at every depth between blocks of its own: capture
+    counts every call's FLOPs and keeps `shared` and the blocks its calls interleave with in one layer, so every
+    cut the planner can place runs the units in call order (codegen's DataFlow check: it refused the plan the
+    planner made when each of those blocks was a layer of its own)."""
+    from own_models_reuse import DIM, LAYERS, SEQ, LoopedLM
+
+    from autopar.codegen.dataflow import trace_dataflow
+    from autopar.codegen.pipeline import layer_modules
+
+    model, x = LoopedLM(), torch.zeros(1, SEQ, dtype=torch.long)
+    graph = autopar.capture(model, (x,))
+    (layer,) = [la for la in graph.layers if "shared.1" in la.modules]
+    assert {f"own.{d}.{i}" for d in range(LAYERS) for i in (1, 3)} <= set(layer.modules)  # the last own follows
+    # forward matmul FLOPs, 2·tokens·in·out a linear a call: shared (DIM ↔ 4·DIM) at each of the LAYERS + 1 depths,
+    # and the own blocks (DIM ↔ 2·DIM) its calls enclose
+    assert layer.forward_flops == 2 * SEQ * ((LAYERS + 1) * 2 * DIM * 4 * DIM + LAYERS * 2 * DIM * 2 * DIM)
+    units = [u for la in graph.layers for u in layer_modules(graph, la.name)]
+    flow = trace_dataflow(model, units, (x,))
+    for pp in (2, 4):
+        plan = autopar.plan(graph, Cluster.preset("dgx-a100-80gb", nodes=1), global_batch_size=64,
+                            options=autopar.PlannerOptions(pp=pp))
+        stage_of = {u: s for s, st in enumerate(plan.stages) for name in st.layers
+                    for u in layer_modules(graph, name)}
+        flow.stages(stage_of, pp)  # raises PlanMismatchError on a cut between calls of one unit

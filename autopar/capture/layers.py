@@ -5,6 +5,12 @@ block of a stack, final norm, head); a unit without parameters (dropout, activat
 module) joins the layer before it. Units that never ran keep their parameters in the
 layer of the unit registered just before them.
 
+A unit with parameters that the forward calls again after units of later layers ran (one block applied
+several times in a loop over other modules, as ALBERT-style weight sharing does) ties those layers
+together: a pipeline cut between them would put a stage's module after a later stage's in call order,
+which no pipeline can run (codegen.dataflow refuses it). Such layers are merged into one, so every cut
+the planner can place is one codegen can run; each call's work is still counted (capture.assemble).
+
 Liveness: a value produced in layer i (or a model input, "layer -1") and used in layer j > i is live
 across every boundary i..j-1. Pipeline stages run the model's own code, so what a cut sends is the
 outputs of the units that later units read (directly or through top-level glue, which each stage
@@ -38,8 +44,10 @@ def _has_params(model: nn.Module, name: str) -> bool:
     return any(True for _ in model.get_submodule(name).parameters())
 
 
-def group_layers(model: nn.Module, units: tuple[Unit, ...], called: list[str]) -> list[LayerGroup]:
-    """Layers from the units in the order they first ran (`called`), see the module docstring."""
+def group_layers(model: nn.Module, units: tuple[Unit, ...], calls: list[str]) -> list[LayerGroup]:
+    """Layers from the units in the order they first ran (`calls`: the unit of every top-level call, repeats
+    included), see the module docstring."""
+    called = list(dict.fromkeys(calls))
     by_name = {u.name: u for u in units}
     groups: list[list[str]] = []
     for name in called:
@@ -61,8 +69,31 @@ def group_layers(model: nn.Module, units: tuple[Unit, ...], called: list[str]) -
             groups[current].append(unit.name)
         else:
             groups.append([unit.name])
+    with_params = {u for u in called if _has_params(model, u)}
+    groups = _merge_interleaved(groups, [c for c in calls if c in with_params])
     return [LayerGroup(name=next((u for u in g if _has_params(model, u)), g[0]), units=tuple(g),
                        in_container=by_name[g[0]].in_container) for g in groups]
+
+
+def _merge_interleaved(groups: list[list[str]], calls: list[str]) -> list[list[str]]:
+    """Merge the groups across every boundary that a call crosses backwards (module docstring): the boundary
+    after group j is kept only if every call of a unit in groups ≤ j comes before every call of one in > j.
+    `calls`: the units with parameters of every call, in call order."""
+    layer_of = {u: i for i, g in enumerate(groups) for u in g}
+    tied = [False] * len(groups)  # tied[j]: no cut may follow group j
+    highest = -1
+    for unit in calls:
+        j = layer_of[unit]
+        for b in range(j, highest):  # a call of group j after one of group `highest` > j
+            tied[b] = True
+        highest = max(highest, j)
+    merged: list[list[str]] = []
+    for j, g in enumerate(groups):
+        if merged and tied[j - 1]:
+            merged[-1].extend(g)
+        else:
+            merged.append(list(g))
+    return merged
 
 
 def _unit_sources(flow: list[FlowNode], param_units: frozenset[str], num_layers: int,

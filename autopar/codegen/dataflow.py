@@ -191,16 +191,27 @@ def forward_kwargs(model: nn.Module) -> dict[str, Any]:
 
 
 def model_logits(out: Any) -> torch.Tensor:
-    """The logits in a model's output: the tensor itself, `.logits` of a Hugging Face output, or item 0."""
+    """The logits in a model's output: the tensor itself, `.logits` of a Hugging Face output, `["logits"]` (or the
+    one tensor) of a dict, or item 0 of a tuple."""
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    if isinstance(out, Mapping):
+        tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        if len(tensors) == 1:
+            return next(iter(tensors.values()))
+        raise PlanMismatchError(f"the model returned a dict with tensors {sorted(map(str, tensors))} and no 'logits': "
+                                "autopar cannot tell which one the loss reads. Return the logits under the key "
+                                "'logits' (or alone, or first in a tuple)")
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise PlanMismatchError(f"the model returned a {type(out).__name__}; autopar trains models whose forward returns "
-                            "the logits (a tensor, an object with .logits, or a tuple starting with them)")
+                            "the logits (a tensor, an object with .logits, a dict with 'logits', or a tuple starting "
+                            "with them)")
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -1,0 +1,55 @@
+"""Two more self-written language models, for what the five of tests/own_models.py do not spell:
+
+- `LoopedLM`: one block applied several times, interleaved with blocks of its own at each depth (the weight
+  sharing of ALBERT or of looped transformers): a module called again after other modules with parameters ran,
+  so no pipeline cut may fall between its first and its last call (autopar.capture.layers);
+- `DictLM`: blocks in an `nn.ModuleDict` of `nn.Sequential`s, and a forward that returns a dict holding the
+  logits beside another tensor.
+
+They take the same `(dim, n_layers, n_heads, vocab, seq)` as the others, with the same tiny defaults.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SEQ, VOCAB, DIM, HEADS, LAYERS = 16, 128, 64, 4, 2
+
+
+def _mlp(dim: int, hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, dim: int = DIM, n_layers: int = LAYERS, n_heads: int = HEADS, vocab: int = VOCAB,
+                 seq: int = SEQ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.shared = _mlp(dim, 4 * dim)  # applied at every depth
+        self.own = nn.ModuleList(_mlp(dim, 2 * dim) for _ in range(n_layers + 1))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        for own in self.own:
+            h = h + self.shared(h)
+            h = h + own(h)
+        return self.head(self.norm(h))
+
+
+class DictLM(nn.Module):
+    def __init__(self, dim: int = DIM, n_layers: int = LAYERS, n_heads: int = HEADS, vocab: int = VOCAB,
+                 seq: int = SEQ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleDict({f"b{i}": _mlp(dim, 3 * dim) for i in range(n_layers + 1)})
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        for block in self.blocks.values():
+            h = h + block(h)
+        return {"hidden": h, "logits": self.head(h)}
