@@ -133,3 +133,13 @@ def test_dict_inputs_several_targets_and_input_values_on_a_later_stage_train_as_
         for r in rank_results:
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=RTOL, abs=ATOL)
             assert r["weights"] <= ATOL
+
+
+def test_the_logits_are_found_in_a_dict_output_or_the_ambiguity_is_named():
+    from autopar.codegen.dataflow import model_logits
+
+    logits, hidden = torch.zeros(2, 3), torch.ones(2, 3)
+    assert model_logits({"hidden": hidden, "logits": logits}) is logits
+    assert model_logits({"scores": logits, "n": 3}) is logits  # the one tensor
+    with pytest.raises(AutoparError, match=r"tensors \['a', 'b'\] and no 'logits'.*key 'logits'"):
+        model_logits({"a": logits, "b": hidden})
