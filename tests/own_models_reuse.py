@@ -4,9 +4,12 @@
   sharing of ALBERT or of looped transformers): a module called again after other modules with parameters ran,
   so no pipeline cut may fall between its first and its last call (autopar.capture.layers);
 - `DictLM`: blocks in an `nn.ModuleDict` of `nn.Sequential`s, and a forward that returns a dict holding the
-  logits beside another tensor.
+  logits beside another tensor;
+- `TorchSeq2SeqLM`: an encoder–decoder of torch's own `nn.TransformerEncoderLayer`s and
+  `nn.TransformerDecoderLayer`s (packed q|k|v parameters, cross-attention on the encoder's output, a causal
+  mask); their attention permutes its input, so the gradient a pipeline stage sends back is not contiguous.
 
-They take the same `(dim, n_layers, n_heads, vocab, seq)` as the others, with the same tiny defaults.
+All take the same `(dim, n_layers, n_heads, vocab, seq)` as the others, with the same tiny defaults.
 """
 
 from __future__ import annotations
@@ -53,3 +56,25 @@ class DictLM(nn.Module):
         for block in self.blocks.values():
             h = h + block(h)
         return {"hidden": h, "logits": self.head(h)}
+
+
+class TorchSeq2SeqLM(nn.Module):
+    def __init__(self, dim: int = DIM, n_layers: int = LAYERS, n_heads: int = HEADS, vocab: int = VOCAB,
+                 seq: int = SEQ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.encoder = nn.ModuleList(nn.TransformerEncoderLayer(dim, n_heads, 2 * dim, 0.0, batch_first=True)
+                                     for _ in range(n_layers))
+        self.decoder = nn.ModuleList(nn.TransformerDecoderLayer(dim, n_heads, 2 * dim, 0.0, batch_first=True)
+                                     for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.embed(x)
+        for layer in self.encoder:
+            memory = layer(memory)
+        y = self.embed(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        for layer in self.decoder:
+            y = layer(y, memory, tgt_mask=mask, tgt_is_causal=True)
+        return self.head(y)

@@ -60,6 +60,20 @@ def _index_of(t: torch.Tensor) -> int:
     return int(value) if math.isfinite(value) and value == int(value) else -1
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on its gradient in one block of memory: the gradient a stage sends back
+    for what it received comes out of autograd in whatever layout the stage's first ops give it (a transpose
+    for a batch norm over channels, an attention's permute), and a send needs it contiguous."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class _StageExit(Exception):  # noqa: N818 - control flow, never seen by users
     """Raised by the first unit of a later stage: this stage's part of the forward is done."""
 
@@ -176,7 +190,7 @@ class _StageRunner:
         it = iter(args)
         for key in self.io.receives:
             record = self.flow.calls[key]
-            leaves = [next(it) if isinstance(m, LeafMeta) else m for m in record.leaves]
+            leaves = [_received(next(it)) if isinstance(m, LeafMeta) else m for m in record.leaves]
             self.received[key] = tree_unflatten(leaves, record.spec)
 
     def _pack(self) -> tuple[torch.Tensor, ...]:
@@ -192,6 +206,10 @@ class _StageRunner:
             out.extend(t.view_as(t) if key in self.received else t.contiguous() for t in leaves
                        if isinstance(t, torch.Tensor))
         return tuple(out)
+
+
+def _received(t: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(t) if t.requires_grad else t
 
 
 def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_of_unit: Mapping[str, int],
