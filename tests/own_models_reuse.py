@@ -7,7 +7,9 @@
   logits beside another tensor;
 - `TorchSeq2SeqLM`: an encoder–decoder of torch's own `nn.TransformerEncoderLayer`s and
   `nn.TransformerDecoderLayer`s (packed q|k|v parameters, cross-attention on the encoder's output, a causal
-  mask); their attention permutes its input, so the gradient a pipeline stage sends back is not contiguous.
+  mask); their attention permutes its input, so the gradient a pipeline stage sends back is not contiguous;
+- `CheckpointedLM`: blocks of several modules, each block called under the model's own
+  `torch.utils.checkpoint` (non-reentrant), whose backward replays the whole block: no cut may split one.
 
 All take the same `(dim, n_layers, n_heads, vocab, seq)` as the others, with the same tiny defaults.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 SEQ, VOCAB, DIM, HEADS, LAYERS = 16, 128, 64, 4, 2
 
@@ -78,3 +81,18 @@ class TorchSeq2SeqLM(nn.Module):
         for layer in self.decoder:
             y = layer(y, memory, tgt_mask=mask, tgt_is_causal=True)
         return self.head(y)
+
+
+class CheckpointedLM(nn.Module):
+    def __init__(self, dim: int = DIM, n_layers: int = LAYERS, n_heads: int = HEADS, vocab: int = VOCAB,
+                 seq: int = SEQ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_mlp(dim, 2 * dim) for _ in range(n_layers + 1))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False)
+        return self.head(h)

@@ -148,3 +148,15 @@ def test_a_block_applied_at_every_depth_is_priced_per_call_and_never_cut_between
         stage_of = {u: s for s, st in enumerate(plan.stages) for name in st.layers
                     for u in layer_modules(graph, name)}
         flow.stages(stage_of, pp)  # raises PlanMismatchError on a cut between calls of one unit
+
+
+def test_each_call_of_the_models_own_checkpoint_is_one_layer():
+    """CheckpointedLM calls each block (norm, two linears, an activation: four units) under its own
+    torch.utils.checkpoint, whose backward replays the block on the stage that runs it: capture keeps each
+    checkpointed call in one layer (fx traces through the checkpoint under its saved-tensor hooks)."""
+    from own_models_reuse import LAYERS, SEQ, CheckpointedLM
+
+    model = CheckpointedLM()
+    graph = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
+    assert [la.modules for la in graph.layers] == [("embed",), *[tuple(f"blocks.{d}.{i}" for i in range(4))
+                                                                 for d in range(LAYERS + 1)], ("head",)]

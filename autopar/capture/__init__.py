@@ -174,7 +174,7 @@ def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) ->
             runner = traced.graph_module if traced.graph_module is not None and not single else model
             rec, stats = _measure(model, runner, units, structures, inputs, kwargs, known=known,
                                   fake_fallback=traced.exported is not None)
-            groups = group_layers(model, units, [call.unit for call in rec.calls])
+            groups = group_layers(model, units, [(call.unit, call.region) for call in rec.calls])
             unit_names = frozenset(u.name for u in units)
             flow = (flow_from_fx(traced.graph_module, rec.node_bytes, unit_names) if runner is not model
                     else flow_from_export(traced.exported, unit_names) if traced.exported is not None else [])

@@ -10,6 +10,9 @@ several times in a loop over other modules, as ALBERT-style weight sharing does)
 together: a pipeline cut between them would put a stage's module after a later stage's in call order,
 which no pipeline can run (codegen.dataflow refuses it). Such layers are merged into one, so every cut
 the planner can place is one codegen can run; each call's work is still counted (capture.assemble).
+Likewise the layers whose units run inside one call of the model's own activation checkpointing
+(torch.utils.checkpoint: its backward replays the whole checkpointed function on the stage that runs it,
+which a cut inside would leave half on another stage) are merged into one.
 
 Liveness: a value produced in layer i (or a model input, "layer -1") and used in layer j > i is live
 across every boundary i..j-1. Pipeline stages run the model's own code, so what a cut sends is the
@@ -44,10 +47,10 @@ def _has_params(model: nn.Module, name: str) -> bool:
     return any(True for _ in model.get_submodule(name).parameters())
 
 
-def group_layers(model: nn.Module, units: tuple[Unit, ...], calls: list[str]) -> list[LayerGroup]:
+def group_layers(model: nn.Module, units: tuple[Unit, ...], calls: list[tuple[str, int | None]]) -> list[LayerGroup]:
     """Layers from the units in the order they first ran (`calls`: the unit of every top-level call, repeats
-    included), see the module docstring."""
-    called = list(dict.fromkeys(calls))
+    included, with the checkpointing region it ran in or None), see the module docstring."""
+    called = list(dict.fromkeys(unit for unit, _ in calls))
     by_name = {u.name: u for u in units}
     groups: list[list[str]] = []
     for name in called:
@@ -70,23 +73,31 @@ def group_layers(model: nn.Module, units: tuple[Unit, ...], calls: list[str]) ->
         else:
             groups.append([unit.name])
     with_params = {u for u in called if _has_params(model, u)}
-    groups = _merge_interleaved(groups, [c for c in calls if c in with_params])
+    groups = _merge_interleaved(groups, [(u, r) for u, r in calls if u in with_params])
     return [LayerGroup(name=next((u for u in g if _has_params(model, u)), g[0]), units=tuple(g),
                        in_container=by_name[g[0]].in_container) for g in groups]
 
 
-def _merge_interleaved(groups: list[list[str]], calls: list[str]) -> list[list[str]]:
-    """Merge the groups across every boundary that a call crosses backwards (module docstring): the boundary
-    after group j is kept only if every call of a unit in groups ≤ j comes before every call of one in > j.
-    `calls`: the units with parameters of every call, in call order."""
+def _merge_interleaved(groups: list[list[str]], calls: list[tuple[str, int | None]]) -> list[list[str]]:
+    """Merge the groups across every boundary that a call crosses backwards or a checkpointing region spans
+    (module docstring): the boundary after group j is kept only if every call of a unit in groups ≤ j comes
+    before every call of one in > j, and no region holds calls of both. `calls`: (unit, region) of every call
+    of a unit with parameters, in call order."""
     layer_of = {u: i for i, g in enumerate(groups) for u in g}
     tied = [False] * len(groups)  # tied[j]: no cut may follow group j
     highest = -1
-    for unit in calls:
+    spans: dict[int, tuple[int, int]] = {}  # region → (first, last) group it calls
+    for unit, region in calls:
         j = layer_of[unit]
         for b in range(j, highest):  # a call of group j after one of group `highest` > j
             tied[b] = True
         highest = max(highest, j)
+        if region is not None:
+            lo, hi = spans.get(region, (j, j))
+            spans[region] = (min(lo, j), max(hi, j))
+    for lo, hi in spans.values():
+        for b in range(lo, hi):
+            tied[b] = True
     merged: list[list[str]] = []
     for j, g in enumerate(groups):
         if merged and tied[j - 1]:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.capture.probe import ModelState, storage_key, tensor_bytes
-from autopar.capture.trace import placeholder_values
+from autopar.capture.trace import CHECKPOINT_REGION, CheckpointRegions, placeholder_values
 from autopar.capture.units import Unit, call_signature
 from autopar.errors import CaptureError
 from cost_models.optrace import describe_op
@@ -33,6 +33,9 @@ class Call:
     unit: str
     signature: str
     ran: bool  # False: a repeat whose output was reconstructed from the first call's shapes
+    # the activation-checkpointing region the call ran in (torch.utils.checkpoint in the model's own forward:
+    # its saved-tensor hooks were the innermost), numbered in order of appearance; None outside any
+    region: int | None = None
 
 
 @dataclass
@@ -106,8 +109,10 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, node_bytes: dict[str, int]) -> None:
         super().__init__(gm)
         self.node_bytes = node_bytes
+        self.node: fx.Node | None = None  # the node running
 
     def run_node(self, n: fx.Node) -> Any:
+        self.node = n
         result = super().run_node(n)
         self.node_bytes[n.name] = tensor_bytes(result)
         return result
@@ -121,6 +126,13 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
     probe = _TopLevelProbe(state)
     outputs: dict[str, tuple[Any, list[Any]]] = {}
     originals: list[tuple[nn.Module, Any]] = []
+    regions = CheckpointRegions(own=probe.pack)
+    recorder = _Recorder(runner, rec.node_bytes) if isinstance(runner, fx.GraphModule) else None
+
+    def region() -> int | None:
+        """The checkpointing region this call runs in: as traced (the graph module runs no checkpoint), or as
+        the model's own forward runs it."""
+        return recorder.node.meta.get(CHECKPOINT_REGION) if recorder is not None else regions.of_current()
 
     def wrap(unit: Unit, module: nn.Module) -> Callable[..., Any]:
         forward = module.forward
@@ -130,7 +142,7 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
                 return forward(*args, **kwargs)
             sig = call_signature(structures[unit.name], args, kwargs)
             if sig in outputs:
-                rec.calls.append(Call(unit=unit.name, signature=sig, ran=False))
+                rec.calls.append(Call(unit=unit.name, signature=sig, ran=False, region=region()))
                 probe.last_unit = unit.name
                 probe.depth += 1  # building the stand-in output is not top-level work
                 try:
@@ -152,7 +164,7 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
             finally:
                 probe.depth -= 1
             outputs[sig] = _shape_spec(out)
-            rec.calls.append(Call(unit=unit.name, signature=sig, ran=True))
+            rec.calls.append(Call(unit=unit.name, signature=sig, ran=True, region=region()))
             rec.first_inputs[sig] = (unit.name, args, kwargs)
             probe.last_unit = unit.name
             return out
@@ -165,8 +177,8 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
         module.forward = wrap(unit, module)
     try:
         with torch.enable_grad(), probe, saved_tensors_hooks(probe.pack, lambda t: t):
-            if isinstance(runner, fx.GraphModule):
-                _Recorder(runner, rec.node_bytes).run(*placeholder_values(runner, model, example_inputs,
+            if recorder is not None:
+                recorder.run(*placeholder_values(runner, model, example_inputs,
                                                                           forward_kwargs))
             else:
                 runner(*example_inputs, **forward_kwargs)

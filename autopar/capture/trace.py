@@ -52,6 +52,27 @@ class Traced:
     exported: Any = None  # export: the ExportedProgram
 
 
+CHECKPOINT_REGION = "autopar_checkpoint_region"  # fx node meta: the region a unit call ran in (or None)
+
+
+class CheckpointRegions:
+    """Numbers the activation-checkpointing regions of the model's own forward in order of appearance.
+
+    torch.utils.checkpoint (non-reentrant) runs the checkpointed function under saved-tensor hooks of its
+    own, one pair per call, and fx traces straight through it; so a call runs inside a region exactly when
+    the innermost saved-tensor hooks are not `own` (those the caller installed itself, if any)."""
+
+    def __init__(self, own: Any = None) -> None:
+        self.own = own
+        self._ids: dict[int, tuple[int, Any]] = {}  # id of a region's pack hook → (number, the hook, kept alive)
+
+    def of_current(self) -> int | None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or (self.own is not None and top[0] == self.own):
+            return None
+        return self._ids.setdefault(id(top[0]), (len(self._ids), top[0]))[0]
+
+
 class _UnitTracer(fx.Tracer):
     """fx tracer that keeps `leaves` opaque and remembers the innermost module a failure happened in."""
 
@@ -60,17 +81,21 @@ class _UnitTracer(fx.Tracer):
         self.leaves = leaves
         self.prefix = prefix
         self.failed_in: str | None = None
+        self.regions = CheckpointRegions()
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:
-            return super().call_module(m, forward, args, kwargs)
+            out = super().call_module(m, forward, args, kwargs)
         except Exception:
             if self.failed_in is None:
                 self.failed_in = self.prefix + self.path_of_module(m)
             raise
+        if isinstance(out, fx.Proxy) and out.node.op == "call_module":
+            out.node.meta[CHECKPOINT_REGION] = self.regions.of_current()
+        return out
 
 
 class _FxFailure(Exception):

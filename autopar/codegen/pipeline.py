@@ -147,6 +147,13 @@ class _StageRunner:
         return key
 
     def stand_in(self, unit: str) -> Any:
+        if torch._C._current_graph_task_id() != -1:  # called again by a backward: a checkpoint replaying
+            raise PlanMismatchError(
+                f"module {unit!r}, which the plan puts on another pipeline stage, was called again during "
+                f"backward on stage {self.index}: the model checkpoints its own activations "
+                "(torch.utils.checkpoint) around modules this plan cuts between stages, and the replay cannot "
+                "reach the other stage. Re-plan with `autopar plan` (capture keeps each checkpointed call in "
+                "one layer), or use pp=1")
         if self.stage_of_unit[unit] > self.index:
             raise _StageExit
         key = self._next_key(unit)
