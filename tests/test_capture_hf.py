@@ -83,3 +83,16 @@ def test_hf_model_untouched(llama: tuple[torch.nn.Module, autopar.ModelGraph]) -
     model, _ = llama
     assert all(p.device.type == "meta" and type(p) is torch.nn.Parameter for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_model_that_checkpoints_its_own_layers_is_refused_saying_how_to_turn_it_off():
+    """transformers' gradient checkpointing runs torch.utils.checkpoint inside each decoder layer's forward; its
+    replay under capture's measurement failed with torch's own CheckpointError (41 tensors saved, 38 replayed)."""
+    from autopar.errors import CaptureError
+
+    model = _build("LlamaForCausalLM", "LlamaConfig", **_SMALL)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(CaptureError, match=r"checkpoints its own layers.*gradient_checkpointing_disable.*recompute"):
+        autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),))
+    model.gradient_checkpointing_disable()
+    assert len(autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),)).layers) == 6

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.checkpoint import CheckpointError
 
 from autopar.capture.assemble import assemble
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
@@ -172,8 +173,16 @@ def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) ->
             traced = trace_model(model, inputs, kwargs, units, structures)
             single = len(units) == 1 and not units[0].name
             runner = traced.graph_module if traced.graph_module is not None and not single else model
-            rec, stats = _measure(model, runner, units, structures, inputs, kwargs, known=known,
-                                  fake_fallback=traced.exported is not None)
+            try:
+                rec, stats = _measure(model, runner, units, structures, inputs, kwargs, known=known,
+                                      fake_fallback=traced.exported is not None)
+            except CheckpointError as e:
+                raise CaptureError(
+                    f"{type(model).__name__} checkpoints its own layers (torch.utils.checkpoint inside a module's "
+                    f"forward, e.g. transformers' gradient checkpointing), whose replay capture cannot measure "
+                    f"({str(e).splitlines()[0]}). Turn it off before capturing and parallelizing "
+                    "(transformers: model.gradient_checkpointing_disable()): autopar prices and applies activation "
+                    "recompute itself (PlannerOptions(recompute=...), CLI --recompute)") from e
             groups = group_layers(model, units, [(call.unit, call.region) for call in rec.calls])
             unit_names = frozenset(u.name for u in units)
             flow = (flow_from_fx(traced.graph_module, rec.node_bytes, unit_names) if runner is not model
