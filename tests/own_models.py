@@ -13,9 +13,10 @@ spelling-invariance tests). Written for these tests, each in its own idiom:
   inside and returns an object with `.loss`;
 - `TargetArgLM`: rotary Llama whose `forward(x, y=None)` returns only the scalar loss, an `nll_loss` over
   `log_softmax` with ignore_index, its target named by `target_arg="y"`;
-- `LoopedLM`, `DictLM`, `TorchSeq2SeqLM` and `CheckpointedLM` (tests/own_models_reuse.py): one block applied at
-  every depth between blocks of its own, a forward returning a dict, an encoder–decoder of torch's own layers,
-  and blocks under the model's own activation checkpointing.
+- six more in tests/own_models_reuse.py: one block applied at every depth between blocks of its own, a
+  forward returning a dict, an encoder–decoder of torch's own layers, blocks under the model's own activation
+  checkpointing, weights in `nn.ParameterList`s beside `nn.MultiheadAttention`, and a `cumsum` recurrence whose
+  projections are as wide as the vocabulary.
 
 All take `(dim, n_layers, n_heads, vocab, seq)` so that the same code is built tiny (parity, CI) or large (on
 the meta device, for pricing).
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from own_models_reuse import CheckpointedLM, DictLM, LoopedLM, TorchSeq2SeqLM
+from own_models_reuse import CheckpointedLM, DictLM, GatedScanLM, LoopedLM, ParamListLM, TorchSeq2SeqLM
 from torch import nn
 
 SEQ, VOCAB, DIM, HEADS, LAYERS = 16, 128, 64, 4, 2
@@ -408,7 +409,8 @@ class TargetArgLM(nn.Module):
 
 MODELS = {"nanogpt": NanoGPT, "meta_llama": MetaLlama, "eager_gpt": EagerGPT, "functional_lm": FunctionalLM,
           "target_arg_lm": TargetArgLM, "looped_lm": LoopedLM, "dict_lm": DictLM,
-          "torch_seq2seq": TorchSeq2SeqLM, "checkpointed_lm": CheckpointedLM}
+          "torch_seq2seq": TorchSeq2SeqLM, "checkpointed_lm": CheckpointedLM,
+          "param_list_lm": ParamListLM, "gated_scan_lm": GatedScanLM}
 TARGET_ARG = {"nanogpt": "targets", "functional_lm": "labels", "target_arg_lm": "y"}  # models with their own loss
 
 

@@ -9,7 +9,11 @@
   `nn.TransformerDecoderLayer`s (packed q|k|v parameters, cross-attention on the encoder's output, a causal
   mask); their attention permutes its input, so the gradient a pipeline stage sends back is not contiguous;
 - `CheckpointedLM`: blocks of several modules, each block called under the model's own
-  `torch.utils.checkpoint` (non-reentrant), whose backward replays the whole block: no cut may split one.
+  `torch.utils.checkpoint` (non-reentrant), whose backward replays the whole block: no cut may split one;
+- `ParamListLM`: torch's `nn.MultiheadAttention` called directly, and an MLP by `torch.einsum` over weights kept
+  in `nn.ParameterList`s that the model's forward indexes (never called themselves);
+- `GatedScanLM`: a gated linear recurrence by `cumsum` whose per-depth gate|value projections, in a
+  `ModuleList`, are exactly as wide as the vocabulary (2·DIM = VOCAB), which no head is.
 
 All take the same `(dim, n_layers, n_heads, vocab, seq)` as the others, with the same tiny defaults.
 """
@@ -17,6 +21,7 @@ All take the same `(dim, n_layers, n_heads, vocab, seq)` as the others, with the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -95,4 +100,42 @@ class CheckpointedLM(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             h = h + checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+class ParamListLM(nn.Module):
+    def __init__(self, dim: int = DIM, n_layers: int = LAYERS, n_heads: int = HEADS, vocab: int = VOCAB,
+                 seq: int = SEQ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attn = nn.ModuleList(nn.MultiheadAttention(dim, n_heads, batch_first=True) for _ in range(n_layers))
+        self.w_in = nn.ParameterList(nn.Parameter(torch.randn(dim, 2 * dim) * 0.05) for _ in range(n_layers))
+        self.w_out = nn.ParameterList(nn.Parameter(torch.randn(2 * dim, dim) * 0.05) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        for i, attn in enumerate(self.attn):
+            h = h + attn(h, h, h, attn_mask=mask)[0]
+            h = h + torch.einsum("bsf,fd->bsd", F.gelu(torch.einsum("bsd,df->bsf", h, self.w_in[i])), self.w_out[i])
+        return self.head(self.norm(h))
+
+
+class GatedScanLM(nn.Module):
+    def __init__(self, dim: int = DIM, n_layers: int = LAYERS, n_heads: int = HEADS, vocab: int = VOCAB,
+                 seq: int = SEQ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.gates = nn.ModuleList(nn.Linear(dim, 2 * dim) for _ in range(n_layers + 1))
+        self.outs = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_layers + 1))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for gate, out in zip(self.gates, self.outs, strict=True):
+            a, b = gate(h).chunk(2, dim=-1)
+            state = torch.cumsum(F.logsigmoid(a), dim=1)  # log of the running product of the decays
+            h = h + out(torch.exp(state) * torch.cumsum(torch.exp(-state) * b, dim=1) * 1e-3)
         return self.head(h)

@@ -160,3 +160,21 @@ def test_each_call_of_the_models_own_checkpoint_is_one_layer():
     graph = autopar.capture(model, (torch.zeros(1, SEQ, dtype=torch.long),))
     assert [la.modules for la in graph.layers] == [("embed",), *[tuple(f"blocks.{d}.{i}" for i in range(4))
                                                                  for d in range(LAYERS + 1)], ("head",)]
+
+
+def test_parameter_lists_are_read_where_used_and_a_vocabulary_wide_projection_per_depth_is_no_head():
+    """ParamListLM indexes weights in `nn.ParameterList`s from its forward (never calling them): they belong to
+    no layer, and every stage that reads them holds them (a ParameterList taken for a layer was left sharded
+    under ZeRO-3 and replaced by a stand-in on the other pipeline stage). GatedScanLM's gate projections are
+    2·DIM = VOCAB wide, one per depth: a stack of projections, not the LM head (they were priced and sharded as
+    vocab-parallel heads, and tp2 failed on the chunk of a sharded output)."""
+    from own_models_reuse import LAYERS, SEQ, GatedScanLM, ParamListLM
+
+    x = torch.zeros(1, SEQ, dtype=torch.long)
+    graph = autopar.capture(ParamListLM(), (x,))
+    assert not any(m.startswith(("w_in", "w_out")) for la in graph.layers for m in la.modules)
+    assert sorted(n for sp in graph.shared_params for n in sp.names) == sorted(
+        f"{w}.{i}" for w in ("w_in", "w_out") for i in range(LAYERS))
+    graph = autopar.capture(GatedScanLM(), (x,))
+    heads = [la.name for la in graph.layers if any(p.kind == "lm_head" for p in la.tp_patterns)]
+    assert heads == ["head"] and [la.name for la in graph.layers if la.kind == "head"] == ["head"]

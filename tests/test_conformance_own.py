@@ -1,11 +1,13 @@
 """Conformance: self-written models (tests/own_models.py) train under every layout as on one process.
 
-Nine models in the styles people write outside transformers — nanoGPT (ModuleDict, fused q|k|v, tied head,
+Eleven models in the styles people write outside transformers — nanoGPT (ModuleDict, fused q|k|v, tied head,
 `(logits, loss)`), Meta's Llama (complex rotary tables, grouped-query attention, export-only), hand-written
 softmax attention with a cached mask buffer, lambdas and partials held in modules with a label-shifting
 `.loss`, a scalar loss under `target_arg="y"`, one block applied at every depth between blocks of its own,
-a forward returning a dict, an encoder–decoder of torch's own layers, and blocks under its own
-torch.utils.checkpoint — each under tp2, pp2 (1F1B) and dp2 with ZeRO-3 (one gloo job for the 27 cases),
+a forward returning a dict, an encoder–decoder of torch's own layers, blocks under its own
+torch.utils.checkpoint, `nn.ParameterList` weights read by an einsum MLP beside `nn.MultiheadAttention`, and a
+cumsum recurrence with vocabulary-wide projections — each under tp2, pp2 (1F1B) and dp2 with ZeRO-3 (one gloo
+job for the 33 cases),
 and nanoGPT under tp2×pp2×dp2 with ZeRO-3 on 8 ranks (tests/test_eight_ranks.py).
 Models with their own loss train on it (`loss_fn` omitted), with targets partly `ignore_index` so that ranks
 and micro-batches average over different token counts. Each is compared with the same initial model trained on

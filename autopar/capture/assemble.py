@@ -94,8 +94,10 @@ def _vocab_modules(model: nn.Module, vocab: int | None) -> dict[str, str]:
     """Fully qualified name → "embedding" / "lm_head" for modules whose size is the vocabulary.
 
     Found at any depth (a token embedding kept in an `nn.ModuleDict` beside the blocks, a head under an
-    attribute), except inside a stack of blocks (a container child with a sibling of its class): a
-    projection inside a block can be as wide as the vocabulary by coincidence (a fused q|k|v of a small model).
+    attribute), except inside a stack of blocks (a container child with a sibling of its class) or as a
+    member of a stack of projections (siblings of one class and parameter shapes: a `ModuleList` of linears,
+    one per depth): a projection can be as wide as the vocabulary by coincidence (a fused q|k|v of a small
+    model, a gate|value projection of twice the width).
     """
     found: dict[str, str] = {}
     if vocab is None:
@@ -105,10 +107,13 @@ def _vocab_modules(model: nn.Module, vocab: int | None) -> dict[str, str]:
         if not isinstance(c, CONTAINERS):
             continue
         classes = [type(child) for child in c.children()]
-        for child_name, child in c.named_children():
+        kinds = [(type(child), tuple(p.shape for p in child.parameters())) for child in c.children()]
+        for (child_name, child), kind in zip(c.named_children(), kinds, strict=True):
             if classes.count(type(child)) > 1:
                 prefix = f"{name}.{child_name}" if name else child_name
                 in_blocks.update(f"{prefix}.{sub}" for sub, _ in child.named_modules() if sub)
+                if kinds.count(kind) > 1:
+                    in_blocks.add(prefix)
     for name, m in model.named_modules():
         if name in in_blocks:
             continue

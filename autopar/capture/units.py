@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["Unit", "discover_units", "structure_signature", "call_signature", "common_parent", "is_norm"]
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)  # hold parameters, have no forward: never units
 
 # Attributes that number a block inside its stack (HF `layer_idx`, Megatron `layer_number`) differ
 # between otherwise identical blocks; they are left out of the signature so those blocks dedupe.
@@ -49,6 +50,8 @@ def discover_units(model: nn.Module) -> tuple[Unit, ...]:
     def expand(module: nn.Module, prefix: str, in_container: bool) -> None:
         for name, child in module.named_children():
             fqn = f"{prefix}{name}"
+            if isinstance(child, PARAMETER_CONTAINERS):
+                continue  # never called: its parameters are read by the code around it, as a root parameter is
             if isinstance(child, CONTAINERS):
                 expand(child, f"{fqn}.", True)
             elif not in_container and _holds_container(child):
