@@ -1,7 +1,12 @@
 """Run a function on N local processes joined by a gloo process group, as torchrun would.
 
-`run_distributed(fn, world_size, *args)` spawns the ranks (fresh interpreters, a free port, one
-thread each), runs `fn(*args)` in every rank and returns the per-rank results in rank order.
+`run_distributed(fn, world_size, *args)` starts the ranks (a free port, one thread each), runs `fn(*args)`
+in every rank and returns the per-rank results in rank order.
+
+Ranks are forked from a multiprocessing forkserver: a fresh interpreter, started once per test process,
+that has imported torch, transformers, autopar and the test helpers (`PRELOAD`) and runs nothing else, so
+a rank starts as a fresh interpreter with those imports done. Importing them in each rank cost 5-6 s of
+CPU (tens of seconds on a loaded 2-core CI machine), and the suite starts about a hundred ranks.
 A rank that raises, or a job that outlives `timeout_s`, fails the caller with every failing
 rank's traceback.
 """
@@ -19,6 +24,11 @@ from typing import Any
 import torch.multiprocessing as mp
 
 __all__ = ["run_distributed", "free_port"]
+
+# what the forkserver imports before it forks ranks (a module it cannot import is skipped: the rank imports
+# what it needs itself); nothing here opens a process group, starts a thread pool or builds a model
+PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils", "autopar",
+           "autopar.codegen", "autopar.planner", "parity_models"]
 
 
 def free_port() -> int:
@@ -63,7 +73,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when this process starts its forkserver (its first job)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)

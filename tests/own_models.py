@@ -456,9 +456,9 @@ def own_case(name: str, config: dict, steps: int = 3) -> dict:
     """Reference (one process, whole batch) vs parallel run of model `name` under `config`."""
     import copy
 
+    from capture_cache import capture
     from parity_models import BATCH, excess, make_plan, optimizer
 
-    import autopar
     from autopar.codegen import lm_cross_entropy, parallelize
     from autopar.codegen.state import full_gradients
 
@@ -467,7 +467,7 @@ def own_case(name: str, config: dict, steps: int = 3) -> dict:
     data = own_batches(name, steps, BATCH)
     if (name, steps) not in _DONE:  # the graph and the one-process reference, once per model in a process
         kw = {TARGET_ARG[name]: x0} if name in TARGET_ARG else {}
-        graph = autopar.capture(model, (x0,), kw)
+        graph = capture(model, (x0,), kw)
         ref = copy.deepcopy(model)
         opt = optimizer(ref.parameters())
         ref_losses = []

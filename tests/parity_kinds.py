@@ -14,13 +14,13 @@ import copy
 import dataclasses
 from typing import Any
 
+import capture_cache
 import torch
 from hf_kinds import batch, build_kind, example
 from parity_models import RTOL, excess, make_plan, optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-import autopar
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.dataflow import model_logits
 from autopar.codegen.state import full_gradients
@@ -99,7 +99,7 @@ def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str
     """Run in every rank: the parallel losses per step, the reference's, and the largest weight/gradient error."""
     model = build_kind(kind)
     if kind not in _GRAPHS:
-        _GRAPHS[kind] = autopar.capture(model, (), example(kind))
+        _GRAPHS[kind] = capture_cache.capture(model, (), example(kind))
     graph = _GRAPHS[kind]
     config = dict(config)
     sizes = config.pop("stage_sizes", None)  # layers per stage, to cut where an even split would not

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import capture_cache
 import torch
 from hf_families import FAMILIES, MOE_FAMILIES, OTHER_FAMILIES, build_custom, build_family
 from torch import nn
@@ -97,8 +98,8 @@ def handmade_graph(kind: str) -> ModelGraph:
 
 
 def graph_of(kind: str, model: nn.Module, seq: int = SEQ) -> ModelGraph:
-    """The captured graph of `model` (what a user's plan is made from)."""
-    return autopar.capture(model, (torch.zeros(1, seq, dtype=torch.long),))
+    """The captured graph of `model` (what a user's plan is made from), captured once a session (capture_cache)."""
+    return capture_cache.capture(model, (torch.zeros(1, seq, dtype=torch.long),))
 
 
 def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, **config: Any) -> Plan:
