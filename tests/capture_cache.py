@@ -30,9 +30,9 @@ ENV = "AUTOPAR_TEST_CAPTURE_CACHE"
 def _digest(h: Any, value: Any) -> None:
     """Feed `value` (tensors, nested tuples, lists and dicts of them, plain values) into hash `h`."""
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(f"T{value.dtype}{tuple(value.shape)}{value.device.type == 'meta'}".encode())
+        if value.device.type != "meta" and value.numel():  # a meta tensor has no values
+            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(value, (tuple, list)):
         h.update(f"{type(value).__name__}{len(value)}(".encode())
         for v in value:

@@ -14,6 +14,7 @@ rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -45,7 +46,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 
     torch.set_num_threads(1)
     try:
-        out = fn(*args)
+        # pickled here, by value: the queue's own pickler would send tensors as file descriptors that this
+        # process serves, and a forked rank exits at once, before the parent has fetched them
+        out = pickle.dumps(fn(*args))
         results.put((rank, "ok", out))
     except BaseException:  # every failure goes back to the parent with its traceback
         results.put((rank, "error", traceback.format_exc()))
@@ -108,4 +111,4 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
                          f"peer, or killed; exit codes {[p.exitcode for p in procs]})")
         raise AssertionError(f"distributed job {getattr(fn, '__name__', fn)} on {world_size} ranks failed:\n"
                              + "\n".join(lines))
-    return [got[r][1] for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(world_size)]
