@@ -10,6 +10,7 @@ long before the process group's 10-minute timeout, and the failed rank's next st
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def test_a_peer_blocked_on_a_rank_that_caught_its_failure_stops_within_seconds(t
         stopped_s = time.time()
         (tmp_path / "rank0_exited").touch()
         rank, status, message = results.get(timeout=120)
+        if status == "ok":  # _worker sends a rank's result pickled (dist_harness)
+            message = pickle.loads(message)
     finally:
         for p in procs:
             p.join(timeout=5)
