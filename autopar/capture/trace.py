@@ -60,15 +60,17 @@ class CheckpointRegions:
 
     torch.utils.checkpoint (non-reentrant) runs the checkpointed function under saved-tensor hooks of its
     own, one pair per call, and fx traces straight through it; so a call runs inside a region exactly when
-    the innermost saved-tensor hooks are not `own` (those the caller installed itself, if any)."""
+    the innermost saved-tensor hooks are not `own`: those the caller installed itself (by default, whatever
+    is installed when the regions start being numbered: capture called under `save_on_cpu` stays outside)."""
 
     def __init__(self, own: Any = None) -> None:
-        self.own = own
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.own = own if own is not None else (top[0] if top is not None else None)
         self._ids: dict[int, tuple[int, Any]] = {}  # id of a region's pack hook → (number, the hook, kept alive)
 
     def of_current(self) -> int | None:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or (self.own is not None and top[0] == self.own):
+        if top is None or top[0] == self.own:
             return None
         return self._ids.setdefault(id(top[0]), (len(self._ids), top[0]))[0]
 
