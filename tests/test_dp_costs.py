@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_harness import free_port
 
 import autopar
 from autopar.cluster import Cluster
@@ -138,7 +139,7 @@ def _run(tmp_path: Path, options: dict) -> tuple[RunRecord, autopar.Plan, object
     graph = autopar.capture(model, x)
     plan = autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=4, options=PlannerOptions(**options, top_k=0))
     plan.save(tmp_path / "plan.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29678",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "examples" / "train_gpt.py"), "--seq-len", "32", "--override", "n_layers=2",
            "--global-batch-size", "4", "--steps", "3", "--warmup", "1", "--plan", str(tmp_path / "plan.json"),
            "--record", str(tmp_path / "run.json")]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_harness import free_port
 
 import autopar
 from autopar.cli.main import main as cli
@@ -91,7 +92,7 @@ def test_end_to_end_two_processes(tmp_path):
     plan = autopar.plan(autopar.capture(model, x), Cluster.local(nproc=2), global_batch_size=4,
                         options=PlannerOptions(dp=2, zero_stage=0, top_k=0))
     plan.save(tmp_path / "plan.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29677",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "examples" / "train_gpt.py"), "--seq-len", "32", "--override", "n_layers=2",
            "--global-batch-size", "4", "--steps", "4", "--warmup", "1", "--plan", str(tmp_path / "plan.json"),
            "--record", str(tmp_path / "run.json")]
