@@ -91,8 +91,8 @@ def test_a_model_that_checkpoints_its_own_layers_is_refused_saying_how_to_turn_i
     from autopar.errors import CaptureError
 
     model = _build("LlamaForCausalLM", "LlamaConfig", **_SMALL)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(CaptureError, match=r"checkpoints its own layers.*gradient_checkpointing_disable.*recompute"):
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(CaptureError, match=r"checkpoints its own layers.*activation_checkpointing_disable.*recompute"):
         autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),))
-    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
     assert len(autopar.capture(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),)).layers) == 6

@@ -181,8 +181,9 @@ def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) ->
                     f"{type(model).__name__} checkpoints its own layers (torch.utils.checkpoint inside a module's "
                     f"forward, e.g. transformers' gradient checkpointing), whose replay capture cannot measure "
                     f"({str(e).splitlines()[0]}). Turn it off before capturing and parallelizing "
-                    "(transformers: model.gradient_checkpointing_disable()): autopar prices and applies activation "
-                    "recompute itself (PlannerOptions(recompute=...), CLI --recompute)") from e
+                    "(transformers: model.activation_checkpointing_disable(); older: "
+                    "gradient_checkpointing_disable()): autopar prices and applies activation recompute itself "
+                    "(PlannerOptions(recompute=...), CLI --recompute)") from e
             groups = group_layers(model, units, [(call.unit, call.region) for call in rec.calls])
             unit_names = frozenset(u.name for u in units)
             flow = (flow_from_fx(traced.graph_module, rec.node_bytes, unit_names) if runner is not model
