@@ -138,6 +138,9 @@ class Plan:
     # the router load imbalance the MoE layers were priced at (PlannerOptions.router_skew); None: the captured
     # graph's own. graph_fingerprint is the captured model's either way, so the plan runs on it
     router_skew: float | None = None
+    # how the priced program trains (autopar.capture.targets: "loss_fn" or "own:<arg>"); "" in plans written
+    # before it was recorded. Not part of the layout: a run under the other loss trains this plan (plan_fit.py)
+    loss_mode: str = ""
 
     def __post_init__(self) -> None:
         expected = self.config.pp * self.config.virtual_stages
@@ -299,6 +302,8 @@ def _check_plan(plan: Plan, where: str) -> None:
     for name in ("model_name", "graph_fingerprint", "cluster_name", "cluster_fingerprint"):
         if not isinstance(getattr(plan, name), str) or not getattr(plan, name):
             raise plan_error(where, f"{name} = {getattr(plan, name)!r} must be a non-empty string")
+    if not isinstance(plan.loss_mode, str):
+        raise plan_error(where, f"loss_mode = {plan.loss_mode!r} must be a string (\"loss_fn\" or \"own:labels\")")
     if plan.router_skew is not None and (not is_real(plan.router_skew) or not 1.0 <= plan.router_skew < 1e6):
         raise plan_error(where, f"router_skew = {plan.router_skew!r} must be a number ≥ 1 or null")
     n = len(plan.stages)

@@ -16,6 +16,7 @@ keeps q, k, v, its output and a fp32 log-sum-exp [b, heads, s] instead of Korthi
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from contextlib import nullcontext
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import CheckpointError
 from autopar.capture.assemble import assemble
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.capture.layers import group_layers, liveness
+from autopar.capture.loss_mode import loss_mode
 from autopar.capture.meta import on_meta, swap_tensors, to_meta
 from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.capture.probe import ModelState, measure_call
@@ -102,9 +104,10 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     given = set(forward_kwargs)
     forward_kwargs, target_name = with_example_targets(model, inputs, forward_kwargs, own_loss=own_loss,
                                                        target_arg=target_arg)
+    mode = loss_mode(target_name)
     if target_name is not None and target_name not in given:
         try:
-            return _capture(model, inputs, forward_kwargs)
+            return dataclasses.replace(_capture(model, inputs, forward_kwargs), loss_mode=mode)
         except Exception as e:  # the example targets may not fit the model: say so, and how to give real ones
             shape = list(forward_kwargs[target_name].shape)
             first_line = str(e).splitlines()[0] if str(e) else ""
@@ -114,7 +117,7 @@ def capture(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
                 f"{target_name}= token ids of shape {shape}, like its first input; if its targets are shaped "
                 f"otherwise (class labels, a decoder's tokens) put them in example_kwargs={{{target_name!r}: ...}}, "
                 "or pass loss_fn= to plan/estimate/parallelize (CLI: --external-loss))") from e
-    return _capture(model, inputs, forward_kwargs)
+    return dataclasses.replace(_capture(model, inputs, forward_kwargs), loss_mode=mode)
 
 
 def _measure(model: nn.Module, runner: Any, units: tuple[Any, ...], structures: dict[str, str], inputs: tuple,

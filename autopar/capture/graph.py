@@ -298,6 +298,9 @@ class ModelGraph:
     capture_method: str = "symbolic_trace"  # or "export"
     capture_time_s: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # how the captured program trains (autopar.capture.targets: "loss_fn", or "own:labels" for a forward given its
+    # targets); beside the fingerprint, not in it: a plan made under one loss runs under the other (plan_fit.py)
+    loss_mode: str = "loss_fn"
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -369,6 +372,7 @@ class ModelGraph:
         payload.pop("capture_time_s", None)
         payload.pop("capture_method", None)
         payload.pop("metadata", None)
+        payload.pop("loss_mode", None)  # recorded beside it: the program's own targets already change its figures
         if not payload.get("shared_params"):
             payload.pop("shared_params", None)  # graphs without shared weights keep their fingerprints
         _drop_moe_defaults(payload)  # and dense graphs keep theirs from before MoE fields existed

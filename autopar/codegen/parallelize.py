@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autopar.capture.graph import ModelGraph
+from autopar.capture.loss_mode import own_loss_target
 from autopar.capture.targets import example_targets, target_parameter
 from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
@@ -55,7 +56,7 @@ from autopar.codegen.shared import SharedGradients, alias_groups, retie, stages_
 from autopar.codegen.tensor_parallel import apply_tensor_parallel, sequence_span
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
-from autopar.planner.plan_fit import check_plan_for_graph
+from autopar.planner.plan_fit import check_plan_for_graph, loss_switch_note
 
 __all__ = ["parallelize"]
 
@@ -66,10 +67,12 @@ def _graph_of(model: nn.Module, example_inputs: Sequence[Any] | None,
         from autopar.capture import capture  # owned by the capture module; imported late on purpose
     except ImportError as e:
         raise PlanMismatchError("parallelize needs the model's graph: pass graph=autopar.capture(model, x)") from e
-    if example_inputs is None:
-        raise PlanMismatchError("parallelize needs example_inputs (or graph=) to check the plan against the model")
+    if example_inputs is None and not example_kwargs:
+        raise PlanMismatchError("parallelize needs example_inputs or example_kwargs (or graph=) to check the plan "
+                                "against the model")
     # captured as it trains: a model's own loss with its targets, and its loss's kernels
-    return capture(model, tuple(example_inputs), dict(example_kwargs or {}), own_loss=own_loss, target_arg=target_arg)
+    return capture(model, tuple(example_inputs or ()), dict(example_kwargs or {}), own_loss=own_loss,
+                   target_arg=target_arg)
 
 
 @torch.no_grad()
@@ -159,10 +162,20 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     loss_fn = loss_fn or lm_cross_entropy
     graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs, target_name is not None,
                                                       target_arg)
-    check_plan_for_graph(plan, graph)  # stages cover the layers once, in order; tp splits them; numbers sane
+
+    def recapture(mode: str) -> ModelGraph | None:  # the model as the plan priced it, when it trains another loss
+        if example_inputs is None and not example_kwargs:
+            return None
+        target = own_loss_target(mode)
+        return _graph_of(model, example_inputs or (), example_kwargs, target is not None, target or None)
+
+    # stages cover the layers once, in order; tp splits them; numbers sane; a plan priced under another loss runs
+    priced = check_plan_for_graph(plan, graph, recapture=recapture)
     cfg = plan.config
     dev = resolve_device(device)
     init_distributed(cfg, dev)
+    if (note := loss_switch_note(plan, priced, graph, cfg.micro_batch_size)) and dist.get_rank() == 0:
+        print(note, flush=True)
     check_stage_placement(plan)
     mesh, grad_mesh = build_mesh(cfg, dev)
     pol = policy(cfg.precision)

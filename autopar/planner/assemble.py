@@ -127,7 +127,7 @@ def build_plan(result: SearchResult, costs: CostModel, *, cluster_name: str, clu
     best = result.best
     return Plan(config=best.config, stages=build_stages(best, costs), estimate=build_estimate(best, costs),
                 model_name=costs.graph.model_name, graph_fingerprint=graph_fingerprint or costs.graph.fingerprint,
-                router_skew=router_skew,
+                router_skew=router_skew, loss_mode=costs.graph.loss_mode,
                 cluster_name=cluster_name, cluster_fingerprint=cluster_fingerprint,
                 global_batch_size=global_batch_size, seq_len=costs.graph.seq_len,
                 solver=SolverInfo(status=result.status, gap=result.gap, solver=result.solver,
