@@ -290,7 +290,8 @@ def _pin_rule(graph: ModelGraph, world_size: int, batch: int, o: PlannerOptions)
         return (f"dp={o.dp} does not divide the global batch {batch} (each data-parallel rank takes batch / dp "
                 f"samples); possible dp: {[d for d in divisors(world_size) if batch % d == 0]}")
     if o.sequence_parallel and o.tp == 1:
-        return "sequence_parallel=True splits activations over the tp ranks and needs tp > 1; unpin one of them"
+        return (f"sequence_parallel=True splits activations over the tp ranks and needs tp > 1, not the pinned "
+                f"tp={o.tp}; pin tp > 1 or sequence_parallel=False")
     if o.virtual_stages is not None and o.virtual_stages > 1 and o.schedule not in (None, "interleaved_1f1b"):
         return (f"virtual_stages={o.virtual_stages} needs schedule='interleaved_1f1b', not the pinned "
                 f"{o.schedule!r}; unpin one of them")
