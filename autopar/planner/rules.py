@@ -78,9 +78,9 @@ def cp_invalid(graph: ModelGraph, cp: int) -> str | None:
         return (f"cp={cp} splits each sequence over {cp} ranks, which needs attention over a sequence; "
                 f"{graph.model_name} has {what}: leave cp unset or 1")
     if graph.seq_len < 2 * cp:
-        ok = [d for d in divisors(graph.seq_len) if graph.seq_len >= 2 * d]
         return (f"cp={cp} splits each sequence into 2·cp = {2 * cp} chunks, but {graph.model_name}'s sequences "
-                f"hold {graph.seq_len} tokens (every chunk needs one); possible cp: {ok} or longer sequences")
+                f"hold {graph.seq_len} tokens (every chunk needs one); pin cp ≤ {graph.seq_len // 2} or plan "
+                "longer sequences")
     return None
 
 
