@@ -77,7 +77,7 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
                     memory_capacity_bytes=int(costs.memory.usable_bytes),
                     reserved_bytes=int(memory.reserved_bytes(max(totals), costs.memory.usable_bytes)),
-                    notes=_eager_note(costs, c) + _batch_norm_note(costs, c),
+                    notes=solved.notes + _eager_note(costs, c) + _batch_norm_note(costs, c),
                     **({} if band is None else {"band_lo": band.lo, "band_hi": band.hi, "band_runs": band.runs,
                                                 "band_basis": band.basis}))
 

@@ -39,7 +39,8 @@ from autopar.planner.fp8_costs import check_fp8_device, fp8_recipes
 from autopar.planner.ilp import select_solver, solve
 from autopar.planner.incumbent import incumbent
 from autopar.planner.problem import MODES, InnerProblem, InnerSolution, evaluate, mode_label
-from autopar.planner.space import Candidate, enumerate_candidates, expert_degrees_invalid, tp_degrees
+from autopar.planner.rules import cp_invalid, layout_notes, tp_invalid
+from autopar.planner.space import Candidate, enumerate_candidates, expert_degrees_invalid
 
 __all__ = ["Solved", "SearchResult", "search", "price"]
 
@@ -50,6 +51,8 @@ _GiB = float(1 << 30)
 class Solved:
     candidate: Candidate
     solution: InnerSolution
+    # the rules of thumb this layout breaks, as pinned (autopar.planner.rules.layout_notes): kept in its estimate
+    notes: tuple[str, ...] = ()
 
     @property
     def objective_s(self) -> float:
@@ -165,7 +168,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
         if old is None or sol.objective_s < old.objective_s:
             if old is not None:
                 ranked.remove(old.objective_s * scale[i])
-            found[i] = Solved(candidate=cands[i], solution=sol)
+            found[i] = Solved(candidate=cands[i], solution=sol, notes=_notes(costs, cands[i], options))
             bisect.insort(ranked, sol.objective_s * scale[i])
 
     while heap:
@@ -226,6 +229,11 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
                         ilp_time_s=ilp_time)
 
 
+def _notes(costs: CostModel, c: Candidate, options: PlannerOptions) -> tuple[str, ...]:
+    return layout_notes(costs.graph, cp=c.cp, virtual_stages=c.virtual_stages,
+                        max_virtual_stages=options.max_virtual_stages)
+
+
 def _floor_s(costs: CostModel, c: Candidate) -> float:
     """A lower bound on c's step time from CostModel.floor, before its problem is built: the objective
     a·T + Σt/v + E with Σt ≥ W, T ≥ W/p and E ≥ Ω/p (the bottleneck and the tail are at least their rank
@@ -243,6 +251,7 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
     priced with `solution.feasible` False and the memory row it breaks (by default on even cuts); other
     violations raise InfeasiblePlanError naming the constraint."""
     _check_layout(costs, config)
+    notes = _notes(costs, Candidate.of(config), options or PlannerOptions())
     check_fp8_device(costs.device, config.fp8)
     costs.memory.offload.check(config.offload)
     if config.precision != costs.precision.name:
@@ -260,7 +269,7 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
         if not sol.feasible and not sol.violated.startswith("memory_"):
             raise InfeasiblePlanError(f"layout {config} with {layers_per_stage} layers per stage and recompute "
                                       f"{layer_modes} violates constraint {sol.violated}")
-        return Solved(candidate=cand, solution=sol)  # over memory: priced, with feasible False
+        return Solved(candidate=cand, solution=sol, notes=notes)  # over memory: priced, with feasible False
     pr = costs.problem(cand, (config.recompute,))
     bnd = tight_bound(pr)
     sol = None
@@ -271,7 +280,7 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
         sol = evaluate(pr, _even_cuts(pr.num_layers, pr.num_stages), layer_modes=(config.recompute,) * pr.num_layers)
         if sol.feasible:  # the ILP found nothing, yet even cuts fit: should not happen; keep the old message
             raise InfeasiblePlanError(_why_layout_infeasible(costs, cand, pr, bnd))
-    return Solved(candidate=cand, solution=sol)
+    return Solved(candidate=cand, solution=sol, notes=notes)
 
 
 def _even_cuts(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -286,11 +295,10 @@ def _check_layout(costs: CostModel, c: ParallelConfig) -> None:
     if c.world_size != world:
         raise InfeasiblePlanError(f"layout {c} uses tp·cp·pp·dp = {c.world_size} devices but the cluster has {world}; "
                                   f"choose degrees whose product is {world}")
-    tps = tp_degrees(g, costs.devices_per_node)
-    if c.tp not in tps:
-        raise InfeasiblePlanError(f"tp={c.tp} is not possible for {g.model_name} on {costs.devices_per_node} "
-                                  f"devices per node (it must divide the node size and every head count and "
-                                  f"vocabulary); possible tp: {tps}")
+    if why := tp_invalid(g, c.tp, devices_per_node=costs.devices_per_node, world_size=world):
+        raise InfeasiblePlanError(f"layout {c}: {why}")
+    if why := cp_invalid(g, c.cp):
+        raise InfeasiblePlanError(f"layout {c}: {why}")
     if why := expert_degrees_invalid(g, c.ep, c.etp):
         raise InfeasiblePlanError(f"layout {c}: {why}")
     if c.pp * c.virtual_stages > g.num_layers:

@@ -6,6 +6,8 @@ expert count that lays out over the stage's ranks: a divisor of dp, or folded ov
 ep / tp divides dp; 1 for dense models) and the experts' tensor-parallel degree etp (1, or tp where ep
 divides dp and tp divides every expert's FFN width: `etp_degrees`); the ILP (`autopar.planner.ilp`) then
 places the cuts and picks recompute per layer.
+Rules of thumb (autopar.planner.rules: cp chunks, max_virtual_stages) narrow what is searched, never what is
+pinned: a pinned value is enumerated wherever it can run.
 Equivalent layouts are enumerated once: with dp = 1 every ZeRO stage is ZeRO-0, and with pp = 1 GPipe
 and 1F1B are the same schedule (named 1f1b).
 """
@@ -13,22 +15,18 @@ and 1F1B are the same schedule (named 1f1b).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from autopar.capture.graph import ModelGraph
-from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
+from autopar.config import OFFLOAD_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
+from autopar.planner.rules import MIN_CP_CHUNK, cp_invalid, divisors, tp_invalid
 
 __all__ = ["Candidate", "enumerate_candidates", "expert_degrees_invalid",
            "divisors", "tp_degrees", "ep_degrees", "etp_degrees", "cp_degrees",
            "MIN_CP_CHUNK"]
 
-# The shortest chunk (tokens) a context-parallel rank holds (it holds two). Llama 3 ran its 131,072-token
-# stage in chunks of 4,096 (cp 16, Dubey et al. 2024 Table 4), the one published CP layout the cost model is
-# checked against (benchmarks/published_runs.py); shorter chunks (small attention blocks, K/V exchanges
-# dominated by latency) are not searched. It also keeps the search within the planner's time limit: with
-# chunks of 128, cp entered every plan of 8K tokens and the llama3-405b problem grew to 46,544 layouts.
-MIN_CP_CHUNK = 4096
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -83,10 +81,6 @@ class Candidate:
                    microbatch_group=config.microbatch_group, etp=config.etp)
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def tp_degrees(graph: ModelGraph, devices_per_node: int) -> list[int]:
     """TP degrees that stay inside a node and split every head count and vocabulary evenly."""
     patterns = [pat for layer in graph.layers for pat in layer.tp_patterns]
@@ -135,12 +129,38 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
     precision: one policy for all (the CostModel's: options.precision when pinned, else the device's
     default; not searched, as 16 bits is faster and smaller wherever the device has 16-bit throughput, and
     the numerics are the practitioner's choice)."""
+    out = _candidates(graph, world_size=world_size, devices_per_node=devices_per_node,
+                      global_batch_size=global_batch_size, options=options, fp8s=fp8s, offloads=offloads,
+                      precision=precision)
+    if not out:
+        raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, options))
+    return out
+
+
+def _tps(graph: ModelGraph, world_size: int, devices_per_node: int, pin: int | None) -> list[int]:
+    """The tp degrees searched, or the pinned one where it can run."""
+    if pin is None:
+        return [t for t in tp_degrees(graph, devices_per_node) if world_size % t == 0]
+    return [pin] if tp_invalid(graph, pin, devices_per_node=devices_per_node, world_size=world_size) is None else []
+
+
+def _cps(graph: ModelGraph, ranks: int, pin: int | None) -> list[int]:
+    """The cp degrees searched over `ranks` = world / tp, or the pinned one where it can run (chunks of any
+    length: MIN_CP_CHUNK only bounds the search)."""
+    if pin is None:
+        return cp_degrees(graph, ranks)
+    return [pin] if ranks % pin == 0 and cp_invalid(graph, pin) is None else []
+
+
+def _candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, global_batch_size: int,
+                options: PlannerOptions, fp8s: tuple[str, ...], offloads: tuple[str, ...],
+                precision: str) -> list[Candidate]:
     o = options
     out: list[Candidate] = []
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
     schedules = [s for s in SCHEDULES if s not in o.exclude_schedules]
-    for tp, cp in ((t, c) for t in _pinned(tp_degrees(graph, devices_per_node), o.tp) if world_size % t == 0
-                   for c in _pinned(cp_degrees(graph, world_size // t), o.cp)):
+    for tp, cp in ((t, c) for t in _tps(graph, world_size, devices_per_node, o.tp)
+                   for c in _cps(graph, world_size // t, o.cp)):
         for pp in _pinned(divisors(world_size // (tp * cp)) if world_size % (tp * cp) == 0 else [], o.pp):
             if pp > graph.num_layers:
                 continue
@@ -167,8 +187,6 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                                      offload=off, precision=precision, microbatch_group=n,
                                                      etp=etp)
                                            for ep in eps for etp in etps[ep])
-    if not out:
-        raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out
 
 
@@ -202,7 +220,7 @@ def _schedules(pp: int, m: int, num_layers: int, schedules: list[str],
         pinned = None not in (o.pp, o.virtual_stages, o.num_microbatches) and pp >= 4
         groups: list[int | None] = ([o.microbatch_group] if o.microbatch_group is not None
                                     else [None, *range(-(-pp // 2), pp)] if pinned else [None])
-        for v in range(2, o.max_virtual_stages + 1):
+        for v in range(2, max(o.max_virtual_stages, o.virtual_stages or 1) + 1):  # a pin past the limit runs
             if pp * v <= num_layers and o.virtual_stages in (None, v):
                 out += [(s, v, None if n == pp else n) for n in groups if n is None or n <= m]
     return out
@@ -228,14 +246,17 @@ def expert_degrees_invalid(graph: ModelGraph, ep: int | None, etp: int | None) -
 
 
 def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch: int, o: PlannerOptions) -> str:
-    tps = tp_degrees(graph, devices_per_node)
+    """Why no layout satisfies `o`: the pin and the rule that excludes it, with the values that pass; else the
+    pins that conflict, each with the values it could take beside the others."""
     if why := expert_degrees_invalid(graph, o.ep, o.etp):
         return why
-    if o.tp is not None and o.tp > 1 and (nothing := graph.no_tensor_parallelism()):
-        return f"tp={o.tp} is not possible: {nothing}; leave tp unset or 1"
-    if o.tp is not None and o.tp not in tps:
-        return (f"tp={o.tp} is not possible: tensor parallelism must divide devices_per_node={devices_per_node} "
-                f"and every head count and vocabulary of {graph.model_name}; possible tp: {tps}")
+    if o.tp is not None and (why := tp_invalid(graph, o.tp, devices_per_node=devices_per_node, world_size=world_size)):
+        return why
+    if o.cp is not None and (why := cp_invalid(graph, o.cp)):
+        return why
+    if why := _pin_rule(graph, world_size, batch, o):
+        return why
+    tps = [t for t in tp_degrees(graph, devices_per_node) if world_size % t == 0]
     dps = sorted({world_size // (t * p) for t in tps for p in divisors(world_size // t) if p <= graph.num_layers})
     fitting = [d for d in dps if batch % d == 0]
     if not fitting:
@@ -244,8 +265,59 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
         nearest = f"{below} or {above}" if below > 0 else f"{above}"
         return (f"global batch {batch} cannot be split over any data-parallel degree possible on {world_size} "
                 f"devices (dp ∈ {dps}); use a global batch divisible by one of them, e.g. {nearest}")
-    return (f"no layout satisfies the pinned options ({_pins(o)}) with global batch {batch} on {world_size} "
-            f"devices; data-parallel degrees that divide the batch: {fitting}. Unpin some options.")
+    return _conflicting_pins(graph, world_size, devices_per_node, batch, o)
+
+
+def _pin_rule(graph: ModelGraph, world_size: int, batch: int, o: PlannerOptions) -> str | None:
+    """The rule a pinned value (or two) breaks on its own, naming the values that pass (None when none does)."""
+    layers = graph.num_layers
+    if o.cp is not None and o.cp > 1 and o.compile:
+        return (f"cp={o.cp} with compile=True: context-parallel attention runs in a torch function mode that "
+                "compiled blocks do not trace; pin compile=False (the default) or cp=1")
+    if o.pp is not None and o.pp > layers:
+        return (f"pp={o.pp} exceeds the {layers} layers of {graph.model_name} (each pipeline stage holds at least "
+                f"one); possible pp: {[p for p in divisors(world_size) if p <= layers]}")
+    if o.pp is not None and o.virtual_stages is not None and o.pp * o.virtual_stages > layers:
+        return (f"pp·virtual_stages = {o.pp}·{o.virtual_stages} = {o.pp * o.virtual_stages} stages exceed the "
+                f"{layers} layers of {graph.model_name} (each holds at least one); lower pp or virtual_stages")
+    pinned = {n: getattr(o, n) for n in ("tp", "cp", "pp", "dp") if getattr(o, n) is not None}
+    product = math.prod(pinned.values())
+    if world_size % product or (len(pinned) == 4 and product != world_size):
+        degrees = " · ".join(f"{n}={v}" for n, v in pinned.items())
+        return (f"the pinned degrees {degrees} = {product} do not fit the {world_size} devices (tp·cp·pp·dp = "
+                f"{world_size}); pin degrees whose product divides {world_size}, or unpin one")
+    if o.dp is not None and batch % o.dp:
+        return (f"dp={o.dp} does not divide the global batch {batch} (each data-parallel rank takes batch / dp "
+                f"samples); possible dp: {[d for d in divisors(world_size) if batch % d == 0]}")
+    if o.sequence_parallel and o.tp == 1:
+        return (f"sequence_parallel=True splits activations over the tp ranks and needs tp > 1, not the pinned "
+                f"tp={o.tp}; pin tp > 1 or sequence_parallel=False")
+    if o.virtual_stages is not None and o.virtual_stages > 1 and o.schedule not in (None, "interleaved_1f1b"):
+        return (f"virtual_stages={o.virtual_stages} needs schedule='interleaved_1f1b', not the pinned "
+                f"{o.schedule!r}; unpin one of them")
+    return None
+
+
+# the options enumeration reads (the others price a layout, they do not exclude one)
+_ENUMERATED = ("tp", "cp", "pp", "dp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule",
+               "virtual_stages", "microbatch_group", "sequence_parallel", "compile", "ep", "etp", "offload")
+
+
+def _conflicting_pins(graph: ModelGraph, world_size: int, devices_per_node: int, batch: int,
+                      o: PlannerOptions) -> str:
+    """Which pins, each unpinned alone, would leave layouts, and the values each could take beside the others."""
+    ways = []
+    for name in (n for n in _ENUMERATED if getattr(o, n) is not None):
+        free = replace(o, **{name: None})
+        alt = _candidates(graph, world_size=world_size, devices_per_node=devices_per_node, global_batch_size=batch,
+                          options=free, fp8s=("none",), precision="fp32",
+                          offloads=OFFLOAD_MODES if free.offload is None else (free.offload,))
+        values = sorted({getattr(c, name) for c in alt}, key=str)
+        if values:
+            ways.append(f"{name}={getattr(o, name)} (with the other pins: {name} ∈ {values})")
+    change = f"; change one of: {', '.join(ways)}" if ways else ". Unpin some options"
+    return (f"no layout satisfies the pinned options ({_pins(o)}) together with global batch {batch} on "
+            f"{world_size} devices{change}")
 
 
 def _pins(o: PlannerOptions) -> str:
