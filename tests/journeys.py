@@ -107,9 +107,10 @@ def _reference(name: str, loss: str) -> tuple:
 
 def journeys(plans: dict[tuple[str, str, str], Any]) -> list[dict[str, Any]]:
     """In every rank: each plan trained with and without loss_fn through autopar.parallelize."""
+    from parity_models import excess, optimizer
+
     import autopar
     from autopar.codegen import lm_cross_entropy
-    from parity_models import excess, optimizer
 
     out = []
     for (name, source, plan_loss), plan in plans.items():

@@ -40,8 +40,9 @@ def test_every_plan_source_trains_under_every_loss(layout, tmp_path):
 
 
 def _llama_graphs():
-    import autopar
     from journeys import llama
+
+    import autopar
 
     model, x = llama()
     return model, x, autopar.capture(model, x, own_loss=True), autopar.capture(model, x)
@@ -72,11 +73,12 @@ def test_a_plan_under_another_loss_is_accepted_and_priced_apart():
 
 def test_a_plan_for_another_model_names_what_differs():
     """Not the same class named twice with advice to do what the user did: the layer count and sequence length."""
+    from hf_families import _families
+
     import autopar
     from autopar import Cluster
     from autopar.errors import PlanMismatchError
     from autopar.planner.plan_fit import check_plan_for_graph
-    from hf_families import _families
 
     _, _, own, _ = _llama_graphs()
     plan = autopar.plan(own, Cluster.local(nproc=1), global_batch_size=8)
