@@ -36,8 +36,9 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
   optimizer       with a profile that timed the optimizer's loops (cost_models.optimizer_step), each loop as
                   per-tensor cost × tensors + elements × seconds per element at their size: the gradient
                   norm over every local gradient (`global_grad_norm`; fp16 also unscales them), AdamW over
-                  the parameters the rank steps — under ZeRO-1 whole tensors, 1/shards of them; under
-                  ZeRO-2/3 a 1/shards shard of every tensor. Tensors per layer: `param_tensors`. Without
+                  the parameters the rank steps — under ZeRO-1 whole tensors, 1/shards of them, and its
+                  broadcast's copies of every held tensor; under ZeRO-2/3 a 1/shards shard of every tensor
+                  (the broadcast's and FSDP's waits are dp_comm). Tensors per layer: `param_tensors`. Without
                   one, AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
   host            DTensor's dispatch of TP-sharded layers on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
 """
@@ -364,4 +365,6 @@ class ComputeCosts:
         if self.memory.precision.loss_scaling:
             norm += laws.time_s("scale", tensors, grads)
         step = laws.time_s("adamw", tensors / shards if whole_tensors else tensors, local)
+        if whole_tensors:  # ZeRO-1's broadcast packs the owned tensors and copies the others' in: a pass over
+            step += laws.time_s("scale", tensors, held)  # each held tensor (Zero1Partition.broadcast_)
         return (norm + step) * self.straggler + host
