@@ -146,11 +146,14 @@ def load_local_profile(path: str | Path) -> Profile:
     """Load a profile and check that it describes this machine, this device and this torch."""
     import socket
 
+    from cost_models.profiler.cpu import cpu_kind
+
     try:
         prof = Profile.load(path)
         here = machine_info()
         prof.check_matches(device_name=local_device_name(), torch_version=torch.__version__,
-                           hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count)
+                           hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count,
+                           cpu_model=cpu_kind().model_name)
     except ProfileMismatch as e:
         raise ProfileMismatchError(str(e)) from e
     return prof

@@ -270,10 +270,13 @@ class Profile:
 
     def check_matches(self, *, device_name: str | None = None, torch_version: str | None = None,
                       hostname: str | None = None, processor: str | None = None,
-                      cpu_count: int | None = None) -> None:
+                      cpu_count: int | None = None, cpu_model: str | None = None) -> None:
         """Raise ProfileMismatch when this profile was measured elsewhere (any given field differs):
-        a hostname alone does not identify a machine (cloud VMs reuse names), so CPU model and count count too."""
+        a hostname alone does not identify a machine (cloud VMs reuse names), so CPU model and count count too
+        (`cpu_model`: CpuKind.model_name, compared when the profile recorded it)."""
         wrong = []
+        if cpu_model is not None and self.cpu is not None and cpu_model != self.cpu.model_name:
+            wrong.append(f"CPU {self.cpu.model_name!r} (here: {cpu_model!r})")
         if processor is not None and processor != self.machine.processor:
             wrong.append(f"processor {self.machine.processor!r} (here: {processor!r})")
         if cpu_count is not None and cpu_count != self.machine.cpu_count:

@@ -14,9 +14,16 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from cost_models.optimizer_step import OptimizerLaws, fit_loop
-from cost_models.profile import CpuKind, ElementwiseSample, GemmSample, OptimizerSample, Profile
+from cost_models.profile import (
+    CpuKind,
+    ElementwiseSample,
+    GemmSample,
+    OptimizerSample,
+    Profile,
+    ProfileMismatch,
+)
 from cost_models.profiler import machine_info
-from cost_models.profiler.cpu import parse_cpuinfo
+from cost_models.profiler.cpu import cpu_kind, parse_cpuinfo
 from cost_models.profiler.optimizer import measure_optimizer
 
 # (per-tensor seconds, seconds per element) of each loop in the synthetic profile: one rate at every size
@@ -38,14 +45,16 @@ def _profile(**kw) -> Profile:
     base = dict(machine=machine_info(), device_name="cpu", device_kind="cpu", device_count=2,
                 torch_version=torch.__version__, created="2026-01-01T00:00:00+00:00", backend="gloo",
                 threads_per_process=1, launch_overhead_s=5e-6, gemm=gemm, elementwise=elem,
-                process_slowdown={2: 1.5}, optimizer=_samples(),
-                cpu=CpuKind(vendor="GenuineIntel", model_name="Intel(R) Xeon(R) Platinum 8480+",
-                            flags=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), torch_isa="AVX512"))
+                process_slowdown={2: 1.5}, optimizer=_samples(), cpu=cpu_kind())  # this machine's
     return Profile(**{**base, **kw})
 
 
+XEON = CpuKind(vendor="GenuineIntel", model_name="Intel(R) Xeon(R) Platinum 8480+",
+               flags=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), torch_isa="AVX512")
+
+
 def test_cpu_kind_and_optimizer_samples_round_trip_and_old_profiles_load(tmp_path):
-    p = _profile()
+    p = _profile(cpu=XEON)
     p.save(tmp_path / "p.json")
     back = Profile.load(tmp_path / "p.json")
     assert back == p and back.cpu.flags == ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -55,6 +64,14 @@ def test_cpu_kind_and_optimizer_samples_round_trip_and_old_profiles_load(tmp_pat
     (tmp_path / "old.json").write_text(json.dumps(old))
     back = Profile.load(tmp_path / "old.json")
     assert back.cpu is None and back.optimizer == () and OptimizerLaws.from_profile(back) is None
+
+
+def test_a_profile_of_another_cpu_model_is_refused():
+    p = _profile(cpu=XEON)
+    p.check_matches(cpu_model="Intel(R) Xeon(R) Platinum 8480+")
+    with pytest.raises(ProfileMismatch, match="CPU 'Intel.*here: 'AMD EPYC'"):
+        p.check_matches(cpu_model="AMD EPYC")
+    dataclasses.replace(p, cpu=None).check_matches(cpu_model="AMD EPYC")  # older files did not record it
 
 
 def test_cpuinfo_names_vendor_model_and_the_flags_that_matter():
