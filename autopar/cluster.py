@@ -79,10 +79,12 @@ def _check_profile(profile: Profile, *, device: DeviceSpec, here: bool) -> None:
     try:
         if here:
             from cost_models.profiler import machine_info
+            from cost_models.profiler.cpu import cpu_kind
 
             here = machine_info()
             profile.check_matches(device_name=_local_device_name(), torch_version=torch.__version__,
-                                  hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count)
+                                  hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count,
+                                  cpu_model=cpu_kind().model_name)
         else:
             measured = "cpu" if profile.device_kind == "cpu" else catalog.match_device(profile.device_name)
             if measured != device.name:

@@ -114,6 +114,7 @@ def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bo
         raise AutoparError(f"--budget {budget_s}: give the seconds the profile may take, e.g. --budget 300")
     cases: list[LayerCase] = []
     name = None
+    shapes: list[tuple[int, ...]] = []
     threads = torch.get_num_threads()
     torch_dtype = training_dtype("local", dtype)
     if clock == "thread":
@@ -132,10 +133,11 @@ def profile_model(model_spec: str | None, *, nproc: int | None = None, quick: bo
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         cases = layer_cases(model, example_inputs, graph, device, LAYER_MICRO_BATCHES)
         name = graph.model_name
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     try:
         return profile_machine(nproc=nproc, quick=quick, layers=cases, progress=progress, model_name=name,
                                collectives=collectives, clock=clock, budget_s=budget_s,
-                               dtypes=[str(torch_dtype).removeprefix("torch.")])
+                               dtypes=[str(torch_dtype).removeprefix("torch.")], param_shapes=shapes)
     finally:
         torch.set_num_threads(threads)
 
@@ -144,11 +146,14 @@ def load_local_profile(path: str | Path) -> Profile:
     """Load a profile and check that it describes this machine, this device and this torch."""
     import socket
 
+    from cost_models.profiler.cpu import cpu_kind
+
     try:
         prof = Profile.load(path)
         here = machine_info()
         prof.check_matches(device_name=local_device_name(), torch_version=torch.__version__,
-                           hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count)
+                           hostname=socket.gethostname(), processor=here.processor, cpu_count=here.cpu_count,
+                           cpu_model=cpu_kind().model_name)
     except ProfileMismatch as e:
         raise ProfileMismatchError(str(e)) from e
     return prof

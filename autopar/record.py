@@ -112,6 +112,7 @@ class RunRecord:
     predicted_host_s: float = 0.0  # of the predicted compute and optimizer: host overhead (Estimate.host_s)
     notes: str = ""
     losses: tuple[tuple[int, float], ...] = ()  # (global step from 1, global mean loss) for the steps run
+    cpu: str = ""  # the host CPU (cost_models.profile.CpuKind.describe()); "" in older records
     schema_version: int = RECORD_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -252,7 +253,7 @@ def _check_numbers(r: RunRecord) -> None:
 
 def build_record(plan: Plan, ranks: list[RankTiming], *, hostname: str, device_name: str, torch_version: str,
                  backend: str, threads_per_process: int, created: str, warmup_steps: int, model_spec: str = "",
-                 notes: str = "") -> RunRecord:
+                 notes: str = "", cpu: str = "") -> RunRecord:
     """A RunRecord of `plan` from every rank's RankTiming (gathered on one rank)."""
     return RunRecord(plan_fingerprint=plan_fingerprint(plan), model_name=plan.model_name,
                      graph_fingerprint=plan.graph_fingerprint, cluster_fingerprint=plan.cluster_fingerprint,
@@ -261,4 +262,4 @@ def build_record(plan: Plan, ranks: list[RankTiming], *, hostname: str, device_n
                      hostname=hostname, device_name=device_name,
                      torch_version=torch_version, backend=backend, threads_per_process=threads_per_process,
                      created=created, warmup_steps=warmup_steps, ranks=tuple(sorted(ranks, key=lambda r: r.rank)),
-                     model_spec=model_spec, notes=notes)
+                     model_spec=model_spec, notes=notes, cpu=cpu)

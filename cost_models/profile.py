@@ -22,7 +22,11 @@ __all__ = [
     "ProfileMismatch",
     "scale_profile",
     "MachineInfo",
+    "CpuKind",
+    "ISA_FLAGS",
     "GemmSample",
+    "OptimizerSample",
+    "OPTIMIZER_LOOPS",
     "ElementwiseSample",
     "CollectiveSample",
     "Profile",
@@ -65,6 +69,25 @@ class MachineInfo:
     processor: str
     cpu_count: int
     ram_bytes: int
+
+
+# The /proc/cpuinfo flags that change what a CPU kernel costs: AVX-512 (torch's widest CPU kernels),
+# AVX-512-BF16 and AMX (oneDNN's bf16 GEMMs in hardware instead of emulated: `default_dtypes` says by how much).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuKind:
+    """The host CPU a profile was measured on (profiler.cpu.cpu_kind)."""
+
+    vendor: str  # /proc/cpuinfo vendor_id, e.g. "GenuineIntel", "AuthenticAMD"
+    model_name: str  # e.g. "Intel(R) Xeon(R) Platinum 8480+", "AMD EPYC"
+    flags: tuple[str, ...] = ()  # the ISA_FLAGS it has
+    torch_isa: str = ""  # torch.backends.cpu.get_cpu_capability(): what torch's CPU kernels dispatch to
+
+    def describe(self) -> str:
+        isa = " ".join(self.flags) or "no AVX-512/AMX flags"
+        return f"{self.model_name} ({self.vendor}; {isa}; torch {self.torch_isa or '?'} kernels)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +140,31 @@ class ElementwiseSample:
         return self.n_bytes / self.time_s
 
 
+OPTIMIZER_LOOPS = ("adamw", "grad_norm", "scale")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSample:
+    """One timed per-tensor loop of the optimizer phase over `tensors` tensors of params/tensors elements
+    each (fp32), as the runtime runs it (profiler.optimizer): "adamw" torch.optim.AdamW.step with torch's
+    default implementation on the device (`implementation`), "grad_norm" the global norm's per-tensor
+    reads, "scale" an in-place multiply of every gradient (fp16 unscaling, clipping)."""
+
+    kind: str
+    tensors: int
+    params: int  # elements over all tensors
+    time_s: float
+    implementation: str = ""  # "for-loop", "foreach" or "fused" (adamw)
+    model_shapes: bool = False  # the profiled model's own parameter shapes, not a uniform sweep point
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZER_LOOPS:
+            raise ValueError(f"OptimizerSample.kind={self.kind!r}; expected one of {OPTIMIZER_LOOPS}")
+        if min(self.tensors, self.params) < 1 or not self.time_s > 0:
+            raise ValueError(f"OptimizerSample {self.kind}: tensors={self.tensors}, params={self.params} must be "
+                             f"≥ 1 and time_s={self.time_s} positive")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CollectiveSample:
     op: str
@@ -166,6 +214,11 @@ class Profile:
     # count, the cores and memory they share, the machine's other load) than in the tables above; measured
     # by the profiler (profiler.contention). Empty in files written before it: Cluster.local's core share.
     process_slowdown: dict[int, float] = field(default_factory=dict)
+    # the host CPU (None in files written before it was recorded)
+    cpu: CpuKind | None = None
+    # the optimizer phase's per-tensor loops, timed as the kernel tables are (cost_models.optimizer_step
+    # fits its law); empty in older files: the planner then streams ADAM_BYTES_PER_PARAM at the table rate
+    optimizer: tuple[OptimizerSample, ...] = ()
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -217,10 +270,13 @@ class Profile:
 
     def check_matches(self, *, device_name: str | None = None, torch_version: str | None = None,
                       hostname: str | None = None, processor: str | None = None,
-                      cpu_count: int | None = None) -> None:
+                      cpu_count: int | None = None, cpu_model: str | None = None) -> None:
         """Raise ProfileMismatch when this profile was measured elsewhere (any given field differs):
-        a hostname alone does not identify a machine (cloud VMs reuse names), so CPU model and count count too."""
+        a hostname alone does not identify a machine (cloud VMs reuse names), so CPU model and count count too
+        (`cpu_model`: CpuKind.model_name, compared when the profile recorded it)."""
         wrong = []
+        if cpu_model is not None and self.cpu is not None and cpu_model != self.cpu.model_name:
+            wrong.append(f"CPU {self.cpu.model_name!r} (here: {cpu_model!r})")
         if processor is not None and processor != self.machine.processor:
             wrong.append(f"processor {self.machine.processor!r} (here: {processor!r})")
         if cpu_count is not None and cpu_count != self.machine.cpu_count:
@@ -255,6 +311,9 @@ class Profile:
                                   "`autopar calibrate`, which now fits kernels and host overhead instead; "
                                   "calibrate the uncalibrated profile again with your run records")
         d["machine"] = MachineInfo(**d["machine"])
+        if d.get("cpu") is not None:
+            d["cpu"] = CpuKind(**{**d["cpu"], "flags": tuple(d["cpu"].get("flags", ()))})
+        d["optimizer"] = tuple(OptimizerSample(**o) for o in d.get("optimizer", ()))
         d["gemm"] = tuple(GemmSample(**g) for g in d.get("gemm", ()))
         d["elementwise"] = tuple(ElementwiseSample(**e) for e in d.get("elementwise", ()))
         d["collectives"] = tuple(CollectiveSample(**c) for c in d.get("collectives", ()))
@@ -309,6 +368,7 @@ def scale_profile(profile: Profile, *, compute: float = 1.0, host: float = 1.0,
         launch_overhead_s=profile.launch_overhead_s * compute,
         host_floor_s=profile.host_overhead_floor_s * host,
         layer_times={k: v * compute for k, v in profile.layer_times.items()},
+        optimizer=tuple(dataclasses.replace(o, time_s=o.time_s * compute) for o in profile.optimizer),
         collectives=tuple(dataclasses.replace(c, time_s=c.time_s * (p2p if c.op == "p2p" else
                                                                     comm.get(c.group_size, 1.0)))
                           for c in profile.collectives),
@@ -350,7 +410,7 @@ def _flags(what: str, obj: Any) -> None:
 
 def check_loaded(p: Profile) -> None:
     """Refuse a profile read from a file whose numbers no measurement could give (ProfileMismatch)."""
-    for kind in ("gemm", "elementwise", "collectives"):
+    for kind in ("gemm", "elementwise", "collectives", "optimizer"):
         for i, sample in enumerate(getattr(p, kind)):
             _flags(f"{kind}[{i}]", sample)
     m = p.machine
@@ -399,3 +459,14 @@ def check_loaded(p: Profile) -> None:
                                   f"({_MAX_BYTES_PER_S:g})")
     for key, t in p.layer_times.items():
         _positive_time(f"layer_times[{key!r}]", t)
+    for i, o in enumerate(p.optimizer):
+        _text(f"optimizer[{i}].kind", o.kind, OPTIMIZER_LOOPS)
+        _text(f"optimizer[{i}].implementation", o.implementation)
+        _count(f"optimizer[{i}].tensors", o.tensors, 1)
+        _count(f"optimizer[{i}].params", o.params, 1)
+        _positive_time(f"optimizer[{i}].time_s", o.time_s)
+    if p.cpu is not None:
+        for name in ("vendor", "model_name", "torch_isa"):
+            _text(f"cpu.{name}", getattr(p.cpu, name))
+        for f in p.cpu.flags:
+            _text("cpu.flags[]", f)

@@ -62,6 +62,7 @@ from autopar.data import TOKEN_DTYPES, TokenFile, tokenize_bytes
 from autopar.errors import AutoparError, PlanMismatchError
 from autopar.models import DTYPES, training_dtype
 from autopar.record import build_record
+from cost_models.profiler.cpu import cpu_kind
 
 
 def build_model(name: str = "gpt-tiny", seq_len: int = 128, device: str = "meta", dtype: str | None = None,
@@ -148,7 +149,7 @@ def write_record(args, plan: autopar.Plan, pm, timer, overrides: dict, losses: l
                           torch_version=torch.__version__, backend=dist.get_backend(),
                           threads_per_process=torch.get_num_threads(),
                           created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          warmup_steps=args.warmup, model_spec=spec)
+                          warmup_steps=args.warmup, model_spec=spec, cpu=cpu_kind().describe())
     record = dataclasses.replace(record, losses=tuple(losses))
     record.save(args.record)
     b = record.breakdown()

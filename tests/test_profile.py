@@ -23,7 +23,7 @@ from cost_models.profile import (
     bus_bandwidth_factor,
     layer_key,
 )
-from cost_models.profiler import kernels, profile_machine
+from cost_models.profiler import kernels, optimizer, profile_machine
 from cost_models.profiler.collectives import measure_collectives
 
 
@@ -113,6 +113,7 @@ def test_profile_machine_times_each_distinct_layer(monkeypatch):
     monkeypatch.setattr(kernels, "gemm_shapes", lambda quick: [(64, 64, 64), (128, 64, 32)])
     monkeypatch.setattr(kernels, "attention_shapes", lambda quick: [(32, 32, 16, "nt"), (32, 16, 32, "tn")])
     monkeypatch.setattr(kernels, "elementwise_sizes", lambda quick: [2**14, 2**16])
+    monkeypatch.setattr(optimizer, "SWEEP", ((8, 8), (2, 2**10)))
     model, x = build("gpt-tiny", seq_len=64, batch_size=2)
     cases = layer_cases(model, x, _gpt_tiny_graph(), torch.device("cpu"))
     assert [c.signature for c in cases] == ["emb", "blk", "norm", "head"]
@@ -152,10 +153,14 @@ def test_profile_command_writes_a_profile(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kernels, "gemm_shapes", lambda quick: [(32, 32, 32)])
     monkeypatch.setattr(kernels, "attention_shapes", lambda quick: [(32, 32, 16, "nn")])
     monkeypatch.setattr(kernels, "elementwise_sizes", lambda quick: [2**14])
+    monkeypatch.setattr(optimizer, "SWEEP", ((8, 8), (2, 2**10)))
     parser = argparse.ArgumentParser()
     cmd_profile.register(parser.add_subparsers())
     args = parser.parse_args(["profile", "--quick", "--no-collectives", "--out", str(tmp_path / "p.json"), "--json"])
     assert args.func(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["gemm_peak_GFLOPs"]["float32"] > 0 and summary["device"] == "cpu"
+    # the CPU kind and the optimizer's measured law are part of the profile and its summary
+    assert summary["cpu"] and summary["optimizer"]["adamw_implementation"] == "for-loop"
+    assert summary["optimizer"]["adamw_per_tensor_us"] > 0
     assert Profile.load(tmp_path / "p.json").device_kind == "cpu"

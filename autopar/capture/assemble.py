@@ -338,6 +338,8 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     replicated_ties += _reconcile_ties(sums, shared, called)
     if replicated_ties:
         metadata = {**metadata, "tied_weights_replicated": replicated_ties}
+    # parameter tensors per layer: the optimizer's loops cost per tensor (planner/compute_costs.param_tensors)
+    metadata = {**metadata, "param_tensors": {g.name: len(params[i]) for i, g in enumerate(groups)}}
 
     def per_sample(x: float) -> int:
         return int(round(x / batch))

@@ -14,6 +14,7 @@ import time
 from autopar.errors import AutoparError
 from autopar.profiling import profile_model
 from autopar.zoo import parse_overrides
+from cost_models.optimizer_step import OptimizerLaws
 from cost_models.profile import Profile
 from cost_models.profiler.budget import FULL_BUDGET_S, QUICK_BUDGET_S, QUICK_LAYERS_BUDGET_S
 
@@ -56,8 +57,16 @@ def summary(prof: Profile) -> dict:
         colls.setdefault(f"{c.op} x{c.group_size}", []).append(
             {"bytes": c.n_bytes, "time_us": c.time_s * 1e6, "algbw_GBps": c.algbw_Bps / 1e9,
              "busbw_GBps": c.busbw_Bps / 1e9})
+    laws = OptimizerLaws.from_profile(prof)
     return {
         "device": prof.device_name, "backend": prof.backend, "torch": prof.torch_version, "created": prof.created,
+        "cpu": prof.cpu.describe() if prof.cpu is not None else None,
+        "optimizer": None if laws is None else {
+            "adamw_implementation": laws.implementation,
+            **{f"{k}_per_tensor_us": law.per_tensor_s * 1e6 for k, law in laws.laws.items()},
+            **{f"{k}_ns_per_element": {f"{size:.0f}": t * 1e9 for size, t in zip(law.sizes, law.per_param_s,
+                                                                                    strict=True)}
+               for k, law in laws.laws.items()}},
         "gemm_peak_GFLOPs": {d: (prof.peak_gemm_flops(d) or 0) / 1e9 for d in sorted({g.dtype for g in prof.gemm})},
         "elementwise_peak_GBps": (prof.memory_bandwidth_Bps() or 0) / 1e9,
         "launch_overhead_us": prof.launch_overhead_s * 1e6,
@@ -94,6 +103,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"  GEMM peak {dtype:<9} {g:10.1f} GFLOP/s")
     print(f"  elementwise peak   {s['elementwise_peak_GBps']:10.2f} GB/s (read + written)")
     print(f"  eager op floor     {s['launch_overhead_us']:10.1f} us")
+    if s["cpu"]:
+        print(f"  CPU                {s['cpu']}")
+    if s["optimizer"]:
+        o = s["optimizer"]
+        print(f"  optimizer          AdamW ({o['adamw_implementation']}) {o['adamw_per_tensor_us']:.1f} us per tensor"
+              + "".join(f", {float(size):,.0f}-element tensors {ns:.2f} ns/element"
+                        for size, ns in o["adamw_ns_per_element"].items())
+              + (f"; gradient norm {o['grad_norm_per_tensor_us']:.1f} us per tensor" if "grad_norm_per_tensor_us" in o
+                 else ""))
     for name, rows in s["collectives"].items():
         print(f"  {name}: " + ", ".join(f"{r['bytes'] / 2**10:.0f} KiB {r['busbw_GBps']:.2f}" for r in rows)
               + "  (busbw GB/s)")

@@ -33,7 +33,13 @@ the ILP's numbers). Per layer at tensor-parallel degree t, sequence parallelism 
                   DeepSpeed-MoE)
   FP8             (Candidate.fp8) the weight GEMMs of every layer but the LM head at the device's FP8 peak, plus
                   torchao's casts, amaxes and transposes as memory-bound kernels (fp8_costs); emulated on CPU
-  optimizer       AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
+  optimizer       with a profile that timed the optimizer's loops (cost_models.optimizer_step), each loop as
+                  per-tensor cost × tensors + elements × seconds per element at their size: the gradient
+                  norm over every local gradient (`global_grad_norm`; fp16 also unscales them), AdamW over
+                  the parameters the rank steps — under ZeRO-1 whole tensors, 1/shards of them, and its
+                  broadcast's copies of every held tensor; under ZeRO-2/3 a 1/shards shard of every tensor
+                  (the broadcast's and FSDP's waits are dp_comm). Tensors per layer: `param_tensors`. Without
+                  one, AdamW streaming ADAM_BYTES_PER_PARAM per local (ZeRO: owned) parameter
   host            DTensor's dispatch of TP-sharded layers on CPU (TP_HOST_FLOORS_PER_GEMM), in the passes
 """
 
@@ -51,10 +57,11 @@ from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.moe_load import busiest_rank_factor, moe_token_share
 from autopar.planner.problem import MODES
 from cost_models.compute import ComputeModel
+from cost_models.optimizer_step import OptimizerLaws
 from cost_models.pipeline import ACCUMULATE_PASSES, EXPERT_GEMMS
 
 __all__ = ["ComputeCosts", "RunCompute", "ADAM_BYTES_PER_PARAM", "TP_HOST_FLOORS_PER_GEMM",
-           "TP_OPTIMIZER_FLOORS_PER_GEMM"]
+           "TP_OPTIMIZER_FLOORS_PER_GEMM", "param_tensors"]
 
 # Bytes an AdamW step streams per parameter (fp32 states): PyTorch's multi-tensor AdamW
 # (torch/optim/adamw.py, _multi_tensor_adam) runs nine memory-bound passes over the parameter list —
@@ -76,6 +83,16 @@ ADAM_BYTES_PER_PARAM = 80
 # `benchmarks/predict_vs_measure.py`). Charged on CPU only; GPUs run it on the host ahead of the device.
 TP_HOST_FLOORS_PER_GEMM = 0.85e-3 / FLOOR_S
 TP_OPTIMIZER_FLOORS_PER_GEMM = 0.29e-3 / FLOOR_S
+
+
+def param_tensors(graph: ModelGraph, layer: LayerSpec) -> int:
+    """Parameter tensors of `layer`: as capture counted them (ModelGraph.metadata["param_tensors"]), else
+    (graphs captured before it) one per forward GEMM and per norm tensor, at least one: biases unseen, so
+    an undercount (gpt-tiny's blocks: 10 of 16)."""
+    counted = graph.metadata.get("param_tensors", {}).get(layer.name)
+    if counted is not None:
+        return int(counted)
+    return max(1, layer.kernels_forward.gemm_count + len(layer.norm_param_numels))
 
 
 def _has_kernels(layer: LayerSpec) -> bool:
@@ -119,6 +136,7 @@ class ComputeCosts:
         self.straggler = straggler
         self._time = lru_cache(maxsize=None)(self._run_compute)
         self._opt_run = lru_cache(maxsize=None)(self._run_optimizer_s)
+        self.optimizer_laws = OptimizerLaws.from_profile(compute.profile)
 
     def run(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1, fp8: str = "none",
             fp8_gathered: bool = False, dp: int = 1, etp: int = 1) -> RunCompute:
@@ -142,10 +160,12 @@ class ComputeCosts:
         return sum(self._pass_s(attention(mix), tp, sp, mbs, backward=b)
                    for mix, b in passes if mix.kernels and backward in (None, b))
 
-    def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1, etp: int = 1) -> float:
+    def optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1, etp: int = 1,
+                    whole_tensors: bool = False) -> float:
         """One layer of run `ri`'s optimizer step, its dense parameters split over `shards` owners (ZeRO)
-        and its experts' over the ranks of those holding the same experts (autopar.config.expert_dp)."""
-        return self._opt_run(ri, tp, shards, ep, etp)
+        and its experts' over the ranks of those holding the same experts (autopar.config.expert_dp);
+        `whole_tensors`: each owner steps whole tensors (ZeRO-1), not a shard of each (ZeRO-2/3)."""
+        return self._opt_run(ri, tp, shards, ep, etp, whole_tensors and shards > 1)
 
     def grad_accumulation_s(self, ri: int, tp: int, ep: int = 1, etp: int = 1) -> float:
         """One layer of run `ri` adding a micro-batch's weight gradients into the step's held in the compute
@@ -326,10 +346,25 @@ class ComputeCosts:
             return 0.0
         return self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards
 
-    def _run_optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1, etp: int = 1) -> float:
+    def _run_optimizer_s(self, ri: int, tp: int, shards: int, ep: int = 1, etp: int = 1,
+                         whole_tensors: bool = False) -> float:
         layer = self.memory.runs[ri][0]
+        held = self.memory.local_dense_params(layer, tp) + self.memory.local_expert_params(layer, ep, etp)
         local = (self.memory.local_dense_params(layer, tp) / shards
                  + self.memory.local_expert_params(layer, ep, etp)
                  / (expert_dp(tp, shards, ep, etp) if shards > 1 else 1))
-        return (self.model.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32")
-                + self.optimizer_host_s(ri, tp, shards))
+        host = self.optimizer_host_s(ri, tp, shards)
+        laws = self.optimizer_laws
+        if laws is None:
+            return self.model.op_time_s(0.0, ADAM_BYTES_PER_PARAM * local, "float32") + host
+        tensors = param_tensors(self.graph, layer)
+        # the norm (and fp16's unscaling) reads every gradient the rank holds: ZeRO-1 drops the unowned
+        # ones after it; under ZeRO-2/3 the rank holds a shard of each
+        grads = local if shards > 1 and not whole_tensors else held
+        norm = laws.time_s("grad_norm", tensors, grads)
+        if self.memory.precision.loss_scaling:
+            norm += laws.time_s("scale", tensors, grads)
+        step = laws.time_s("adamw", tensors / shards if whole_tensors else tensors, local)
+        if whole_tensors:  # ZeRO-1's broadcast packs the owned tensors and copies the others' in: a pass over
+            step += laws.time_s("scale", tensors, held)  # each held tensor (Zero1Partition.broadcast_)
+        return (norm + step) * self.straggler + host

@@ -148,7 +148,7 @@ class CostModel:
             m = c.num_microbatches
             work += self._accumulate(c.tp, c.ep, c.etp) * (m - 1) / m
         shards = c.shard_group if c.zero_stage >= 1 else 1
-        opt = self._optimizer(c.tp, shards, c.ep, c.etp, c.offload)
+        opt = self._optimizer(c.tp, shards, c.ep, c.etp, c.offload, c.zero_stage == 1)
         return work * (1 - 1e-12), opt * (1 - 1e-12)
 
     def over_memory(self, c: Candidate, modes: tuple[str, ...]) -> bool:
@@ -177,11 +177,11 @@ class CostModel:
     def _accumulation_sum(self, tp: int, ep: int, etp: int) -> float:
         return self._layers_sum(lambda ri, e, et: self.compute.grad_accumulation_s(ri, tp, e, et), ep, etp)
 
-    def _optimizer_sum(self, tp: int, shards: int, ep: int, etp: int, offload: str) -> float:
+    def _optimizer_sum(self, tp: int, shards: int, ep: int, etp: int, offload: str, zero1: bool = False) -> float:
         """The layers' optimizer steps: on the device, or the host's part of an offloaded one (Run.optimizer_s)."""
         def one(ri: int, e: int, et: int) -> float:
             if offload == "none":
-                return self.compute.optimizer_s(ri, tp, shards, e, et)
+                return self.compute.optimizer_s(ri, tp, shards, e, et, whole_tensors=zero1)
             return self.memory.offload.step_s(self.memory.run_local_params(ri, tp, e, et) / shards, offload)
         return self._layers_sum(one, ep, etp)
 
@@ -262,7 +262,8 @@ class CostModel:
             host_step += (2 * c.num_microbatches + 1) * copy
         # FSDP2's host work lands where the runtime spends it: hooks in the passes, DTensor in the step
         hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
-        device_opt = 0.0 if c.offload != "none" else self.compute.optimizer_s(ri, c.tp, shards, c.ep, c.etp)
+        device_opt = (0.0 if c.offload != "none" else
+                      self.compute.optimizer_s(ri, c.tp, shards, c.ep, c.etp, whole_tensors=c.zero_stage == 1))
         return Run(
             name=group[0].name, count=len(group), layer_names=tuple(la.name for la in group),
             time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),

@@ -55,6 +55,7 @@ class RunComparison:
     noise_floor_s: float
     predicted_peak_memory_bytes: int = 0
     measured_peak_memory_bytes: int = 0  # the largest rank's torch.cuda.max_memory_allocated; 0: not measured
+    cpu: str = ""  # the host CPU the run was measured on (RunRecord.cpu)
 
     @property
     def flagged(self) -> tuple[str, ...]:
@@ -94,7 +95,8 @@ def compare(plan: Plan, record: RunRecord, *, threshold: float = FLAG_THRESHOLD,
                          calls_per_step=dict(record.bottleneck.calls_per_step),
                          threshold=threshold, noise_floor_s=floor_s,
                          predicted_peak_memory_bytes=plan.estimate.peak_memory_bytes,
-                         measured_peak_memory_bytes=max(r.peak_memory_bytes for r in record.ranks))
+                         measured_peak_memory_bytes=max(r.peak_memory_bytes for r in record.ranks),
+                         cpu=record.cpu)
 
 
 def _ms(seconds: float) -> str:
@@ -108,6 +110,7 @@ def _err(error: float | None) -> str:
 def render_text(c: RunComparison) -> str:
     lines = [f"autopar report: {c.model_name}, {c.config} on {c.world_size} process(es), "
              f"median of {c.steps} measured steps",
+             *([f"host CPU: {c.cpu}"] if c.cpu else []),
              "",
              f"{'':<18}{'predicted':>12}{'measured':>12}{'error':>10}",
              f"{'step':<18}{_ms(c.predicted_step_time_s):>12}{_ms(c.measured_step_time_s):>12}"

@@ -20,6 +20,7 @@ from cost_models.profile import CollectiveSample, MachineInfo, Profile
 from cost_models.profiler.budget import FULL_BUDGET_S, QUICK_BUDGET_S, QUICK_LAYERS_BUDGET_S, PhaseClock
 from cost_models.profiler.collectives import measure_collectives
 from cost_models.profiler.contention import reference_s, training_threads
+from cost_models.profiler.cpu import cpu_kind
 from cost_models.profiler.kernels import (
     measure_attention_matmuls,
     measure_elementwise,
@@ -27,6 +28,7 @@ from cost_models.profiler.kernels import (
     measure_launch_s,
 )
 from cost_models.profiler.layers import LayerCase, measure_layer, training_step
+from cost_models.profiler.optimizer import measure_optimizer
 from cost_models.profiler.timing import time_callable
 
 __all__ = ["profile_machine", "machine_info", "local_device_name", "default_dtypes", "LayerCase", "QUICK_BUDGET_S",
@@ -57,13 +59,14 @@ def default_dtypes(cuda: bool) -> list[str]:
 
 # How the budget is shared among the phases that run (budget.PhaseClock); each weight is roughly that
 # phase's share of a quick profile's time on this 2-vCPU VM with no budget (its progress log).
-PHASE_WEIGHTS = {"gemm": 3.0, "bmm": 2.0, "elementwise": 2.0, "layers": 3.0, "collectives": 4.0}
+# The optimizer loops (profiler.optimizer) took 1.0–2.0 s of it under load 2–7 here.
+PHASE_WEIGHTS = {"gemm": 3.0, "bmm": 2.0, "elementwise": 2.0, "optimizer": 0.5, "layers": 3.0, "collectives": 4.0}
 
 
 def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Sequence[LayerCase] = (),
                     dtypes: Sequence[str] | None = None, progress: Callable[[str], None] | None = None,
                     model_name: str | None = None, collectives: bool = True, clock: str = "wall",
-                    budget_s: float | None = None) -> Profile:
+                    budget_s: float | None = None, param_shapes: Sequence[tuple[int, ...]] = ()) -> Profile:
     """Measure the local device (CUDA when present, else CPU) and `nproc` local processes, within budget_s.
 
     nproc defaults to the GPU count, or to the CPU count (at least 2) on a CPU machine.
@@ -75,6 +78,7 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
     layers, collectives and the concurrent mix are always timed by the wall clock.
     budget_s (wall seconds for the measurements) defaults to QUICK_BUDGET_S with quick, else
     FULL_BUDGET_S, plus QUICK_LAYERS_BUDGET_S when layers are timed; see budget.py for what gives.
+    param_shapes: the model's parameter shapes, on which the optimizer's loops are timed too (optimizer.py).
     """
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -119,6 +123,7 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
         gemm += measure_attention_matmuls(device, dtypes, quick, note, clock, begin("bmm"))
         per_dtype = begin("elementwise") / len(dtypes)
         elementwise = [e for dtype in dtypes for e in measure_elementwise(device, dtype, quick, note, clock, per_dtype)]
+        optimizer = measure_optimizer(device, note, clock, begin("optimizer"), param_shapes)
         layer_times: dict[str, float] = {}
         if layers:
             begin("layers")
@@ -169,4 +174,6 @@ def profile_machine(*, nproc: int | None = None, quick: bool = False, layers: Se
         notes=("quick sweep" if quick else "") + f"; budget {budget_s:.0f} s, took {budget.elapsed_s():.0f} s",
         clock=clock,
         process_slowdown=slowdown,
+        cpu=cpu_kind(),
+        optimizer=tuple(optimizer),
     )
