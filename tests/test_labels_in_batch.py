@@ -22,8 +22,7 @@ from dist_harness import run_distributed
 from test_parity import ATOL, RTOL, _check
 
 import autopar
-from autopar.capture.targets import targets_in_batch
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanMismatchError
 
 LAYOUTS = {"dp2": dict(dp=2, zero_stage=3, num_microbatches=2), "tp2": dict(tp=2, num_microbatches=2),
            "pp2": dict(pp=2, num_microbatches=2, schedule="1f1b")}
@@ -49,6 +48,8 @@ def _batch():
 
 
 def test_targets_given_both_ways_are_refused_naming_both_places():
+    from autopar.capture.targets import targets_in_batch
+
     batch = _batch()
     with pytest.raises(AutoparError, match=r"train_step got the targets twice: in the batch dict as 'labels' and "
                                            r"as its targets argument; pass one"):
@@ -75,3 +76,25 @@ def test_the_example_with_labels_captures_the_program_plans_price():
     assert plan.graph_fingerprint == graph.fingerprint
     est = autopar.estimate(model, cluster, plan.config, example_kwargs=inside)
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
+
+
+def test_a_failing_own_loss_check_keeps_the_models_error():
+    """The error a forward raises is kept whole, with a module's repr (Python names a called object by it)
+    shortened to its class; given example targets that do not fit, the message says so rather than blaming
+    targets shaped like the input."""
+    from own_models import build_own
+    from test_model_loss import X, _Classifier
+
+    from autopar.capture.targets import failure_text
+    from autopar.codegen.model_loss import check_model_loss
+
+    model = build_own("functional_lm")
+    with pytest.raises(TypeError) as twice:
+        model(X[0], **{"labels": X[0]}, **{"labels": X[0]})
+    assert failure_text(twice.value, model) == "TypeError: FunctionalLM got multiple values for keyword argument " \
+                                               "'labels'"
+    wrong = torch.zeros(3, dtype=torch.long)  # class labels for 3 samples, the batch has 2
+    with pytest.raises(PlanMismatchError, match=r"with the example's labels, and it failed: ValueError: Expected "
+                                                r"input batch_size \(2\) to match target batch_size \(3\)") as err:
+        check_model_loss(_Classifier(), "labels", X, {}, wrong)
+    assert "shaped like" not in str(err.value) and "_Classifier(" not in str(err.value)
