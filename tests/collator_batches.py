@@ -98,13 +98,20 @@ def labels_case(name: str, layout: dict[str, Any], steps: int = STEPS) -> dict[s
     ref_losses, ref_state, ref_grads, ref_eval = _reference(name, model, data)
     pm = autopar.parallelize(model, plan, example_kwargs=example, optimizer=optimizer)
     losses = [pm.train_step(pm.local_batch(batch)) for batch in data]
+    refusals = []  # raised by every rank alike, before any collective: the job goes on
+    local = pm.local_batch(data[0])
+    for inputs, targets in (({k: v for k, v in local.items() if k != "labels"}, None), (local, local["labels"])):
+        try:
+            pm.train_step(inputs, targets)
+        except autopar.AutoparError as e:
+            refusals.append(str(e))
     evaluated = pm.eval_loss(pm.local_batch(data[0]))
     full = pm.full_state_dict()
     grads = full_gradients(pm.modules, pm.mesh["pp"])
     weight_excess, weight_key = excess(full, ref_state)
     grad_excess, grad_key = excess(grads, ref_grads)
     return {"case": f"{name} {layout}", "losses": losses, "ref_losses": ref_losses, "eval_loss": evaluated,
-            "ref_eval_loss": ref_eval,
+            "ref_eval_loss": ref_eval, "refusals": refusals,
             "weight_excess": weight_excess, "weight_key": weight_key, "grad_excess": grad_excess,
             "grad_key": grad_key, "missing": sorted(set(ref_state) - set(full)),
             "extra": sorted(set(full) - set(ref_state)), "vocab_parallel": pm.vocab_parallel}

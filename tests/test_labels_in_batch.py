@@ -38,6 +38,11 @@ def test_labels_inside_the_batch_train_as_one_process(layout):
     for r in per_rank[0]:
         assert math.isclose(r["eval_loss"], r["ref_eval_loss"], rel_tol=RTOL, abs_tol=ATOL), r
         assert r["vocab_parallel"] == (layout == "tp2"), r  # the loss over vocab-sharded logits under tp
+        assert len(r["refusals"]) == 2, r  # no targets anywhere; targets both ways (and no step taken)
+        assert "got no targets; pass them as its second argument, or in the inputs dict as 'labels'" in \
+            r["refusals"][0], r
+        assert "train_step got the targets twice: in the batch dict as 'labels' and as its targets argument" in \
+            r["refusals"][1], r
     for other in per_rank[1:]:  # the reported loss is the global mean on every rank
         assert [r["losses"] for r in other] == [r["losses"] for r in per_rank[0]]
 

@@ -174,15 +174,19 @@ class ParallelModel:
         self._counts.append(count.cpu())
         return summed
 
-    def _run(self, inputs: Any, targets: Any, *, backward: bool, what: str) -> torch.Tensor:
-        """This rank's mean loss over its micro-batches (0 on ranks without the last stage); on the model's own
-        loss, the sum over this rank's tokens (`_counts` counts them). The weights are cast to the compute
-        dtype once for all micro-batches (precision.weight_cast_cache)."""
+    def _batch(self, inputs: Any, targets: Any, what: str) -> tuple[Any, Any]:
+        """(inputs, targets) of a step: on the model's own loss the targets may sit in the inputs dict."""
         inputs, targets = targets_in_batch(inputs, targets, self.target_name, where=what)
         if targets is None:
             inside = (f", or in the inputs dict as {self.target_name!r} (what a data collator yields)"
                       if self.target_name is not None else "")
             raise AutoparError(f"{what}(inputs, targets) got no targets; pass them as its second argument{inside}")
+        return inputs, targets
+
+    def _run(self, inputs: Any, targets: Any, *, backward: bool) -> torch.Tensor:
+        """This rank's mean loss over its micro-batches (0 on ranks without the last stage); on the model's own
+        loss, the sum over this rank's tokens (`_counts` counts them). The weights are cast to the compute
+        dtype once for all micro-batches (precision.weight_cast_cache)."""
         with weight_cast_cache(self.device, policy(self.config.precision)):
             return self._run_passes(inputs, targets, backward=backward)
 
@@ -283,9 +287,10 @@ class ParallelModel:
         self.train()
         timer = self.timer
         with named_failures("train_step"), timer.step() if timer else nullcontext():
+            inputs, targets = self._batch(inputs, targets, "train_step")
             self.stepper.zero_grad(set_to_none=True)
             with timer.phase("forward_backward") if timer else nullcontext():
-                local_loss = self._run(inputs, targets, backward=True, what="train_step")
+                local_loss = self._run(inputs, targets, backward=True)
             with timer.phase("grad_sync") if timer else nullcontext():
                 if self.config.tp > 1:
                     align_grad_placements(self._parameters())
@@ -357,7 +362,7 @@ class ParallelModel:
         """The global mean loss on this rank's local batch (as `train_step` takes it), updating nothing."""
         self.eval()
         with named_failures("eval_loss"):
-            local = self._run(inputs, targets, backward=False, what="eval_loss")
+            local = self._run(*self._batch(inputs, targets, "eval_loss"), backward=False)
             return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
 
     @torch.no_grad()
