@@ -48,6 +48,7 @@ LONGEST_S = {
     "test_golden_plans.py::test_plan_matches_golden[llama3-405b]": 46.5,
     "test_ilp.py::test_planning_prints_nothing_to_stdout": 37.1,
     "test_precision.py::test_policies_clipping_and_schedules_on_two_ranks": 33.0,
+    "test_labels_in_batch.py::test_labels_inside_the_batch_train_as_one_process": 30.0,  # dp2 52, tp2 34, pp2 22
     "test_conformance_hf.py::test_moe_families_dp_tp_pp": 27.2,
     "test_failures.py::test_a_peer_blocked_on_a_rank_that_caught_its_failure_stops_within_seconds": 23.7,
     "test_conformance_hf.py::test_families_pipeline_1f1b": 21.4,  # [0] 22.5, [1] 20.3

@@ -11,7 +11,6 @@ losses, which is what the parallel step computes.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import capture_cache
@@ -101,14 +100,7 @@ def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str
     if kind not in _GRAPHS:
         _GRAPHS[kind] = capture_cache.capture(model, (), example(kind))
     graph = _GRAPHS[kind]
-    config = dict(config)
-    sizes = config.pop("stage_sizes", None)  # layers per stage, to cut where an even split would not
-    plan = make_plan(graph, **config)
-    if sizes:
-        names = [la.name for la in graph.layers]
-        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        plan = dataclasses.replace(plan, stages=tuple(
-            dataclasses.replace(st, layers=tuple(names[bounds[i]:bounds[i + 1]])) for i, st in enumerate(plan.stages)))
+    plan = make_plan(graph, **config)  # stage_sizes: layers per stage, to cut where an even split would not
     data = _data(kind, steps)
     ref_losses, ref_state, ref_grads = train_reference(copy.deepcopy(model), data, plan.config.dp,
                                                        plan.config.num_microbatches)

@@ -102,15 +102,18 @@ def graph_of(kind: str, model: nn.Module, seq: int = SEQ) -> ModelGraph:
     return capture_cache.capture(model, (torch.zeros(1, seq, dtype=torch.long),))
 
 
-def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None, **config: Any) -> Plan:
-    """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp);
-    `layer_recompute` (layer name → mode) overrides config.recompute for those layers."""
+def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None,
+              stage_sizes: tuple[int, ...] | None = None, **config: Any) -> Plan:
+    """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp),
+    or of `stage_sizes` layers each (to cut where an even split would not); `layer_recompute` (layer name → mode)
+    overrides config.recompute for those layers."""
     config.setdefault("micro_batch_size", BATCH // (config.get("dp", 1) * config.get("num_microbatches", 1)))
     config.setdefault("precision", "fp32")  # parity at rtol 1e-4 is fp32 arithmetic; bf16 has its own tests
     cfg = ParallelConfig(**config)
     n_chunks = cfg.pp * cfg.virtual_stages
     names = [la.name for la in graph.layers]
-    bounds = [round(i * len(names) / n_chunks) for i in range(n_chunks + 1)]
+    bounds = ([sum(stage_sizes[:i]) for i in range(n_chunks + 1)] if stage_sizes
+              else [round(i * len(names) / n_chunks) for i in range(n_chunks + 1)])
     modes = [(layer_recompute or {}).get(n, cfg.recompute) for n in names]
     stages = tuple(StagePlan(index=i, layers=tuple(names[bounds[i]:bounds[i + 1]]), pp_rank=i % cfg.pp,
                              recompute=cfg.recompute, time_per_microbatch_s=0.0, peak_memory_bytes=0,

@@ -9,15 +9,17 @@ must all capture the same program, the one that trains, so they share these two 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autopar.errors import PlanMismatchError
+from autopar.errors import AutoparError, PlanMismatchError
 
-__all__ = ["TARGET_NAMES", "target_parameter", "example_targets", "with_example_targets", "training_forward_kwargs"]
+__all__ = ["TARGET_NAMES", "target_parameter", "example_targets", "with_example_targets", "training_forward_kwargs",
+           "targets_in_batch", "failure_text"]
 
 TARGET_NAMES = ("targets", "labels")
 
@@ -62,3 +64,27 @@ def with_example_targets(model: nn.Module, example_inputs: tuple, example_kwargs
     if target_name is None or target_name in example_kwargs:
         return example_kwargs, target_name
     return {**example_kwargs, target_name: example_targets((example_inputs, example_kwargs))}, target_name
+
+
+def targets_in_batch(inputs: Any, targets: Any, target_name: str | None, *, where: str) -> tuple[Any, Any]:
+    """`(inputs, targets)` of a batch for a model trained on its own loss: a dict of keyword inputs that holds
+    the target argument (what a data collator yields: `{"input_ids", "attention_mask", "labels"}`) gives its
+    targets there, taken out of the dict, so the rest of the step sees them as if passed apart (split into
+    micro-batches alike, fed to the stage that computes the loss). Given both ways, it is an error: which
+    one trains would be a guess."""
+    if target_name is None or not isinstance(inputs, Mapping) or inputs.get(target_name) is None:
+        return inputs, targets
+    if targets is not None:
+        raise AutoparError(
+            f"{where} got the targets twice: in the batch dict as {target_name!r} and as its targets argument; "
+            f"pass one: {where}(batch) with batch[{target_name!r}], or {where}(inputs, targets) with no "
+            f"{target_name!r} key in the inputs")
+    return {k: v for k, v in inputs.items() if k != target_name}, inputs[target_name]
+
+
+def failure_text(e: BaseException, model: nn.Module, limit: int = 400) -> str:
+    """`Type: message` of an exception a model's forward raised, on one line: a TypeError from calling the module
+    names the callable by its repr (the whole module tree), shortened here to its class name."""
+    text = str(e).replace(repr(model), type(model).__name__) if str(e) else ""
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return f"{type(e).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"

@@ -47,7 +47,9 @@ _OPS = frozenset({
 
 class _RankBlocks(TorchFunctionMode):
     """While a forward runs: a replicated tensor with `whole` entries on `axis`, met by one with this rank's
-    `whole // tp`, is cut to this rank's block (its heads; its share of the vocabulary)."""
+    `whole // tp`, is cut to this rank's block (its heads; its share of the vocabulary); met by a DTensor of
+    `whole` entries there (logits kept vocab-parallel for the model's own loss), it joins as a replicated DTensor,
+    which DTensor cuts to the other's blocks itself."""
 
     def __init__(self, tp_mesh: DeviceMesh, axis: int, whole: int) -> None:
         super().__init__()
@@ -67,7 +69,15 @@ class _RankBlocks(TorchFunctionMode):
             sizes = {t.size(self.axis) for t in tree_leaves((args, kwargs)) if self._sized(t)}
             if self.whole in sizes and self.local in sizes:
                 args, kwargs = tree_map(self._cut, (args, kwargs))
+            elif self.whole in sizes and any(isinstance(t, DTensor) and t.dim() >= -self.axis
+                                             and t.size(self.axis) == self.whole for t in tree_leaves((args, kwargs))):
+                args, kwargs = tree_map(self._replicated, (args, kwargs))
         return func(*args, **kwargs)
+
+    def _replicated(self, t: Any) -> Any:
+        if self._sized(t) and t.size(self.axis) == self.whole:
+            return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False)
+        return t
 
 
 def _rank_block(t: torch.Tensor, tp_mesh: DeviceMesh, dim: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from autopar.capture.meta import swap_tensors
-from autopar.capture.targets import example_targets
+from autopar.capture.targets import example_targets, failure_text
 from autopar.errors import PlanMismatchError
 
 __all__ = ["LossWatch", "loss_of", "stage_loss", "check_model_loss"]
@@ -107,28 +107,40 @@ class LossWatch(TorchFunctionMode):
         if call.reduction == "sum":
             return loss, torch.zeros((), dtype=torch.long, device=loss.device)
         count = call.count.to(loss.device)
-        return loss * count, count
+        # a micro-batch whose every target is ignored (a masked LM's, a prompt's) means over none: nan, adding nothing
+        return torch.where(count > 0, loss * count, torch.zeros_like(loss)), count
 
 
 def check_model_loss(model: nn.Module, target_name: str, example_inputs: Sequence[Any],
-                     forward_kwargs: dict[str, Any]) -> None:
+                     forward_kwargs: dict[str, Any], targets: Any = None) -> None:
     """One forward on fake tensors with targets: its loss must be the output of one mean or sum cross-entropy
-    (or NLL) call, which is what lets micro-batches and data-parallel ranks average as one process does."""
+    (or NLL) call, which is what lets micro-batches and data-parallel ranks average as one process does.
+    targets: the example's own (a batch dict's `labels`), else token ids shaped like the first input."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     watch = LossWatch()
+    given = targets is not None
+    if not given:
+        targets = example_targets((example_inputs, forward_kwargs))
     try:
         with fake, swap_tensors(model, fake.from_tensor):
-            inputs, kwargs = tree_map_only(torch.Tensor, fake.from_tensor, (tuple(example_inputs), forward_kwargs))
-            targets = fake.from_tensor(example_targets((example_inputs, forward_kwargs)))
+            inputs, kwargs, fake_targets = tree_map_only(torch.Tensor, fake.from_tensor,
+                                                         (tuple(example_inputs), forward_kwargs, targets))
             with watch:
-                loss = _find_loss(model(*inputs, **kwargs, **{target_name: targets}))
+                loss = _find_loss(model(*inputs, **kwargs, **{target_name: fake_targets}))
     except PlanMismatchError:
         raise
     except Exception as e:
+        if given:
+            what, fix = (f"the example's {target_name}",
+                         f"check that model(**example_kwargs) runs with its {target_name!r} as one process runs it")
+        else:
+            what = f"example targets: token ids of shape {list(targets.shape)}, like its first input"
+            fix = (f"if its targets are shaped otherwise (class labels, a decoder's tokens), give example ones in "
+                   f"example_kwargs={{{target_name!r}: ...}}")
         raise PlanMismatchError(
-            f"training on {type(model).__name__}'s own loss runs forward(..., {target_name}=targets) with targets "
-            f"shaped like the first input, and it failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
-            "Pass loss_fn=(logits, targets) -> loss instead") from e
+            f"training on {type(model).__name__}'s own loss (no loss_fn given) runs forward(..., {target_name}=...) "
+            f"with {what}, and it failed: {failure_text(e, model)}. {fix[0].upper()}{fix[1:]}; or, to train on a "
+            "loss of its logits instead, pass loss_fn=(logits, targets) -> loss") from e
     where = f"{type(model).__name__}.forward(..., {target_name}=targets)"
     if len(watch.calls) != 1:
         found = ", ".join(c.function for c in watch.calls) or "none"

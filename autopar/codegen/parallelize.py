@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 
 from autopar.capture.graph import ModelGraph
 from autopar.capture.loss_mode import own_loss_target
-from autopar.capture.targets import example_targets, target_parameter
+from autopar.capture.targets import example_targets, target_parameter, targets_in_batch
 from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
@@ -84,15 +84,17 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 
 def _microbatch_inputs(graph: ModelGraph, example_inputs: Sequence[Any] | None,
-                       example_kwargs: Mapping[str, Any] | None, micro_batch_size: int) -> tuple[tuple, dict]:
-    """Inputs shaped like one micro-batch (for the dry run that finds what crosses each pipeline cut)."""
+                       example_kwargs: Mapping[str, Any] | None, micro_batch_size: int,
+                       targets: Any = None) -> tuple[tuple[tuple, dict], Any]:
+    """Inputs (and the example's own targets, if any) shaped like one micro-batch (for the dry run that finds
+    what crosses each pipeline cut, and the check of the model's own loss)."""
     if example_inputs is None and not example_kwargs:
         if not graph.seq_len:
             raise PlanMismatchError("parallelize needs example_inputs for a model whose graph has no sequence length")
-        return (torch.zeros(micro_batch_size, graph.seq_len, dtype=torch.long),), {}
+        return ((torch.zeros(micro_batch_size, graph.seq_len, dtype=torch.long),), {}), None
     inputs = (tuple(example_inputs or ()), dict(example_kwargs or {}))
     size = batch_size_of(inputs)
-    return resize_batch(inputs, size, micro_batch_size) if size is not None else inputs
+    return resize_batch((inputs, targets), size, micro_batch_size) if size is not None else (inputs, targets)
 
 
 def _context_parallel(model: nn.Module, graph: ModelGraph, plan: Plan, mesh) -> ContextParallel | None:
@@ -163,14 +165,17 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     graph = graph if graph is not None else _graph_of(model, example_inputs, example_kwargs, target_name is not None,
                                                       target_arg)
 
-    def recapture(mode: str) -> ModelGraph | None:  # the model as the plan priced it, when it trains another loss
-        if example_inputs is None and not example_kwargs:
+    def recapture(mode: str, inputs=example_inputs, kwargs=example_kwargs) -> ModelGraph | None:
+        """The model as the plan priced it, when it trains another loss (the example as given)."""
+        if inputs is None and not kwargs:
             return None
         target = own_loss_target(mode)
-        return _graph_of(model, example_inputs or (), example_kwargs, target is not None, target or None)
+        return _graph_of(model, inputs or (), kwargs, target is not None, target or None)
 
     # stages cover the layers once, in order; tp splits them; numbers sane; a plan priced under another loss runs
     priced = check_plan_for_graph(plan, graph, recapture=recapture)
+    # targets in the example's dict (a data collator's `labels`): captured with the rest above, passed apart below
+    example_kwargs, example_target = targets_in_batch(example_kwargs, None, target_name, where="parallelize")
     cfg = plan.config
     dev = resolve_device(device)
     init_distributed(cfg, dev)
@@ -196,16 +201,17 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     context = _context_parallel(model, graph, plan, mesh)
     stage_kwargs: dict[str, Any] = {}
     needs_micro_batch = len(plan.stages) > 1 or target_name is not None
-    micro = (_microbatch_inputs(graph, example_inputs, example_kwargs, cfg.micro_batch_size)
-             if needs_micro_batch else None)
+    micro, micro_target = (_microbatch_inputs(graph, example_inputs, example_kwargs, cfg.micro_batch_size,
+                                              example_target) if needs_micro_batch else (None, None))
     if micro is not None and context is not None:  # every stage runs at the shard's length, with its positions
-        micro, _ = context.split(micro, None)
+        micro, micro_target = context.split(micro, micro_target)
         stage_kwargs = context.forward_kwargs(model, tree_map_only(torch.Tensor, lambda t: t.to(dev), micro))
     one_micro_batch = micro if len(plan.stages) > 1 else None
     flow_kwargs = {**micro[1], **stage_kwargs} if micro else {}
     if target_name is not None:
-        check_model_loss(model, target_name, micro[0], {**forward_kwargs(model), **micro[1]})
-        flow_kwargs = {**micro[1], **stage_kwargs, target_name: example_targets(micro)}
+        check_model_loss(model, target_name, micro[0], {**forward_kwargs(model), **micro[1]}, micro_target)
+        micro_target = micro_target if micro_target is not None else example_targets(micro)
+        flow_kwargs = {**micro[1], **stage_kwargs, target_name: micro_target}
     with compute_context(dev, pol):  # cut tensors in the dtypes the stages will send
         flow = (trace_dataflow(model, list(units), one_micro_batch[0], flow_kwargs, own_loss=target_name is not None)
                 if one_micro_batch else DataFlow.single_stage())
@@ -225,7 +231,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
             part = build_stage(model, flow, ios, units, stage.index, device=dev, feed=feed, target_name=target_name,
                                kwargs=stage_kwargs)
             if one_micro_batch:
-                dry_run_stage(part, flow, ios[stage.index], feed, one_micro_batch)
+                dry_run_stage(part, flow, ios[stage.index], feed, one_micro_batch, micro_target)
             apply_sync_batch_norm(part, mesh["dp"].get_group() if cfg.dp > 1 else None, cfg.dp)
             layers = [graph.layer(name) for name in stage.layers]
             if cfg.tp > 1:

@@ -180,7 +180,7 @@ class _StageRunner:
             if self.index > 0:
                 self._unpack(args[:-1])
             args, kwargs = self.feed.call(index)
-            if self.target_name is not None and self.feed.targets:  # (a dry run at parallelize has none)
+            if self.target_name is not None:  # every stage: a decoder's ids may be its labels, shifted inside
                 kwargs = {**kwargs, self.target_name: self.feed.target(index)}
         own_loss = self.target_name is not None and self.target_name in kwargs
         try:
@@ -252,15 +252,17 @@ def build_stage(model: nn.Module, flow: DataFlow, ios: Sequence[StageIO], stage_
 
 
 def dry_run_stage(stage: nn.Module, flow: DataFlow, io: StageIO, feed: MicroBatches,
-                  call: tuple[tuple, dict[str, Any]]) -> None:
+                  call: tuple[tuple, dict[str, Any]], targets: Any = None) -> None:
     """Run pipeline stage `io.index`'s own pruned program once on fake tensors (one micro-batch's inputs
-    `call`, zeros for what it receives), so whatever it cannot run (an attribute of a unit it does not
-    hold, a shape it gets wrong) is a clear error at `parallelize`, before any rank trains."""
+    `call`, its `targets` on the model's own loss, zeros for what it receives), so whatever it cannot run (an
+    attribute of a unit it does not hold, a shape it gets wrong) is a clear error at `parallelize`, before any
+    rank trains."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     index = torch.zeros(1)  # a real tensor: the stage reads its value
     try:
         with fake, swap_tensors(stage, fake.from_tensor), grouped_mm_any_dtype():  # MoE experts in any dtype
             feed.inputs = [tree_map_only(torch.Tensor, fake.from_tensor, call)]
+            feed.targets = [tree_map_only(torch.Tensor, fake.from_tensor, targets)] if targets is not None else []
             received = [torch.zeros(leaf.shape, dtype=leaf.dtype) for key in io.receives
                         for leaf in flow.calls[key].leaves if isinstance(leaf, LeafMeta)]
             stage(*received, index)
@@ -272,7 +274,7 @@ def dry_run_stage(stage: nn.Module, flow: DataFlow, io: StageIO, feed: MicroBatc
             f"{str(e).splitlines()[0][:300] if str(e) else ''}. Re-plan with the cut elsewhere, or use pp=1 for this "
             "model") from e
     finally:
-        feed.inputs = []
+        feed.inputs, feed.targets = [], []
 
 
 def check_stage_placement(plan: Plan) -> None:

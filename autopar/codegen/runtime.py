@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._pytree import tree_map_only
 
+from autopar.capture.targets import targets_in_batch
 from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
 from autopar.codegen.clipping import clip_grads_, global_grad_norm
@@ -173,6 +174,15 @@ class ParallelModel:
         self._counts.append(count.cpu())
         return summed
 
+    def _batch(self, inputs: Any, targets: Any, what: str) -> tuple[Any, Any]:
+        """(inputs, targets) of a step: on the model's own loss the targets may sit in the inputs dict."""
+        inputs, targets = targets_in_batch(inputs, targets, self.target_name, where=what)
+        if targets is None:
+            inside = (f", or in the inputs dict as {self.target_name!r} (what a data collator yields)"
+                      if self.target_name is not None else "")
+            raise AutoparError(f"{what}(inputs, targets) got no targets; pass them as its second argument{inside}")
+        return inputs, targets
+
     def _run(self, inputs: Any, targets: Any, *, backward: bool) -> torch.Tensor:
         """This rank's mean loss over its micro-batches (0 on ranks without the last stage); on the model's own
         loss, the sum over this rank's tokens (`_counts` counts them). The weights are cast to the compute
@@ -266,15 +276,18 @@ class ParallelModel:
         dist.all_reduce(loss)
         return float(loss.item() / (self.config.dp * self.config.tp * self.config.cp))
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
+    def train_step(self, inputs: Any, targets: Any = None) -> float:
         """One optimizer step on this rank's local batch; returns the global mean loss.
 
         inputs: a tensor (`model(x)`), a tuple (`model(*inputs)`) or a dict (`model(**inputs)`), nested;
         targets: whatever `loss_fn(logits, targets)` takes. Both are split along dim 0 into micro-batches.
+        On the model's own loss the targets may instead sit in the inputs dict under the forward's target
+        argument (`labels`, as a data collator yields them): `train_step(batch)` trains on `model(**batch).loss`.
         """
         self.train()
         timer = self.timer
         with named_failures("train_step"), timer.step() if timer else nullcontext():
+            inputs, targets = self._batch(inputs, targets, "train_step")
             self.stepper.zero_grad(set_to_none=True)
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
@@ -345,11 +358,11 @@ class ParallelModel:
                 self.timer = None
 
     @torch.no_grad()
-    def eval_loss(self, inputs: Any, targets: Any) -> float:
+    def eval_loss(self, inputs: Any, targets: Any = None) -> float:
         """The global mean loss on this rank's local batch (as `train_step` takes it), updating nothing."""
         self.eval()
         with named_failures("eval_loss"):
-            local = self._run(inputs, targets, backward=False)
+            local = self._run(*self._batch(inputs, targets, "eval_loss"), backward=False)
             return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
 
     @torch.no_grad()

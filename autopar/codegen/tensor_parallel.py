@@ -291,8 +291,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 parallelize_module(module, tp_mesh, {name: ColwiseParallel(
                     input_layouts=Shard(1) if shards_in else Replicate(), output_layouts=Shard(-1),
                     use_local_output=not logits_as_dtensor) for name in pattern.column})
-                if not logits_as_dtensor and pattern.vocab_size:  # a per-vocabulary bias the model adds to
-                    # the logits (BART's final_logits_bias) meets this rank's share of them
+                if pattern.vocab_size:  # a per-vocabulary bias the model adds to the logits (BART's
+                    # final_logits_bias) meets this rank's share of them (or their DTensor, for its own loss)
                     module.forward = slice_rank_blocks(module.forward, tp_mesh, axis=-1, whole=pattern.vocab_size)
         if span is not None and layer.name in span.sharded_layers:
             for name, sub in _layer_module(module, layer).named_modules(prefix=layer.name):
