@@ -250,3 +250,24 @@ def test_block_runs_as_written(block: Block, tmp_path: Path):
             assert m, (f"{head}: line {line} of {block.path.name} shows `{text}`, which the command did not print "
                        f"(in order{', any figures' if varies else ''}); it printed:\n{out[cursor:][-3000:]}")
             cursor = m.end()
+
+
+def test_output_lines_match_as_the_docstring_says():
+    """The matcher the block tests rely on: `...` skips text, whitespace is flexible, figures are exact unless
+    the output varies, and a block's commands and shown output are told apart as documented."""
+    exact = line_pattern("predicted       step 31.940 s, ...  |  4,104 tokens/s", varies=False)
+    assert exact.search("predicted step 31.940 s, runs of this kind (x) | 4,104 tokens/s | more")
+    assert not exact.search("predicted step 31.941 s, runs | 4,104 tokens/s")
+    assert not exact.search("predicted step 31.940 s\n4,104 tokens/s")  # `...` stays on its line
+    varies = line_pattern("[#     ] step 1/20  loss 6.9636  ...  grad norm 4.677  tokens crc32 e7fcc33f", varies=True)
+    assert varies.search("[####################] step 20/20  loss 3.7  35 ms  grad norm 80.073  tokens crc32 fa3ffc94")
+    assert not varies.search("[#] step 1/20  loss 6.9  grad norm 4.6")  # words still count
+    flag = line_pattern("dp_comm   8.1 ms   10.7 ms   +31.1%  <-- off by more than 25%", varies=True)
+    assert flag.search("dp_comm  9.0 ms  9.5 ms  -5.2%")
+    block = Block(ROOT / "README.md", 10, "bash", "$ a --x \\\n    --y\n  out 1\nerr\n$ b\nautopar: error: no", ())
+    assert commands(block) == [Command("a --x \\\n    --y", 11, ((13, "out 1"), (14, "err"))),
+                               Command("b", 15, ((16, "autopar: error: no"),))]
+    assert commands(block)[1].should_fail
+    plain = Block(ROOT / "README.md", 1, "bash", "# note\nrun 1 \\\n  --z\n  printed\nrun 2  # why", ())
+    assert [(c.text, c.expected) for c in commands(plain)] == [("run 1 \\\n  --z", ((5, "printed"),)),
+                                                              ("run 2  # why", ())]
