@@ -271,3 +271,65 @@ def test_output_lines_match_as_the_docstring_says():
     plain = Block(ROOT / "README.md", 1, "bash", "# note\nrun 1 \\\n  --z\n  printed\nrun 2  # why", ())
     assert [(c.text, c.expected) for c in commands(plain)] == [("run 1 \\\n  --z", ((5, "printed"),)),
                                                               ("run 2  # why", ())]
+
+
+_MENTION = re.compile(r"\bautopar (?P<sub>[a-z]+)\b|(?P<script>\b(?:examples|benchmarks)/\w+\.py)")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+def _script_flags(path: Path) -> set[str]:
+    return set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", path.read_text()))
+
+
+def test_every_flag_the_docs_give_a_command_is_one_it_takes():
+    """`autopar SUB ... --flag` and `examples/x.py --flag` (benchmarks too) in the prose as in the blocks: each
+    flag is one that command's parser defines, so a renamed or removed flag cannot stay documented."""
+    from autopar.cli.main import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
+    wrong = []
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().split("\n"), start=1):
+            found = [m for m in _MENTION.finditer(line)  # a file.py:factory is a MODEL, not a command
+                     if not (m.group("script") and line[m.end():m.end() + 1] == ":")]
+            for k, m in enumerate(found):
+                end = found[k + 1].start() if k + 1 < len(found) else len(line)
+                segment = re.split(r"`|\||&&", line[m.end():end])[0]
+                if m.group("sub"):
+                    if m.group("sub") not in subs:
+                        continue  # prose ("autopar answers ...")
+                    known = {o for a in subs[m.group("sub")]._actions for o in a.option_strings}
+                else:
+                    known = _script_flags(ROOT / m.group("script"))
+                wrong += [f"{path.name}:{number} {m.group()} {flag}" for flag in _FLAG.findall(segment)
+                          if flag not in known]
+    assert not wrong, f"flags the docs give commands that do not take them: {wrong}"
+
+
+_CALL = re.compile(r"\b(?:autopar\.|pm\.)?(parallelize|plan|estimate|capture|PlannerOptions|ParallelConfig|train_step|"
+                   r"eval_loss|local_batch)\(([^`]*?)\)")
+
+
+def test_every_keyword_the_docs_give_the_api_is_one_it_takes():
+    """`parallelize(..., max_grad_norm=1.0)`, `PlannerOptions(objective=...)` and the like, in prose and blocks:
+    each keyword is a parameter of that function or a field of that class (README's max_grad_norm was not)."""
+    import inspect
+
+    import autopar
+    from autopar.codegen.runtime import ParallelModel
+
+    api = {name: getattr(autopar, name) for name in ("parallelize", "plan", "estimate", "capture", "PlannerOptions",
+                                                      "ParallelConfig")}
+    api |= {name: getattr(ParallelModel, name) for name in ("train_step", "eval_loss", "local_batch")}
+    wrong, seen = [], 0
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().split("\n"), start=1):
+            for m in _CALL.finditer(line):
+                params = inspect.signature(api[m.group(1)]).parameters
+                for kw in re.findall(r"(?:^|[(,]\s*)(\w+)=", m.group(2)):
+                    seen += 1
+                    if kw not in params:
+                        wrong.append(f"{path.name}:{number} {m.group(1)}({kw}=)")
+    assert not wrong, f"keywords the docs give that the API does not take: {wrong}"
+    assert seen >= 10, seen  # the prose's calls were found
