@@ -158,7 +158,8 @@ def _plan_everywhere(graph: ModelGraph, cluster: Any, global_batch_size: int | N
 def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | None = None,
                 example_kwargs: dict[str, Any] | None = None, optimizer: Any, loss_fn: Any = None,
                 target_arg: str | None = None, global_batch_size: int | None = None, profile: Any = None,
-                options: PlannerOptions | None = None, device: Any = None) -> Any:
+                options: PlannerOptions | None = None, device: Any = None,
+                max_grad_norm: float | None = None) -> Any:
     """Shard `model` on this rank as a plan says and return its `ParallelModel` (call on every rank).
 
     plan_or_cluster: a `Plan` (e.g. `Plan.load("plan.json")`), or a `Cluster` to plan for first
@@ -168,7 +169,8 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
     `(logits, targets) -> mean loss`, targets as `train_step` gets them (default: language-model cross
     entropy, vocab-parallel under tensor parallelism). Without loss_fn, a model whose forward takes its
     targets (`targets`, `labels`, or the argument named by `target_arg`) trains on the loss it returns,
-    averaged over the global batch's tokens as one process averages it.
+    averaged over the global batch's tokens as one process averages it. max_grad_norm: clip the global
+    gradient norm (over every rank) to this before each step.
     """
     from autopar import codegen
     from autopar.codegen.device import resolve_device
@@ -185,4 +187,4 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
         the_plan = _plan_everywhere(graph, cluster, global_batch_size, profile, opts)
     return codegen.parallelize(model, the_plan, graph=graph, example_inputs=example_inputs,
                                example_kwargs=example_kwargs or None, optimizer=optimizer, device=device,
-                               loss_fn=loss_fn, target_arg=target_arg)
+                               loss_fn=loss_fn, target_arg=target_arg, max_grad_norm=max_grad_norm)

@@ -39,7 +39,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # fixture with others (tests/test_checkpoint.py's uninterrupted run) stay in place so that one worker builds it.
 # Keys: file::test, with the parameters where one case differs from the others.
 LONGEST_S = {
+    # README's blocks (tests/test_readme.py), each alone at load 6-7: the profile → plan → run → report →
+    # calibrate chain and the kill-and-resume block; the others (CLI, journey, train_gpt) take 20-70 s there
+    "test_readme.py::test_block_runs_as_written[README_block4]": 155.0,
     "test_checkpoint.py::test_token_file_run_killed_at_step_6_resumes_on_the_same_tokens": 117.0,
+    "test_readme.py::test_block_runs_as_written[README_block5]": 85.6,
+    "test_readme.py::test_block_runs_as_written[README_block2]": 70.0,
     "test_eight_ranks.py::test_three_d_zero3_on_eight_ranks": 89.5,
     "test_conformance_hf.py::test_tp2_dp2_on_four_ranks": 88.3,
     "test_conformance_kinds.py::test_model_kinds_train_as_one_process": 75.4,
