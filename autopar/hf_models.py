@@ -145,11 +145,13 @@ def build_from_config(spec: str, path: Path, seq_len: int | None, *, dtype: torc
         config = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
                                             trust_remote_code=trust_remote_code, local_files_only=True)
     except ValueError as e:
-        if "trust_remote_code" in str(e):
+        if not trust_remote_code and (raw.get("auto_map") or "trust_remote_code" in str(e)):
             raise AutoparError(f"{path}: model_type {raw.get('model_type')!r} is not built into transformers "
                                f"{transformers.__version__}; its config names remote code: pass --trust-remote-code "
                                "(trust_remote_code=True) if you trust it") from None
-        raise AutoparError(f"{path}: transformers cannot read this config: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AutoparError(f"{path}: transformers {transformers.__version__} cannot read this config ({first}); "
+                           "upgrade transformers for a newer model type, or fix the config") from None
     except (OSError, KeyError, TypeError) as e:
         raise AutoparError(f"{path}: transformers cannot read this config: {type(e).__name__}: {e}") from None
     unknown = [k for k in unknown if not hasattr(config, k)]
