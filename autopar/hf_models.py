@@ -56,9 +56,9 @@ def _cached_config(spec: str) -> Path:
     fetch = (f"fetch it on a machine with network access (`huggingface-cli download {repo} config.json`, with "
              f"HF_HUB_CACHE pointing at that cache) or pass the path of a folder holding its config.json")
     if not folder.is_dir():
-        raise AutoparError(f"model {spec!r} is not a zoo name, a path or a .py factory, and Hub model {repo!r} is not "
-                           f"in the local Hugging Face cache {cache} (looked for {folder.name}; autopar does not "
-                           f"download): {fetch}")
+        raise AutoparError(f"unknown model {spec!r}: not a zoo name, a path or a .py factory, and Hub model "
+                           f"{repo!r} is not in the local Hugging Face cache {cache} (looked for {folder.name}; "
+                           f"autopar does not download): {fetch}")
     ref = folder / "refs" / revision
     commit = ref.read_text().strip() if ref.is_file() else revision
     config = folder / "snapshots" / commit / "config.json"

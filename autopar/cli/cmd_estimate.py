@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help='the layout Megatron-LM arguments run ("--tensor-model-parallel-size 8 ..." or @file)')
     layout.add_argument("--from-deepspeed", metavar="FILE", help="the layout a DeepSpeed ds_config JSON runs")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="zoo or transformers config field, e.g. num_hidden_layers=4 (repeatable)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="training dtype of a zoo MODEL (default as `autopar plan`)")
     p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
@@ -64,7 +66,7 @@ def _estimate(args: argparse.Namespace) -> int:
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
         cluster.check_trains(dtype)
-    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args=args), cluster, config,
+    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args.override, args=args), cluster, config,
                            options=PlannerOptions(router_skew=args.router_skew))
     if args.json:
         print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))
@@ -103,7 +105,7 @@ def _estimate_imported(args: argparse.Namespace, cluster) -> int:
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:
         cluster.check_trains(dtype)
-    graph = _graph(args.model, seq_len, dtype, args=args)
+    graph = _graph(args.model, seq_len, dtype, args.override, args=args)
     blocks = sum(1 for la in graph.layers if la.kind == "block")
     got = import_layout(target, source, cluster.world_size, precision=args.precision, blocks=blocks)
     options = dataclasses.replace(got.options, router_skew=args.router_skew)
