@@ -28,6 +28,13 @@ def _graph(model: Any, example_inputs: tuple | None, example_kwargs: dict[str, A
     parallelize price and check the same program (a model's own loss is captured with its targets)."""
     if isinstance(model, ModelGraph):
         return model
+    if isinstance(model, str):  # MODEL as the CLI takes it (autopar.models): zoo name, transformers config, Hub name
+        from autopar.models import resolve_model
+
+        if example_inputs is not None or example_kwargs:
+            raise AutoparError(f"model {model!r} is a name, which brings its own example inputs; drop example_inputs "
+                               "(for another sequence length: autopar.models.resolve_model(name, seq_len=N))")
+        model, example_inputs, example_kwargs = resolve_model(model)
     from torch import nn
 
     if not isinstance(model, nn.Module):

@@ -3,7 +3,9 @@
 MODEL is one of
 - a built-in zoo name (`gpt2-small`, `llama3-70b`, ...), built on the meta device;
 - `path/to/file.py:factory`, a file loaded as a module;
-- `package.module:factory`, an importable module.
+- `package.module:factory`, an importable module;
+- a Hugging Face transformers config: a folder holding config.json, a config.json path, or a Hub name
+  (`org/name`) in the local Hugging Face cache, built on meta from the config alone (autopar.hf_models).
 A factory is called with no argument, or with `seq_len=` when one is given and the factory accepts
 it, and returns `(model, example_inputs)` with example_inputs a tuple (a single tensor is accepted),
 or `(model, example_inputs, example_kwargs)` for a forward that takes keyword inputs (an encoder–decoder's
@@ -75,20 +77,32 @@ def _load_module(target: str) -> ModuleType:
 
 
 def resolve_model(spec: str, seq_len: int | None = None, *, dtype: torch.dtype | None = None,
-                  overrides: dict[str, Any] | None = None, seq_len_optional: bool = False
-                  ) -> tuple[nn.Module, tuple, dict[str, Any]]:
+                  overrides: dict[str, Any] | None = None, seq_len_optional: bool = False,
+                  trust_remote_code: bool = False) -> tuple[nn.Module, tuple, dict[str, Any]]:
     """`(model, example_inputs, example_kwargs)` for a MODEL string (`autopar.capture(*resolve_model(...))`);
     see the module docstring for the accepted forms.
 
     dtype: the dtype of a zoo model (default: the zoo's bfloat16); a factory decides its own dtype.
-    overrides: zoo config fields to replace (`--override dropout=0`), as examples/train_gpt.py takes them.
+    overrides: zoo config fields to replace (`--override dropout=0`), as examples/train_gpt.py takes them,
+    or a transformers config's fields (`--override num_hidden_layers=4`).
+    trust_remote_code: let a transformers config run the modelling code its auto_map names (off by default).
     """
     if seq_len is not None and seq_len <= 0:
         raise AutoparError(f"seq_len={seq_len}; it must be a positive number of tokens")
     if ":" not in spec:
         if spec in zoo.names():
             return (*zoo.build(spec, seq_len=seq_len, dtype=dtype, **(overrides or {})), {})
-        raise AutoparError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.names())}) and not of the "
+        from autopar.hf_models import build_from_config, find_config
+
+        try:
+            config = find_config(spec)
+        except AutoparError as e:  # a one-word name: perhaps a misspelled zoo name
+            raise AutoparError(f"{e}; zoo names: {', '.join(zoo.names())}" if "/" not in spec else str(e)) from None
+        if config is not None:
+            return build_from_config(spec, config, seq_len, dtype=dtype, overrides=overrides,
+                                     trust_remote_code=trust_remote_code)
+        raise AutoparError(f"unknown model {spec!r}: not a zoo name ({', '.join(zoo.names())}), not a transformers "
+                           "config (a folder with config.json, a .json file or a Hub name org/name) and not of the "
                            "form path/file.py:factory or package.module:factory")
     if overrides:
         raise AutoparError(f"--override {' '.join(f'{k}={v}' for k, v in overrides.items())}: overrides replace "

@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Trace MODEL on the meta device and print its layers: parameters, FLOPs, saved "
                     "activations, pipeline boundary bytes and tensor-parallel patterns (per sample).")
     p.add_argument("model", metavar="MODEL",
-                   help="zoo name (e.g. llama3-8b), path/file.py:factory or package.module:factory")
+                   help="zoo name (e.g. llama3-8b), path/file.py:factory, package.module:factory, or a transformers "
+                        "config: a folder with config.json, a .json file, or a Hub name in the local HF cache")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (zoo default: min(context, 2048))")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="zoo config field, e.g. dropout=0 (repeatable; as examples/train_gpt.py takes it)")

@@ -21,9 +21,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Price a given layout with the planner's objective; a layout over "
                                           "memory is priced too and reported as not fitting.")
     add_model_and_cluster(p, example="llama3-8b")
-    p.add_argument("--config", required=True,
-                   help='the layout, e.g. "tp=8,pp=16,dp=128,mbs=1,m=16,schedule=interleaved_1f1b,v=8,sp=1"')
+    layout = p.add_mutually_exclusive_group(required=True)
+    layout.add_argument("--config",
+                        help='the layout, e.g. "tp=8,pp=16,dp=128,mbs=1,m=16,schedule=interleaved_1f1b,v=8,sp=1"')
+    layout.add_argument("--from", dest="from_file", metavar="FILE",
+                        help="the layout a torchtitan job config (.toml) or a DeepSpeed ds_config (.json) runs, "
+                             "priced with that framework's runtime")
+    layout.add_argument("--from-megatron", metavar="ARGS",
+                        help='the layout Megatron-LM arguments run ("--tensor-model-parallel-size 8 ..." or @file)')
+    layout.add_argument("--from-deepspeed", metavar="FILE", help="the layout a DeepSpeed ds_config JSON runs")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="zoo or transformers config field, e.g. num_hidden_layers=4 (repeatable)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="training dtype of a zoo MODEL (default as `autopar plan`)")
     p.add_argument("--profile", default=None, help="a profile.json measured by `autopar profile`")
@@ -43,6 +52,8 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.seq_len is not None:
         check_positive_int("--seq-len", args.seq_len, bound=MAX_GLOBAL_BATCH, error=AutoparError)
     cluster = _cluster(args.cluster, args.nodes, args.nproc, args.profile)
+    if args.config is None:
+        return _estimate_imported(args, cluster)
     try:
         given = ParallelConfig.parse_fields(args.config).get("precision")
         if given is not None and args.precision is not None and given != args.precision:
@@ -55,10 +66,60 @@ def _estimate(args: argparse.Namespace) -> int:
     dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
     if ":" not in args.model:  # a zoo model: refuse before capture (estimate checks a factory's after)
         cluster.check_trains(dtype)
-    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args=args), cluster, config,
+    est = autopar.estimate(_graph(args.model, args.seq_len, dtype, args.override, args=args), cluster, config,
                            options=PlannerOptions(router_skew=args.router_skew))
     if args.json:
         print(json.dumps({"config": config.to_dict(), "estimate": dataclasses.asdict(est)}, indent=1))
     else:
         print(render_estimate(config, est))
+    return 0
+
+
+def _source(args: argparse.Namespace) -> tuple[str, str]:
+    """(target, source) of --from / --from-megatron / --from-deepspeed."""
+    if args.from_megatron is not None:
+        return "megatron", args.from_megatron
+    if args.from_deepspeed is not None:
+        return "deepspeed", args.from_deepspeed
+    suffix = args.from_file.rsplit(".", 1)[-1].lower()
+    if suffix not in ("toml", "json"):
+        raise AutoparError(f"--from {args.from_file}: expected a torchtitan job config (.toml) or a DeepSpeed "
+                           "ds_config (.json); for Megatron-LM arguments use --from-megatron")
+    return ("torchtitan" if suffix == "toml" else "deepspeed"), args.from_file
+
+
+def _estimate_imported(args: argparse.Namespace, cluster) -> int:
+    """Price the layout a framework config runs, with that framework's runtime options."""
+    import autopar
+    from autopar.cli.cmd_plan import _graph
+    from autopar.interop import import_layout
+    from autopar.models import training_dtype
+    from autopar.report.text import render_estimate
+
+    target, source = _source(args)
+    first = import_layout(target, source, cluster.world_size, precision=args.precision)
+    seq_len = args.seq_len
+    if first.seq_len is not None and seq_len is not None and first.seq_len != seq_len:
+        raise AutoparError(f"--seq-len {seq_len} but the {target} config says {first.seq_len}; give one")
+    seq_len = seq_len or first.seq_len
+    dtype = training_dtype("local" if args.cluster == "local" else "cluster", args.dtype)
+    if ":" not in args.model:
+        cluster.check_trains(dtype)
+    graph = _graph(args.model, seq_len, dtype, args.override, args=args)
+    blocks = sum(1 for la in graph.layers if la.kind == "block")
+    got = import_layout(target, source, cluster.world_size, precision=args.precision, blocks=blocks)
+    options = dataclasses.replace(got.options, router_skew=args.router_skew)
+    est = autopar.estimate(graph, cluster, got.config, options=options)
+    if args.json:
+        print(json.dumps({"config": got.config.to_dict(), "from": target, "notes": list(got.notes),
+                          "options": {"pipeline_runtime": options.pipeline_runtime, "loss_kernel": options.loss_kernel,
+                                      "ep_dispatcher": options.ep_dispatcher},
+                          "estimate": dataclasses.asdict(est)}, indent=1))
+        return 0
+    print(f"read from {target} ({source}): {got.config}")
+    print(f"priced as {target} runs it: pipeline_runtime={options.pipeline_runtime}, "
+          f"loss_kernel={options.loss_kernel}, ep_dispatcher={options.ep_dispatcher}")
+    for note in got.notes:
+        print(f"note: {note}")
+    print(render_estimate(got.config, est))
     return 0

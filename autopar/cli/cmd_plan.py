@@ -31,7 +31,9 @@ __all__ = ["register", "add_model_and_cluster", "add_precision"]
 
 def add_model_and_cluster(p: argparse.ArgumentParser, *, example: str) -> None:
     """MODEL and the cluster flags, as `plan` and `estimate` both take them."""
-    p.add_argument("model", metavar="MODEL", help=f"zoo name (e.g. {example}), path/file.py:factory or pkg.mod:factory")
+    p.add_argument("model", metavar="MODEL", help=f"zoo name (e.g. {example}), path/file.py:factory, pkg.mod:factory, "
+                                                  "or a transformers config: a folder with config.json, a .json "
+                                                  "file, or a Hub name (org/name) in the local Hugging Face cache")
     p.add_argument("--cluster", required=True, help="preset name (autopar clusters), a TOML/JSON file, or 'local'")
     p.add_argument("--nodes", type=int, default=None, help="nodes of a preset cluster (default 1)")
     p.add_argument("--nproc", type=int, default=None, help="processes of the local cluster")
@@ -39,13 +41,20 @@ def add_model_and_cluster(p: argparse.ArgumentParser, *, example: str) -> None:
 
 
 def add_loss_args(p: argparse.ArgumentParser) -> None:
-    """Which loss MODEL trains on, as `parallelize` will be told (it decides what is captured and priced)."""
+    """Which loss MODEL trains on, as `parallelize` will be told (it decides what is captured and priced), and
+    --trust-remote-code for a transformers config whose model is remote code."""
+    add_trust_remote_code(p)
     p.add_argument("--target-arg", default=None, metavar="NAME",
                    help="the forward argument that takes the targets (default: `targets` or `labels` when the "
                         "forward takes one; the model then trains on the loss it returns)")
     p.add_argument("--external-loss", action="store_true",
                    help="the model will train on a loss_fn given to parallelize, not on its own loss: capture it "
                         "without targets")
+
+
+def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="a transformers config MODEL may run the modelling code its auto_map names (off by default)")
 
 
 def add_router_skew(p: argparse.ArgumentParser) -> None:
@@ -130,6 +139,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--model", default=None, help="MODEL, when it is not a zoo name equal to the plan's model")
     e.add_argument("--cluster", default=None, help="cluster; default: the plan's preset")
     e.add_argument("--nodes", type=int, default=None)
+    add_trust_remote_code(e)
     add_precision(e, "the alternative's precision (default: the plan's, or precision= in --config)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_explain)
@@ -185,7 +195,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ...] | list[str] = (), *,
-           seq_len_optional: bool = False, args: argparse.Namespace | None = None):
+           seq_len_optional: bool = False, args: argparse.Namespace | None = None, trust_remote_code: bool = False):
     """The captured MODEL, as it trains (`args`: --external-loss, --target-arg); seq_len_optional: seq_len
     comes from a plan, not from --seq-len (a factory without a seq_len parameter then ignores it)."""
     from autopar.capture import capture
@@ -195,8 +205,9 @@ def _graph(model: str, seq_len: int | None, dtype=None, overrides: tuple[str, ..
     if args is not None and args.external_loss and args.target_arg is not None:
         raise AutoparError(f"pass --external-loss or --target-arg {args.target_arg}, not both: --target-arg trains "
                            "on the model's own loss")
+    trust = trust_remote_code or bool(getattr(args, "trust_remote_code", False))
     return capture(*resolve_model(model, seq_len, dtype=dtype, overrides=parse_overrides(overrides),
-                                  seq_len_optional=seq_len_optional),
+                                  seq_len_optional=seq_len_optional, trust_remote_code=trust),
                    own_loss=args is None or not args.external_loss, target_arg=args and args.target_arg)
 
 
@@ -291,10 +302,11 @@ def _explain(args: argparse.Namespace) -> int:
     nproc = plan.world_size if spec == "local" else None
     cluster = _cluster(spec, nodes, nproc, None)
     dtype = training_dtype("local" if plan.cluster_name == "local" else "cluster")
-    graph = _graph(args.model or plan.model_name, plan.seq_len, dtype, seq_len_optional=True)
+    trust = args.trust_remote_code
+    graph = _graph(args.model or plan.model_name, plan.seq_len, dtype, seq_len_optional=True, trust_remote_code=trust)
     if graph.fingerprint != plan.graph_fingerprint:  # a plan made with --external-loss: captured without targets
         graph = _graph(args.model or plan.model_name, plan.seq_len, dtype, seq_len_optional=True,
-                       args=argparse.Namespace(external_loss=True, target_arg=None))
+                       args=argparse.Namespace(external_loss=True, target_arg=None), trust_remote_code=trust)
     if graph.fingerprint != plan.graph_fingerprint:
         raise PlanMismatchError(
             f"{args.plan} was made for model {plan.model_name!r} (graph fingerprint {plan.graph_fingerprint}), "
