@@ -183,6 +183,11 @@ def parallelize(model: Any, plan_or_cluster: Any, *, example_inputs: tuple | Non
     from autopar.codegen.device import resolve_device
     from autopar.codegen.mesh import init_distributed
 
+    if isinstance(model, (str, ModelGraph)):
+        raise AutoparError(f"parallelize trains the model itself and got a {type(model).__name__} ({model!r:.60}); "
+                           "pass the nn.Module with its weights (e.g. transformers.AutoModelForCausalLM."
+                           "from_pretrained(name), or autopar.zoo.build(name, device='cpu')); names and graphs are "
+                           "for plan and estimate")
     graph = _graph(model, example_inputs, example_kwargs, loss_fn=loss_fn, target_arg=target_arg)
     if isinstance(plan_or_cluster, Plan):
         the_plan = plan_or_cluster

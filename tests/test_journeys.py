@@ -92,3 +92,15 @@ def test_a_plan_for_another_model_names_what_differs():
     with pytest.raises(PlanMismatchError, match=r"layers .* are not this model's .*; it is for 16 tokens per sample, "
                                                 r"the example inputs have 24"):
         check_plan_for_graph(plan, other, recapture=lambda mode: None)
+
+
+@pytest.mark.parametrize("given", ["llama3-8b", "graph"])
+def test_parallelize_refuses_a_name_or_a_graph_before_anything_runs(given):
+    """A name or a graph plans; only a module with weights trains (not a failure deep in codegen)."""
+    import autopar
+    from autopar import Cluster
+    from autopar.errors import AutoparError
+
+    model = given if given != "graph" else _llama_graphs()[2]
+    with pytest.raises(AutoparError, match="parallelize trains the model itself .* pass the nn.Module"):
+        autopar.parallelize(model, Cluster.local(nproc=1), optimizer=lambda p: None, global_batch_size=8)
