@@ -296,6 +296,7 @@ def test_every_flag_the_docs_give_a_command_is_one_it_takes():
             for k, m in enumerate(found):
                 end = found[k + 1].start() if k + 1 < len(found) else len(line)
                 segment = re.split(r"`|\||&&", line[m.end():end])[0]
+                segment = re.sub(r"\"[^\"]*(\"|$)|'[^']*('|$)", "", segment)  # a quoted value: another tool's flags
                 if m.group("sub"):
                     if m.group("sub") not in subs:
                         continue  # prose ("autopar answers ...")
