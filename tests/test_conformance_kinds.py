@@ -10,7 +10,9 @@ reference is one process over the whole batch), pp2 with 1F1B (a ViT whose later
 embedding's dtype; T5 cut inside its decoder, the encoder's output carried to the second stage and its
 dropout, called after the embedding and again after the final norm, run where each call is; BART cut
 where an even split falls; conv nets' batch-norm statistics through the runtime's shape inference) and
-tp2 (every attention split by head: BERT's and RoBERTa's post-norm encoder attention, T5's bias-free
+tp2 with sequence parallelism wherever the planner may choose it (BERT, RoBERTa and DeiT: their heads
+gathered before they transform the hidden states; not ViT's 17 tokens, nor the encoder–decoders' and Swin's
+streams that change shape) (every attention split by head: BERT's and RoBERTa's post-norm encoder attention, T5's bias-free
 self- and cross-attention with its relative position bias cut to each rank's heads, tied
 `shared`/`embed_tokens`/`lm_head` vocab-parallel; Swin's and Swin v2's window attention beside their
 position-bias tables and MLP); conv nets under tp2 are refused (nothing to split). The encoder–decoders
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.multiproc
 ZERO3 = dict(dp=2, zero_stage=3, num_microbatches=2)
 WHOLE = dict(dp=2, zero_stage=3, num_microbatches=1)  # batch norm over the whole batch, as one process
 PP = dict(pp=2, num_microbatches=2, schedule="1f1b")
-TP = dict(tp=2)
+TP = dict(tp=2, sequence_parallel="planner")  # SP wherever the planner may choose it (BERT, RoBERTa, DeiT)
 CASES = [  # two families of each kind under every layout (tests/hf_kinds.py)
     ("vit", ZERO3), ("deit", ZERO3), ("resnet", WHOLE), ("regnet", ZERO3), ("bert", ZERO3), ("roberta", ZERO3),
     ("t5", ZERO3), ("bart", ZERO3), ("swin", ZERO3), ("swinv2", ZERO3),

@@ -473,9 +473,15 @@ def full_sequence_reason(layer: LayerSpec) -> str | None:
         replicated = mix.attention_flops > mix.attention_flops_tp_sharded
     if not replicated:
         return None
-    return (f"layer {layer.name!r} runs attention that tensor parallelism keeps whole (its projections are not "
-            "split: a fused q|k|v of unequal widths, or norms over all heads), and attention needs every position "
-            "of the sequence")
+    return (f"layer {layer.name!r} runs attention that tensor parallelism keeps whole (capture split none of its "
+            "q/k/v projections: a fused q|k|v projection, or norms over all heads), and attention needs every "
+            "position of the sequence")
+
+
+def names_order(graph: ModelGraph):
+    """Sort key: a layer name's position in the graph."""
+    index = {la.name: i for i, la in enumerate(graph.layers)}
+    return index.__getitem__
 
 
 def sequence_span(graph: ModelGraph) -> SequenceSpan:
@@ -489,21 +495,37 @@ def sequence_span(graph: ModelGraph) -> SequenceSpan:
         start += 1
     while last >= start and last in whole:
         last -= 1
-    head_next = last + 1 < len(names) and any(p.kind == "lm_head" for p in graph.layers[last + 1].tp_patterns)
+    # the head takes sequence shards only when it is the vocab-parallel projection alone: a head that transforms
+    # the hidden states first (BERT's dense + norm) would compute replicated weights on one rank's tokens
+    head_next = last + 1 < len(names) and any(p.kind == "lm_head" and p.column == graph.layers[last + 1].modules
+                                              for p in graph.layers[last + 1].tp_patterns)
     return SequenceSpan(scatter_after=names[start - 1], gather_after=None if head_next else names[last],
                         sharded_layers=tuple(names[i] for i in range(start, last + 1) if i not in whole),
                         whole_layers=tuple(names[i] for i in range(start, last + 1) if i in whole))
 
 
-def sequence_parallel_refusal(graph: ModelGraph) -> str | None:
-    """Why sequence parallelism cannot split this model, or None when it can: its input is no token sequence
-    (a conv net's [batch, channels, h, w], whose dim 1 is not a sequence), or no block can run on a sequence
-    shard, so SP would only add collectives."""
+def sequence_parallel_refusal(graph: ModelGraph, tp: int | None = None) -> str | None:
+    """Why sequence parallelism cannot split this model (at tp ranks, when given), or None when it can: its
+    input is no token sequence (a conv net's [batch, channels, h, w], whose dim 1 is not a sequence); the
+    hidden states do not keep one [batch, seq_len, width] shape through the span (an encoder–decoder's second
+    stream, Swin's merged patches: what a layer passes on differs in size); tp does not divide the sequence;
+    or no block can run on a sequence shard, so SP would only add collectives."""
     if not graph.seq_len:
         return (f"{graph.model_name}'s input is not a sequence of tokens (capture found no [batch, tokens, width] "
                 "hidden states: a conv net's dim 1 is channels or height), so nothing can be split along a sequence")
+    if tp and graph.seq_len % tp:
+        return f"tp={tp} does not divide the {graph.seq_len} tokens of {graph.model_name}'s sequence"
     span = sequence_span(graph)
     if any(graph.layer(n).kind == "block" for n in span.sharded_layers):
+        stream = (span.scatter_after, *sorted({*span.sharded_layers, *span.whole_layers}, key=names_order(graph)))
+        sizes = {n: graph.layer(n).boundary_bytes for n in stream}
+        if len(set(sizes.values())) > 1:
+            first = graph.layer(stream[0])
+            other = next(n for n in stream if sizes[n] != first.boundary_bytes)
+            return (f"the hidden states of {graph.model_name} do not keep one shape from {first.name!r} to the "
+                    f"last block: {first.name!r} passes on {first.boundary_bytes} bytes per sample, {other!r} "
+                    f"{sizes[other]} (a second stream, such as an encoder–decoder's, or a sequence that changes "
+                    "length, such as merged patches), so no one sequence dimension runs through it")
         return None
     reasons = [r for la in graph.layers if la.kind == "block" and (r := full_sequence_reason(la))]
     more = f" (and {len(reasons) - 1} more block{'s' if len(reasons) > 2 else ''} alike)" if len(reasons) > 1 else ""

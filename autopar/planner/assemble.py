@@ -101,13 +101,15 @@ def _sequence_note(costs: CostModel, c) -> tuple[str, ...]:
     if c.tp <= 1:
         return ()
     if not c.sequence_parallel:
-        why = sequence_parallel_refusal(costs.graph)
+        why = sequence_parallel_refusal(costs.graph, c.tp)
         return (f"sequence parallelism off: {why}",) if why else ()
     whole = sequence_span(costs.graph).whole_layers
     if not whole:
         return ()
-    return (f"sequence parallelism: {len(whole)} layers ({', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''}) "
-            "run on the full sequence (attention tensor parallelism keeps whole): all-gathered at their input and "
+    names = ", ".join(whole[:3]) + (", ..." if len(whole) > 3 else "")
+    many = len(whole) > 1
+    return (f"sequence parallelism: {len(whole)} layer{'s' if many else ''} ({names}) {'run' if many else 'runs'} "
+            "on the full sequence (attention tensor parallelism keeps whole): all-gathered at their input and "
             "split after, priced so",)
 
 

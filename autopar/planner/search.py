@@ -294,7 +294,7 @@ def _check_layout(costs: CostModel, c: ParallelConfig) -> None:
                                   f"vocabulary); possible tp: {tps}")
     if why := expert_degrees_invalid(g, c.ep, c.etp):
         raise InfeasiblePlanError(f"layout {c}: {why}")
-    if c.sequence_parallel and (why := sequence_parallel_refusal(g)):
+    if c.sequence_parallel and (why := sequence_parallel_refusal(g, c.tp)):
         raise InfeasiblePlanError(f"layout {c}: sequence parallelism is not possible: {why}; set "
                                   "sequence_parallel=False")
     if c.pp * c.virtual_stages > g.num_layers:

@@ -137,9 +137,11 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
     the numerics are the practitioner's choice)."""
     o = options
     out: list[Candidate] = []
-    sps = [False] if sequence_parallel_refusal(graph) else [False, True]  # SP only where it splits a block
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
     schedules = [s for s in SCHEDULES if s not in o.exclude_schedules]
+    # SP where it splits a block (capture.graph.sequence_parallel_refusal)
+    sps = {t: [False, True] if t > 1 and not sequence_parallel_refusal(graph, t) else [False]
+           for t in tp_degrees(graph, devices_per_node)}
     for tp, cp in ((t, c) for t in _pinned(tp_degrees(graph, devices_per_node), o.tp) if world_size % t == 0
                    for c in _pinned(cp_degrees(graph, world_size // t), o.cp)):
         for pp in _pinned(divisors(world_size // (tp * cp)) if world_size % (tp * cp) == 0 else [], o.pp):
@@ -156,7 +158,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                     continue
                 for zero in _zero_stages(dp * cp, zeros, o.zero_stage):
                     for sched, v, n in _schedules(pp, m, graph.num_layers, schedules, o):
-                        for sp in _pinned(sps if tp > 1 else [False], o.sequence_parallel):
+                        for sp in _pinned(sps[tp], o.sequence_parallel):
                             compiles = _pinned([False, True] if cp == 1 else [False], o.compile)
                             for comp, f8, off in itertools.product(compiles, fp8s, offloads):
                                 z = 3 if off == "params" else zero
@@ -234,7 +236,7 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
         return why
     if o.tp is not None and o.tp > 1 and (nothing := graph.no_tensor_parallelism()):
         return f"tp={o.tp} is not possible: {nothing}; leave tp unset or 1"
-    if o.sequence_parallel and (why := sequence_parallel_refusal(graph)):
+    if o.sequence_parallel and (why := sequence_parallel_refusal(graph, o.tp)):
         return f"sequence_parallel=True is not possible: {why}; set sequence_parallel=False or leave it unset"
     if o.tp is not None and o.tp not in tps:
         return (f"tp={o.tp} is not possible: tensor parallelism must divide devices_per_node={devices_per_node} "
