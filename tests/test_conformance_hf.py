@@ -97,10 +97,11 @@ def test_moe_families_dp_tp_pp():
     experts and attention sinks, one logit per head joined to the scores, cut to a rank's heads:
     autopar.codegen.head_bias) under dp2, tp2 (experts replicated over the TP group; with sequence parallelism
     but for DeepSeek-V3, whose MLA tensor parallelism keeps whole: MoE blocks on sequence shards, the gradients
-    of the router and the experts summed over tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the router and the permutation
-    run as the model's own code on every layout; Mixtral and Qwen3-MoE also under tp2 × ep2, the experts
-    folded over the tp pair (Parallel Folding: each tp rank dispatches half the tokens both hold). Expert
-    parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each stage of pp2 × ep2,
+    of the router and the experts summed over tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the
+    router and the permutation run as the model's own code on every layout; Mixtral and Qwen3-MoE also under
+    tp2 × ep2, the experts folded over the tp pair (Parallel Folding: each tp rank dispatches half the tokens
+    both hold). Expert parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each
+    stage of pp2 × ep2,
     ep2 × edp2, ep2 and ep4 folded over tp2) and eight (tests/test_eight_ranks.py). GPT-OSS also with its
     experts tensor-parallel without EP (etp2: biased, interleaved gate|up split over the tp pair)."""
     from hf_families import MOE_FAMILIES

@@ -10,10 +10,10 @@ reference is one process over the whole batch), pp2 with 1F1B (a ViT whose later
 embedding's dtype; T5 cut inside its decoder, the encoder's output carried to the second stage and its
 dropout, called after the embedding and again after the final norm, run where each call is; BART cut
 where an even split falls; conv nets' batch-norm statistics through the runtime's shape inference) and
-tp2 with sequence parallelism wherever the planner may choose it (BERT, RoBERTa and DeiT: their heads
-gathered before they transform the hidden states; not ViT's 17 tokens, nor the encoder–decoders' and Swin's
-streams that change shape) (every attention split by head: BERT's and RoBERTa's post-norm encoder attention, T5's bias-free
-self- and cross-attention with its relative position bias cut to each rank's heads, tied
+tp2 with sequence parallelism wherever the planner may choose it (BERT, RoBERTa, DeiT; the hidden states
+gathered before a head that transforms them, BERT's; not ViT's 17 tokens, nor the encoder–decoders' and
+Swin's streams that change shape), every attention split by head (BERT's and RoBERTa's post-norm encoder attention,
+T5's bias-free self- and cross-attention with its relative position bias cut to each rank's heads, tied
 `shared`/`embed_tokens`/`lm_head` vocab-parallel; Swin's and Swin v2's window attention beside their
 position-bias tables and MLP); conv nets under tp2 are refused (nothing to split). The encoder–decoders
 take their own inputs (ids, mask, decoder ids) under every layout. Losses at every step, final weights
