@@ -20,8 +20,8 @@ take their own inputs (ids, mask, decoder ids) under every layout. Losses at eve
 and buffers (running statistics) element-wise and last gradients per tensor (of its largest entry:
 tests/parity_kinds.py says why) within rtol 1e-4 / atol 1e-5 (tests/test_parity.py's checks).
 tests/test_eight_ranks.py runs T5 under tp2 × pp2 × dp2. The bytes every case's first step all-gathers
-(under tp2: the gradients of per-head tables cut to a rank's heads, codegen/head_bias.py) equal what the
-cost model prices (planner/tp_costs.py).
+(under tp2: the gradients of per-head tables cut to a rank's heads, codegen/head_bias.py, and sequence
+parallelism's gathers) equal what the cost model prices (planner/tp_costs.py).
 """
 
 from __future__ import annotations
@@ -54,9 +54,13 @@ def test_model_kinds_train_as_one_process():
     _check(results)
     for other in per_rank[1:]:
         assert [r["losses"] for r in other if "refused" not in r] == [r["losses"] for r in results]
-    for r in results:  # the all-gathers of per-head tables' gradients (T5, Swin, Swin v2 under tp2) as priced
+    # the all-gathers of per-head tables' gradients (T5, Swin, Swin v2 under tp2) and of sequence parallelism
+    # (BERT, RoBERTa, DeiT under tp2), as priced
+    for r in results:
         assert r["gathered_bytes"] == r["planned_gathered_bytes"], r
-    assert sum(r["gathered_bytes"] > 0 for r in results) == 3
+    gathering = {r["case"].split()[0] for r in results if r["gathered_bytes"] > 0}
+    assert gathering == {"t5", "swin", "swinv2", "bert", "roberta", "deit"}, gathering
+    assert {r["case"].split()[0] for r in results if r["sequence_parallel"]} == {"bert", "roberta", "deit"}
     refusals = [r for r in per_rank[0] if "refused" in r]
     assert len(refusals) == len(REFUSED)
     for r in refusals:
