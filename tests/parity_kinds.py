@@ -121,8 +121,23 @@ def kind_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS,
 
 
 def lm_and_kind_cases(lm_cases: list[tuple[str, dict[str, Any]]], cases: list[tuple[str, dict[str, Any]]],
-                      steps: int = STEPS) -> list[dict[str, Any]]:
-    """Causal-LM parity cases (parity_models.parity_case), then these kinds' (kind_case), in one job."""
-    from parity_models import parity_cases
+                      steps: int = STEPS, refused: tuple[tuple[str, dict[str, Any]], ...] = ()) -> list[dict[str, Any]]:
+    """Causal-LM parity cases (parity_models.parity_case), then these kinds' (kind_case), in one job; then the
+    causal LMs `refused` lists, each `autopar.parallelize(model, Cluster.local(), options=PlannerOptions(**pins))`
+    as a user calls it, which must raise on every rank: the error's class and message."""
+    from parity_models import SEQ, build_model, parity_cases
 
-    return parity_cases(lm_cases, steps) + [kind_case(kind, cfg, steps) for kind, cfg in cases]
+    import autopar
+    from autopar.cluster import Cluster
+
+    out = parity_cases(lm_cases, steps) + [kind_case(kind, cfg, steps) for kind, cfg in cases]
+    for kind, pins in refused:
+        try:
+            autopar.parallelize(build_model(kind), Cluster.local(nproc=2), example_inputs=(torch.zeros(1, SEQ).long(),),
+                                global_batch_size=BATCH, options=autopar.PlannerOptions(**pins), optimizer=optimizer,
+                                loss_fn=lm_cross_entropy)
+        except Exception as e:  # noqa: BLE001 - what a user would see, whatever it is
+            out.append({"case": f"{kind} {pins}", "refused": f"{type(e).__name__}: {e}"})
+        else:
+            out.append({"case": f"{kind} {pins}", "refused": None})
+    return out

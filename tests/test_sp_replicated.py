@@ -40,6 +40,7 @@ PINNED = dict(PLANNER, sequence_parallel=True)
 # Qwen2-MoE and the mixed model with SP pinned on: the planner may pick SP for them, but need not here
 LM_CASES = [("phi3", PLANNER), ("olmoe", PLANNER), ("qwen2_moe", PINNED), ("mixed_attention", PINNED)]
 KIND_CASES = [("convnext", PLANNER)]
+REFUSED = (("phi3", dict(tp=2, sequence_parallel=True, precision="fp32")),)
 NO_SP = {"phi3": "'model.layers.0' runs attention that tensor parallelism keeps whole",
          "olmoe": "'model.layers.0' runs attention that tensor parallelism keeps whole",
          "convnext": "input is not a sequence of tokens"}
@@ -49,7 +50,11 @@ NO_SP = {"phi3": "'model.layers.0' runs attention that tensor parallelism keeps 
 def test_planner_choice_of_sequence_parallelism_trains_as_one_process():
     from parity_kinds import lm_and_kind_cases
 
-    per_rank = run_distributed(lm_and_kind_cases, 2, LM_CASES, KIND_CASES, 3, timeout_s=600)
+    per_rank = run_distributed(lm_and_kind_cases, 2, LM_CASES, KIND_CASES, 3, REFUSED, timeout_s=600)
+    for rank in per_rank:  # pinned SP on Phi-3: refused on every rank, before training, naming the block
+        refusal = rank.pop()["refused"]
+        assert refusal and refusal.startswith("InfeasiblePlanError: sequence_parallel=True is not possible"), refusal
+        assert "'model.layers.0' runs attention that tensor parallelism keeps whole" in refusal, refusal
     results = per_rank[0]
     _check(results)
     for other in per_rank[1:]:

@@ -24,7 +24,7 @@ from typing import Any
 from autopar.capture.moe_spec import MoESpec
 
 __all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "SharedParam", "ModelGraph", "SequenceSpan",
-           "sequence_span", "full_sequence_reason", "sequence_parallel_refusal"]
+           "sequence_span", "full_sequence_reason", "sequence_parallel_refusal", "sequence_parallel_expert_conflict"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
@@ -476,6 +476,20 @@ def full_sequence_reason(layer: LayerSpec) -> str | None:
     return (f"layer {layer.name!r} runs attention that tensor parallelism keeps whole (capture split none of its "
             "q/k/v projections: a fused q|k|v projection, or norms over all heads), and attention needs every "
             "position of the sequence")
+
+
+def sequence_parallel_expert_conflict(graph: ModelGraph, ep: int, etp: int) -> str | None:
+    """Why sequence parallelism cannot join expert parallelism (ep or etp > 1) on this model, or None: expert
+    parallelism under SP takes each tp rank's tokens as its own sequence shard, which a mixture-of-experts layer
+    that runs on the full sequence (`full_sequence_reason`) does not have."""
+    if ep <= 1 and etp <= 1:
+        return None
+    whole = next((la for la in graph.layers if la.moe is not None and full_sequence_reason(la)), None)
+    if whole is None:
+        return None
+    return (f"mixture-of-experts layer {whole.name!r} runs on the full sequence under sequence parallelism "
+            f"({full_sequence_reason(whole)}), but ep={ep}, etp={etp} under SP expects each tp rank's own tokens; "
+            "set ep=1 and etp=1, or sequence_parallel=False")
 
 
 def names_order(graph: ModelGraph):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from autopar.capture.graph import ModelGraph, sequence_parallel_refusal
+from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.config import SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
 
@@ -142,6 +142,7 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
     # SP where it splits a block (capture.graph.sequence_parallel_refusal)
     sps = {t: [False, True] if t > 1 and not sequence_parallel_refusal(graph, t) else [False]
            for t in tp_degrees(graph, devices_per_node)}
+    moe_whole = sequence_parallel_expert_conflict(graph, 2, 2) is not None  # no SP with ep or etp > 1 then
     for tp, cp in ((t, c) for t in _pinned(tp_degrees(graph, devices_per_node), o.tp) if world_size % t == 0
                    for c in _pinned(cp_degrees(graph, world_size // t), o.cp)):
         for pp in _pinned(divisors(world_size // (tp * cp)) if world_size % (tp * cp) == 0 else [], o.pp):
@@ -169,7 +170,8 @@ def enumerate_candidates(graph: ModelGraph, *, world_size: int, devices_per_node
                                                      sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
                                                      offload=off, precision=precision, microbatch_group=n,
                                                      etp=etp)
-                                           for ep in eps for etp in etps[ep])
+                                           for ep in eps for etp in etps[ep]
+                                           if not (sp and moe_whole and max(ep, etp) > 1))
     if not out:
         raise InfeasiblePlanError(_why_empty(graph, world_size, devices_per_node, global_batch_size, o))
     return out
@@ -236,7 +238,8 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
         return why
     if o.tp is not None and o.tp > 1 and (nothing := graph.no_tensor_parallelism()):
         return f"tp={o.tp} is not possible: {nothing}; leave tp unset or 1"
-    if o.sequence_parallel and (why := sequence_parallel_refusal(graph, o.tp)):
+    if o.sequence_parallel and (why := sequence_parallel_refusal(graph, o.tp)
+                                or sequence_parallel_expert_conflict(graph, o.ep or 1, o.etp or 1)):
         return f"sequence_parallel=True is not possible: {why}; set sequence_parallel=False or leave it unset"
     if o.tp is not None and o.tp not in tps:
         return (f"tp={o.tp} is not possible: tensor parallelism must divide devices_per_node={devices_per_node} "
