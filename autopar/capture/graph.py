@@ -492,7 +492,7 @@ def sequence_parallel_expert_conflict(graph: ModelGraph, ep: int, etp: int) -> s
             "set ep=1 and etp=1, or sequence_parallel=False")
 
 
-def names_order(graph: ModelGraph):
+def _layer_position(graph: ModelGraph):
     """Sort key: a layer name's position in the graph."""
     index = {la.name: i for i, la in enumerate(graph.layers)}
     return index.__getitem__
@@ -531,7 +531,7 @@ def sequence_parallel_refusal(graph: ModelGraph, tp: int | None = None) -> str |
         return f"tp={tp} does not divide the {graph.seq_len} tokens of {graph.model_name}'s sequence"
     span = sequence_span(graph)
     if any(graph.layer(n).kind == "block" for n in span.sharded_layers):
-        stream = (span.scatter_after, *sorted({*span.sharded_layers, *span.whole_layers}, key=names_order(graph)))
+        stream = (span.scatter_after, *sorted({*span.sharded_layers, *span.whole_layers}, key=_layer_position(graph)))
         sizes = {n: graph.layer(n).boundary_bytes for n in stream}
         if len(set(sizes.values())) > 1:
             first = graph.layer(stream[0])
