@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar import errors
 from autopar.capture.graph import ModelGraph
 from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
 from autopar.config import ParallelConfig, PlannerOptions, check_options
@@ -146,19 +147,29 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
 
 def _plan_everywhere(graph: ModelGraph, cluster: Any, global_batch_size: int | None, profile: Any,
                      options: PlannerOptions | None) -> Plan:
-    """Plan once on rank 0 and send the plan's JSON to every rank, so all ranks run the same layout."""
+    """Plan once on rank 0 and send the plan's JSON to every rank, so all ranks run the same layout; a plan
+    rank 0 cannot make (a pinned option the model refuses) is raised on every rank, not left to a peer's
+    broken connection."""
     import torch.distributed as dist
 
     if global_batch_size is None:
         raise AutoparError("parallelize(model, cluster, ...) plans first and needs global_batch_size=; "
                            "or pass a Plan from autopar.plan(...)")
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    payload: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        payload = [plan(graph, cluster, global_batch_size=global_batch_size, profile=profile,
-                        options=options).to_dict()]
-    else:
-        payload = [None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            payload = [plan(graph, cluster, global_batch_size=global_batch_size, profile=profile,
+                            options=options).to_dict()]
+        except AutoparError as e:
+            if not shared:
+                raise
+            payload = [(type(e).__name__, str(e))]
+    if shared:
         dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], tuple):
+        kind, message = payload[0]
+        raise getattr(errors, kind, AutoparError)(message)
     return Plan.from_dict(payload[0])
 
 

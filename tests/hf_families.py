@@ -91,10 +91,12 @@ def _moe_families() -> dict[str, Callable[[], nn.Module]]:
                         intermediate_size=32, head_dim=HIDDEN // HEADS, sliding_window=8),
         # PhiMoE routes by sparsemixer (repeated max and Gumbel sampling, no topk): found by its bank's call
         "phimoe": make(hf.PhimoeConfig, hf.PhimoeForCausalLM, **moe, num_local_experts=4, intermediate_size=32),
+        # OLMoE: q and k normalised over all heads at once (OLMo 2's pattern): its attention stays replicated
+        "olmoe": make(hf.OlmoeConfig, hf.OlmoeForCausalLM, **moe, num_experts=4, intermediate_size=32),
     }
 
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe", "phimoe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe", "phimoe", "olmoe")
 
 FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen2", "qwen3", "olmo", "phi3",
             "stablelm", "granite", "gemma2", "phi", "falcon")
@@ -134,6 +136,19 @@ class SkipLM(nn.Module):
         return self.head(self.norm(x + x0) * self.out_scale)
 
 
+def mixed_attention_lm() -> nn.Module:
+    """Llama whose middle block is Phi-3's: its q|k|v in one projection of unequal blocks (4 query heads,
+    1 key/value head), which tensor parallelism keeps whole, between two blocks whose attention it splits."""
+    import transformers as hf
+
+    kw = _common(num_key_value_heads=KV_HEADS, tie_word_embeddings=False, num_hidden_layers=3)
+    cfg, phi3 = hf.LlamaConfig(**kw), hf.Phi3Config(**{**kw, "num_key_value_heads": 1})
+    cfg._attn_implementation = phi3._attn_implementation = "sdpa"
+    model = hf.LlamaForCausalLM(cfg)
+    model.model.layers[1] = hf.models.phi3.modeling_phi3.Phi3DecoderLayer(phi3, 1)
+    return model
+
+
 def build_custom(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"skip_tied": SkipLM}[name]().float()
+    return {"skip_tied": SkipLM, "mixed_attention": mixed_attention_lm}[name]().float()

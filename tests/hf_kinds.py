@@ -2,7 +2,8 @@
 
 Two families of each kind: vision transformers (ViT, DeiT), convolutional nets with batch norm (ResNet,
 RegNet), encoder masked LMs (BERT, RoBERTa), encoder–decoders (T5, BART) and windowed-attention vision
-models (Swin, Swin v2). Sizes follow the CI budget: 2 layers (or stages), hidden 32–64, sequences of 16
+models (Swin, Swin v2); and ConvNeXt, a conv net whose blocks run a channels-last MLP (no sequence: never
+sequence-parallel). Sizes follow the CI budget: 2 layers (or stages), hidden 32–64, sequences of 16
 tokens or 16 patches, vocabulary 128, fp32, dropout 0. `example(kind, batch)` gives the inputs a model
 is captured with and `batch(kind, batch, seed)` one training batch `(inputs, targets)`: inputs a dict of
 the model's keyword inputs, targets what `lm_cross_entropy` compares the logits with (class labels of
@@ -21,7 +22,7 @@ VOCAB, HIDDEN, HEADS, LAYERS, FFN, SEQ, DEC_SEQ, CLASSES, IMAGE = 128, 64, 4, 2,
 KINDS = {"vit": "vision transformer", "deit": "vision transformer", "resnet": "conv net with batch norm",
          "regnet": "conv net with batch norm", "bert": "encoder masked LM", "roberta": "encoder masked LM",
          "t5": "encoder-decoder", "bart": "encoder-decoder", "swin": "windowed attention",
-         "swinv2": "windowed attention"}
+         "swinv2": "windowed attention", "convnext": "conv net with a channels-last MLP"}
 
 
 def _builders() -> dict[str, Callable[[], nn.Module]]:
@@ -65,6 +66,9 @@ def _builders() -> dict[str, Callable[[], nn.Module]]:
                      attention_dropout=0.0, activation_dropout=0.0, bos_token_id=2, eos_token_id=3, **seq2seq),
         "swin": make(hf.SwinConfig, hf.SwinForImageClassification, attention=None, **swin),
         "swinv2": make(hf.Swinv2Config, hf.Swinv2ForImageClassification, attention=None, **swin),
+        # depthwise conv, then a channels-last norm and pointwise MLP (split by TP) and a layer scale
+        "convnext": make(hf.ConvNextConfig, hf.ConvNextForImageClassification, attention=None, num_stages=2,
+                         image_size=IMAGE, drop_path_rate=0.0, **conv),
     }
 
 
@@ -75,7 +79,8 @@ def build_kind(kind: str, seed: int = 0) -> nn.Module:
 
 
 def _is_vision(kind: str) -> bool:
-    return KINDS[kind] in ("vision transformer", "conv net with batch norm", "windowed attention")
+    return KINDS[kind] in ("vision transformer", "conv net with batch norm", "windowed attention",
+                           "conv net with a channels-last MLP")
 
 
 def batch(kind: str, size: int, seed: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -16,15 +16,13 @@ from typing import Any
 import capture_cache
 import torch
 from hf_kinds import batch, build_kind, example
-from parity_models import RTOL, excess, make_plan, optimizer
-from torch.utils._python_dispatch import TorchDispatchMode
+from parity_models import RTOL, Gathers, excess, make_plan, optimizer, planned_gathers
 from torch.utils._pytree import tree_map
 
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.dataflow import model_logits
 from autopar.codegen.state import full_gradients
 from autopar.errors import PlanMismatchError
-from autopar.planner.tp_costs import tp_collectives
 
 BATCH, STEPS = 8, 3
 _GRAPHS: dict[str, Any] = {}
@@ -72,28 +70,6 @@ def scaled_excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
     return per[worst], worst
 
 
-class _Gathers(TorchDispatchMode):
-    """Bytes of every all-gather a step issues (functional collectives' outputs: nccl-tests' convention)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ == "all_gather_into_tensor":
-            self.n_bytes += out.numel() * out.element_size()
-        return out
-
-
-def planned_gathers(graph, config) -> int:
-    """The all-gather bytes the cost model prices for one step (tp_collectives, as planner/comm_costs.py)."""
-    return config.num_microbatches * sum(
-        c.n_bytes for la in graph.layers for c in tp_collectives(graph, la, tp=config.tp, sp=config.sequence_parallel,
-                                                                 micro_batch=config.micro_batch_size)
-        if c.op == "all_gather" and c.phase != "step")
-
-
 def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
     """Run in every rank: the parallel losses per step, the reference's, and the largest weight/gradient error."""
     model = build_kind(kind)
@@ -106,7 +82,7 @@ def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str
                                                        plan.config.num_microbatches)
     pm = parallelize(model, plan, graph=graph, example_kwargs=example(kind), optimizer=optimizer,
                      loss_fn=lm_cross_entropy)
-    gathers = _Gathers()
+    gathers = Gathers()
     with gathers:  # the first step's all-gathers, against what the cost model prices (tp only: no ZeRO-3)
         losses = [pm.train_step(pm.local_batch(data[0][0]), pm.local_batch(data[0][1]))]
     losses += [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data[1:]]
@@ -114,7 +90,8 @@ def kind_case(kind: str, config: dict[str, Any], steps: int = STEPS) -> dict[str
     grads = full_gradients(pm.modules, pm.mesh["pp"])
     weight_excess, weight_key = excess(full, ref_state)
     grad_excess, grad_key = scaled_excess(grads, ref_grads)
-    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses,
+    return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses, "config": str(plan.config),
+            "sequence_parallel": plan.config.sequence_parallel, "notes": plan.estimate.notes,
             "weight_excess": weight_excess, "weight_key": weight_key,
             "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state)),
@@ -132,4 +109,27 @@ def kind_cases(cases: list[tuple[str, dict[str, Any]]], steps: int = STEPS,
             out.append({"case": f"{kind} {cfg}", "refused": str(e)})
         else:
             out.append({"case": f"{kind} {cfg}", "refused": None})
+    return out
+
+
+def lm_and_kind_cases(lm_cases: list[tuple[str, dict[str, Any]]], cases: list[tuple[str, dict[str, Any]]],
+                      steps: int = STEPS, refused: tuple[tuple[str, dict[str, Any]], ...] = ()) -> list[dict[str, Any]]:
+    """Causal-LM parity cases (parity_models.parity_case), then these kinds' (kind_case), in one job; then the
+    causal LMs `refused` lists, each `autopar.parallelize(model, Cluster.local(), options=PlannerOptions(**pins))`
+    as a user calls it, which must raise on every rank: the error's class and message."""
+    from parity_models import SEQ, build_model, parity_cases
+
+    import autopar
+    from autopar.cluster import Cluster
+
+    out = parity_cases(lm_cases, steps) + [kind_case(kind, cfg, steps) for kind, cfg in cases]
+    for kind, pins in refused:
+        try:
+            autopar.parallelize(build_model(kind), Cluster.local(nproc=2), example_inputs=(torch.zeros(1, SEQ).long(),),
+                                global_batch_size=BATCH, options=autopar.PlannerOptions(**pins), optimizer=optimizer,
+                                loss_fn=lm_cross_entropy)
+        except Exception as e:  # noqa: BLE001 - what a user would see, whatever it is
+            out.append({"case": f"{kind} {pins}", "refused": f"{type(e).__name__}: {e}"})
+        else:
+            out.append({"case": f"{kind} {pins}", "refused": None})
     return out

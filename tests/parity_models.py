@@ -14,14 +14,17 @@ import capture_cache
 import torch
 from hf_families import FAMILIES, MOE_FAMILIES, OTHER_FAMILIES, build_custom, build_family
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern, sequence_parallel_refusal
+from autopar.cluster import Cluster
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.float8 import convert_float8, float8_linear_names, is_float8_linear
 from autopar.codegen.state import full_gradients
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, PlannerOptions
 from autopar.plan import BREAKDOWN_KEYS, Estimate, Plan, StagePlan
+from autopar.planner.tp_costs import tp_collectives
 
 SEQ, BATCH, VOCAB, HIDDEN, HEADS, LAYERS = 16, 8, 128, 64, 4, 2
 LR, STEPS = 1e-3, 5
@@ -37,7 +40,7 @@ def optimizer(params):
 def build_model(kind: str, seed: int = 0) -> nn.Module:
     if kind in FAMILIES or kind in MOE_FAMILIES or kind in OTHER_FAMILIES:
         return build_family(kind, seed)
-    if kind == "skip_tied":
+    if kind in ("skip_tied", "mixed_attention"):
         return build_custom(kind, seed)
     torch.manual_seed(seed)
     if kind == "gpt":
@@ -106,7 +109,15 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None,
               stage_sizes: tuple[int, ...] | None = None, **config: Any) -> Plan:
     """A plan with `config`, layers cut into pp·v contiguous chunks as evenly as possible (chunk i on rank i mod pp),
     or of `stage_sizes` layers each (to cut where an even split would not); `layer_recompute` (layer name → mode)
-    overrides config.recompute for those layers."""
+    overrides config.recompute for those layers.
+    sequence_parallel="planner": on wherever the planner may choose it under tp (off where it refuses it for the
+    model, autopar.capture.graph.sequence_parallel_refusal), so the case trains whatever the planner picks.
+    planner=True: the planner's own plan (`planner_plan`), the other keys its pins."""
+    if config.pop("planner", False):
+        return planner_plan(graph, **config)
+    if config.get("sequence_parallel") == "planner":
+        tp = config.get("tp", 1)
+        config["sequence_parallel"] = tp > 1 and sequence_parallel_refusal(graph, tp) is None
     config.setdefault("micro_batch_size", BATCH // (config.get("dp", 1) * config.get("num_microbatches", 1)))
     config.setdefault("precision", "fp32")  # parity at rtol 1e-4 is fp32 arithmetic; bf16 has its own tests
     cfg = ParallelConfig(**config)
@@ -126,6 +137,14 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None,
     return Plan(config=cfg, stages=stages, estimate=est, model_name=graph.model_name,
                 graph_fingerprint=graph.fingerprint, cluster_name="local", cluster_fingerprint="-",
                 global_batch_size=cfg.global_batch_size, seq_len=graph.seq_len)
+
+
+def planner_plan(graph: ModelGraph, **pins: Any) -> Plan:
+    """What `autopar.plan` picks for `graph` on two local gloo ranks at the suite's global batch, in fp32 and eager
+    (parity at rtol 1e-4; no compile in CI), `pins` (PlannerOptions fields) pinned and every other choice its
+    own, sequence parallelism included."""
+    options = PlannerOptions(top_k=0, precision="fp32", compile=False, **pins)
+    return autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=BATCH, options=options)
 
 
 def pipeline_failing_on_rank1(message: str) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
@@ -181,6 +200,28 @@ def excess(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
     return per[worst], worst
 
 
+class Gathers(TorchDispatchMode):
+    """Bytes of every all-gather a step issues (functional collectives' outputs: nccl-tests' convention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "all_gather_into_tensor":
+            self.n_bytes += out.numel() * out.element_size()
+        return out
+
+
+def planned_gathers(graph, config) -> int:
+    """The all-gather bytes the cost model prices for one step (tp_collectives, as planner/comm_costs.py)."""
+    return config.num_microbatches * sum(
+        c.n_bytes for la in graph.layers for c in tp_collectives(graph, la, tp=config.tp, sp=config.sequence_parallel,
+                                                                 micro_batch=config.micro_batch_size)
+        if c.op == "all_gather" and c.phase != "step")
+
+
 _GRAPHS: dict[tuple[str, int], ModelGraph] = {}
 _REFERENCES: dict[tuple, tuple] = {}
 
@@ -208,7 +249,10 @@ def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS, seq: int 
         _REFERENCES[kind, steps, seq, fp8, names, chunks] = train_reference(reference, data, chunks)
     ref_losses, ref_state, ref_grads = _REFERENCES[kind, steps, seq, fp8, names, chunks]
     pm = parallelize(model, plan, graph=graph, optimizer=optimizer, loss_fn=lm_cross_entropy)
-    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data]
+    gathers = Gathers()
+    with gathers:  # the first step's all-gathers, to compare with what the cost model prices
+        losses = [pm.train_step(pm.local_batch(data[0][0]), pm.local_batch(data[0][1]))]
+    losses += [pm.train_step(pm.local_batch(x), pm.local_batch(t)) for x, t in data[1:]]
     full = pm.full_state_dict()
     grads = full_gradients(pm.modules, pm.mesh["pp"])
     weight_excess, weight_key = excess(full, ref_state)
@@ -218,7 +262,9 @@ def parity_case(kind: str, config: dict[str, Any], steps: int = STEPS, seq: int 
     experts = {name: (pm.experts.rank, pm.experts.local_experts[name]) for name in pm.experts.banks} \
         if pm.experts is not None else {}
     return {"case": f"{kind} {config}", "losses": losses, "ref_losses": ref_losses, "float8_linears": float8,
-            "experts": experts,
+            "experts": experts, "config": str(plan.config), "sequence_parallel": plan.config.sequence_parallel,
+            "notes": plan.estimate.notes, "gathered_bytes": gathers.n_bytes,
+            "planned_gathered_bytes": planned_gathers(graph, plan.config),
             "weight_excess": weight_excess, "weight_key": weight_key,
             "grad_excess": grad_excess, "grad_key": grad_key, "grad_names": sorted(grads),
             "missing": sorted(set(ref_state) - set(full)), "extra": sorted(set(full) - set(ref_state))}

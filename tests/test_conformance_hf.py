@@ -2,7 +2,8 @@
 
 Each family (tests/hf_families.py: tied and untied embeddings, position embeddings added beside the
 token embedding, model-level rotary tables, fused q|k|v and gate|up projections, parallel
-attention/MLP blocks, logit soft-capping) runs 3 AdamW steps under dp2, tp2 and pp2 with 1F1B;
+attention/MLP blocks, logit soft-capping) runs 3 AdamW steps under dp2, tp2 (with sequence parallelism
+wherever the planner may choose it) and pp2 with 1F1B;
 GPT-2 and Gemma also under tp2×dp2, Gemma under tp2×pp2×dp2 with ZeRO-3 (with Llama,
 in tests/test_eight_ranks.py). Each is compared with the same initial model trained on one process on the
 whole batch: losses at every step, final weights and last gradients within rtol 1e-4 / atol 1e-5,
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.multiproc
 
 STEPS = 3
 PP = dict(pp=2, num_microbatches=2, schedule="1f1b")
+# tp2 with sequence parallelism wherever the planner may choose it: off only for the families it refuses it
+# (attention TP keeps whole in every block: GPT-2, GPT-NeoX, Phi-3, Falcon, DeepSeek-V3's MLA)
+TP = dict(tp=2, sequence_parallel="planner")
 
 
 def _run(cases: list, world_size: int, timeout_s: float = 600.0) -> None:
@@ -41,7 +45,7 @@ def test_families_data_parallel(half):
 
 @pytest.mark.parametrize("half", [0, 1])
 def test_families_tensor_parallel(half):
-    _run([(f, dict(tp=2)) for f in FAMILIES[half::2]], 2)
+    _run([(f, TP) for f in FAMILIES[half::2]], 2)
 
 
 @pytest.mark.parametrize("half", [0, 1])
@@ -91,17 +95,18 @@ def test_moe_families_dp_tp_pp():
     """Mixture-of-experts families (tests/hf_families.py MOE_FAMILIES: Mixtral, Qwen3-MoE, DeepSeek-V3 with
     multi-head latent attention, a shared expert and a dense first layer, GPT-OSS with biased, transposed
     experts and attention sinks, one logit per head joined to the scores, cut to a rank's heads:
-    autopar.codegen.head_bias) under dp2, tp2 (experts replicated over the TP group; Mixtral also with
-    sequence parallelism, its MoE block on sequence shards, the gradients of the router and the experts
-    summed over tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the router and the permutation
-    run as the model's own code on every layout; Mixtral and Qwen3-MoE also under tp2 × ep2, the experts
-    folded over the tp pair (Parallel Folding: each tp rank dispatches half the tokens both hold). Expert
-    parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each stage of pp2 × ep2,
+    autopar.codegen.head_bias) under dp2, tp2 (experts replicated over the TP group; with sequence parallelism
+    but for DeepSeek-V3, whose MLA tensor parallelism keeps whole: MoE blocks on sequence shards, the gradients
+    of the router and the experts summed over tp) and pp2 1F1B, in one gloo job: the grouped-GEMM experts, the
+    router and the permutation run as the model's own code on every layout; Mixtral and Qwen3-MoE also under
+    tp2 × ep2, the experts folded over the tp pair (Parallel Folding: each tp rank dispatches half the tokens
+    both hold). Expert parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each
+    stage of pp2 × ep2,
     ep2 × edp2, ep2 and ep4 folded over tp2) and eight (tests/test_eight_ranks.py). GPT-OSS also with its
     experts tensor-parallel without EP (etp2: biased, interleaved gate|up split over the tp pair)."""
     from hf_families import MOE_FAMILIES
 
     families = MOE_FAMILIES[:4]
-    _run([(f, dict(dp=2)) for f in families] + [(f, dict(tp=2)) for f in families]
-         + [(f, PP) for f in families] + [("mixtral", dict(tp=2, sequence_parallel=True))]
+    _run([(f, dict(dp=2)) for f in families] + [(f, TP) for f in families]
+         + [(f, PP) for f in families]
          + [(f, dict(tp=2, ep=2)) for f in families[:2]] + [("gpt_oss", dict(tp=2, etp=2))], 2)

@@ -6,8 +6,11 @@ Per pattern, with tp ranks:
   `row` linear its input features. The pattern's input is turned into a DTensor once, at the
   module that owns the pattern (the common parent of its linears), so the column linears share one
   input: forward needs one all-reduce (the row output) and backward one (the input gradient).
-  With sequence parallelism the input is all-gathered along the sequence and the row output
-  reduce-scattered back to sequence shards instead; norms run on sequence shards.
+  With sequence parallelism the input is all-gathered along the tokens (dim -2: the sequence of
+  [b, s, h], or the flattened tokens [b·s, h] an MoE block hands its shared expert) and the row output
+  reduce-scattered back to token shards instead; norms run on sequence shards. A layer that must see the
+  whole sequence (capture.graph.SequenceSpan.whole_layers) is all-gathered at its input and split again
+  after it, its patterns as without sequence parallelism.
 - "embedding": vocabulary-parallel embedding (one all-reduce forward); with sequence parallelism
   the embedding layer's output is then split along the sequence.
 - "lm_head": vocabulary-parallel output projection; the logits stay sharded over the vocabulary
@@ -44,6 +47,9 @@ __all__ = ["HEAD_COUNT_ATTRS", "HEAD_WIDTH_ATTRS", "SequenceSpan", "sequence_spa
 # Attribute names that models use for (local) head counts; rewritten to count / tp.
 HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
                     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_kv_heads")
+# The tokens of a pattern's input and row output under sequence parallelism: the dim before the features,
+# the sequence of [b, s, h] or the flattened tokens of [b·s, h] (DTensor normalises the negative dim).
+TOKENS = Shard(-2)
 # Attribute names for the concatenated width of the heads (BART-style attention reshapes with them).
 HEAD_WIDTH_ATTRS = ("embed_dim", "all_head_size", "inner_dim", "kv_dim")
 
@@ -60,16 +66,27 @@ def _first_tensor_slot(args: tuple, kwargs: dict) -> tuple[str, object]:
                             "the pattern's parent module must take the hidden states as its first input")
 
 
-def _shared_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool):
-    """Pre-hook: local activation → one replicated DTensor for all column linears of a pattern."""
+def _shared_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool, name: str, features: int):
+    """Pre-hook: local activation → one replicated DTensor for all column linears of a pattern.
+
+    An input that is not the columns' (`features` wide in its last dim: a ConvNeXt block's channels-first
+    image, which the block convolves and permutes before its pointwise MLP) is left as it is: each column
+    linear then converts its own input (one more all-reduce of the input gradient per column)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         kind, slot = _first_tensor_slot(args, kwargs)
         x = args[slot] if kind == "arg" else kwargs[slot]
         if isinstance(x, DTensor):
             return None
-        if sequence_parallel:
-            x = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()])
+        if x.dim() < 2 or x.size(-1) != features:
+            if sequence_parallel:
+                raise PlanMismatchError(
+                    f"module {name!r} ({type(module).__name__}) takes {tuple(x.shape)}, not the {features} features "
+                    "its tensor-parallel linears read, so its sequence shard cannot be gathered there; re-plan with "
+                    "sequence_parallel=False")
+            return None
+        if sequence_parallel:  # this rank's tokens: the sequence of [b, s, h] or the flattened [b·s, h]
+            x = DTensor.from_local(x, tp_mesh, [TOKENS], run_check=False).redistribute(tp_mesh, [Replicate()])
         else:
             x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
         if kind == "arg":
@@ -79,14 +96,48 @@ def _shared_input_hook(tp_mesh: DeviceMesh, sequence_parallel: bool):
     return hook
 
 
+def _gather(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence shard → the full sequence (backward: keep this rank's shard of the gradient)."""
+    return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
+
+
+def _split(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """The full sequence → this rank's shard (backward: all-gather the gradient)."""
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]).to_local()
+
+
+def _on_first_tensor(out: object, fn) -> object:
+    """`out` with fn applied to its tensor, or to the first tensor of a tuple (a layer returning extras)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (fn(out[0]), *out[1:])
+    raise PlanMismatchError(f"a layer returned {type(out).__name__} under sequence parallelism; it must return the "
+                            "hidden states (a tensor, or a tuple that starts with them). Re-plan with "
+                            "sequence_parallel=False")
+
+
 def _gather_sequence_hook(tp_mesh: DeviceMesh):
     """Forward hook: sequence-shard local output → full sequence (backward: keep this rank's shard)."""
 
-    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        shard = DTensor.from_local(out, tp_mesh, [Shard(1)], run_check=False)
-        return shard.redistribute(tp_mesh, [Replicate()]).to_local()
+    def hook(module: nn.Module, args: tuple, out: object) -> object:
+        return _on_first_tensor(out, lambda t: _gather(t, tp_mesh))
 
     return hook
+
+
+def _whole_sequence_hooks(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A layer that must see the whole sequence inside the sequence-parallel span: its input is gathered
+    from the ranks' shards, its output split again (backward: the reverse)."""
+
+    def gather_input(mod: nn.Module, args: tuple, kwargs: dict):
+        kind, slot = _first_tensor_slot(args, kwargs)
+        if kind == "arg":
+            return (_gather(args[slot], tp_mesh), *args[1:]), kwargs
+        return args, {**kwargs, slot: _gather(kwargs[slot], tp_mesh)}
+
+    module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
+    module.register_forward_hook(lambda mod, args, out: _on_first_tensor(out, lambda t: _split(t, tp_mesh)))
 
 
 def _scatter_input_hook(tp_mesh: DeviceMesh):
@@ -98,8 +149,7 @@ def _scatter_input_hook(tp_mesh: DeviceMesh):
         x = args[slot] if kind == "arg" else kwargs[slot]
         if isinstance(x, DTensor):
             return None
-        shard = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)])
-        x = shard.to_local()
+        x = _split(x, tp_mesh)
         if kind == "arg":
             return (x, *args[1:]), kwargs
         return args, {**kwargs, slot: x}
@@ -214,6 +264,8 @@ def _replicate_inner_params(module: nn.Module, owner: str, pattern: TPPattern, t
         if not own or heads and any(heads in p.shape for p in own):
             continue
         width = own[0].size(-1) if own[0].dim() else 1
+        features = name != owner and own[0].dim() <= 2  # a convolution's last dim is its kernel, not features;
+        # the owner's own parameters act wherever its code applies them, not on its input
         per_head = head_dim and width == head_dim and is_norm(sub)
         scalar = all(p.numel() == 1 for p in own) and tight and name != owner
         if per_head or scalar:
@@ -223,7 +275,7 @@ def _replicate_inner_params(module: nn.Module, owner: str, pattern: TPPattern, t
                 f"module {name!r} ({type(sub).__name__}) holds parameters inside the tensor-parallel region of "
                 f"{owner!r} that autopar cannot place (per-head or scalar, not in an attention or MLP "
                 "sub-module); re-plan with tp=1 for this model")
-        else:
+        elif features:
             sub.register_forward_pre_hook(_width_check(name, width), with_kwargs=True)
 
 
@@ -243,8 +295,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
     label shifting) and its cross-entropy runs vocab-parallel under DTensor's loss_parallel."""
     tp = tp_mesh.size()
     span = sequence_parallel
-    sp = span is not None
     for layer in layers:
+        sp = span is not None and span.runs_sharded(layer.name)  # this layer's stream is sequence shards
         for pattern in layer.tp_patterns:
             _check_divisible(layer, pattern, tp)
             if pattern.kind in ("mlp", "attention"):
@@ -262,7 +314,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                                                                                {"input_layouts": col_in}))
                     for name in pattern.column}
                 plan.update({name: tp_style(module.get_submodule(name), "rowwise",
-                                            output_layouts=Shard(1) if sp else Replicate())
+                                            output_layouts=TOKENS if sp else Replicate())
                              for name in pattern.row})
                 parallelize_module(module, tp_mesh, plan)
                 for name in pattern.row:
@@ -271,8 +323,10 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 _replicate_inner_params(module, owner, pattern, tp_mesh, tight=shared_input,
                                         sharded=frozenset(n for p in layer.tp_patterns for n in (*p.column, *p.row)))
                 if shared_input:
-                    module.get_submodule(inlet).register_forward_pre_hook(_shared_input_hook(tp_mesh, sp),
-                                                                          with_kwargs=True)
+                    first = module.get_submodule(pattern.column[0])
+                    features = getattr(first, "in_features", None) or first.weight.shape[-1]
+                    module.get_submodule(inlet).register_forward_pre_hook(
+                        _shared_input_hook(tp_mesh, sp, inlet, features), with_kwargs=True)
                 if pattern.kind == "attention":
                     _rewrite_head_counts(owner_module, pattern, tp)
                     cut_head_outputs(owner_module, {module.get_submodule(n) for n in (*pattern.column, *pattern.row)},
@@ -301,6 +355,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
         if span is not None and span.sharded_layers and layer.name == span.sharded_layers[0]:
             _layer_module(module, layer).register_forward_pre_hook(_scatter_input_hook(tp_mesh), with_kwargs=True,
                                                                    prepend=True)
+        if span is not None and layer.name in span.whole_layers:
+            _whole_sequence_hooks(_layer_module(module, layer), tp_mesh)
         # after the layer's own hooks, so this sees its final (local) output
         if span is not None and layer.name == span.gather_after:
             _layer_module(module, layer).register_forward_hook(_gather_sequence_hook(tp_mesh))

@@ -8,6 +8,7 @@ data-parallel communication plus the optimizer step.
 
 from __future__ import annotations
 
+from autopar.capture.graph import sequence_parallel_refusal, sequence_span
 from autopar.plan import Estimate, Plan, SolverInfo, StagePlan
 from autopar.planner.band import layout_band
 from autopar.planner.costs import CostModel
@@ -77,7 +78,7 @@ def build_estimate(solved: Solved, costs: CostModel) -> Estimate:
                     fits=sol.feasible, violated=sol.violated, memory_breakdown=dict(by_rank[top]),
                     memory_capacity_bytes=int(costs.memory.usable_bytes),
                     reserved_bytes=int(memory.reserved_bytes(max(totals), costs.memory.usable_bytes)),
-                    notes=solved.notes + _eager_note(costs, c) + _batch_norm_note(costs, c),
+                    notes=solved.notes + _eager_note(costs, c) + _batch_norm_note(costs, c) + _sequence_note(costs, c),
                     **({} if band is None else {"band_lo": band.lo, "band_hi": band.hi, "band_runs": band.runs,
                                                 "band_basis": band.basis}))
 
@@ -92,6 +93,24 @@ def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
     return (f"unfused eager kernels: each block runs {count} memory-bound kernels per forward (norms, "
             f"activations, rotary, residuals), each reading and writing HBM: {share:.0%} of its compute, priced "
             "so; fused kernels or compiled blocks (--compile) would spend less",)
+
+
+def _sequence_note(costs: CostModel, c) -> tuple[str, ...]:
+    """Under tp: why sequence parallelism is off when the model cannot use it, or which layers run on the full
+    sequence under it (capture.graph.sequence_span)."""
+    if c.tp <= 1:
+        return ()
+    if not c.sequence_parallel:
+        why = sequence_parallel_refusal(costs.graph, c.tp)
+        return (f"sequence parallelism off: {why}",) if why else ()
+    whole = sequence_span(costs.graph).whole_layers
+    if not whole:
+        return ()
+    names = ", ".join(whole[:3]) + (", ..." if len(whole) > 3 else "")
+    many = len(whole) > 1
+    return (f"sequence parallelism: {len(whole)} layer{'s' if many else ''} ({names}) {'run' if many else 'runs'} "
+            "on the full sequence (attention tensor parallelism keeps whole): all-gathered at their input and "
+            "split after, priced so",)
 
 
 def _batch_norm_note(costs: CostModel, c) -> tuple[str, ...]:

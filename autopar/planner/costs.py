@@ -20,7 +20,9 @@ its in-flight micro-batches and memory capacity. Data-parallel collectives overl
 communication runs beside it (NCCL on its own CUDA stream) and the runtime issues them during the
 passes: FSDP2 (ZeRO-2/3) prefetches all-gathers during forward and reduce-scatters during backward, so
 one micro-batch's forward and backward (β) hide them; autopar's ZeRO-0/1 reduce after backward; gloo
-shares the CPU cores.
+shares the CPU cores. Under sequence parallelism a layer that must see the whole sequence
+(capture.graph.full_sequence_reason: attention TP keeps whole) has its kernels, activations and expert
+tokens priced at the full sequence; comm_costs prices the gather and split around it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from autopar.capture.graph import ModelGraph
+from autopar.capture.graph import ModelGraph, full_sequence_reason
 from autopar.config import ParallelConfig
 from autopar.planner.comm_costs import CommCosts
 from autopar.planner.compute_costs import ADAM_BYTES_PER_PARAM, ComputeCosts
@@ -90,6 +92,8 @@ class CostModel:
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
                               host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p, ep_dispatcher=ep_dispatcher)
+        # runs that run on the full sequence under SP (priced without it, but for their gather and split)
+        self._full_sequence = tuple(full_sequence_reason(g[0]) is not None for g in self.memory.runs)
         self._runs = lru_cache(maxsize=None)(self._run_list)
         self._run_of = lru_cache(maxsize=None)(self._one_run)
         self._passes = lru_cache(maxsize=None)(self._layer_passes)
@@ -161,7 +165,8 @@ class CostModel:
         need = 0.0
         for ri, group in enumerate(self.memory.runs):
             ep, etp = (c.ep, c.etp) if group[0].moe is not None else (1, 1)
-            acts = self.memory.activation_bytes(ri, c.tp, c.sequence_parallel, c.micro_batch_size, c.compile)
+            acts = self.memory.activation_bytes(ri, c.tp, self._run_sp(ri, c.sequence_parallel), c.micro_batch_size,
+                                                c.compile)
             need += len(group) * (self.memory.run_state_bytes(ri, c.tp, c.zero_stage, c.shard_group, ep, c.offload,
                                                               pipelined, etp)
                                   + phi * min(acts[k] for k in ks) / c.cp)
@@ -198,8 +203,9 @@ class CostModel:
         """One layer of run ri's kernels, TP and expert collectives and context-parallel terms per micro-batch
         (what `_one_run` and `floor` share)."""
         share = mbs / cp  # Candidate.tokens_share: each rank runs 1/cp of every sequence
+        tp_s = self.comm.tp_times(ri, tp, sp, share)  # the span says which layers run sharded
+        sp = self._run_sp(ri, sp)
         t = self.compute.run(ri, tp, sp, share, compiled, ep, fp8, gathered, dp, etp)
-        tp_s = self.comm.tp_times(ri, tp, sp, share)
         ep_s = self.comm.ep_times(ri, tp, sp, share, ep, cp, etp)
         cp_s = cp_layer_costs(self.graph, self.memory.runs[ri][0], tp=tp, cp=cp, micro_batch=mbs,
                               elem=self.memory.elem,
@@ -209,6 +215,10 @@ class CostModel:
                                                      for b in (False, True)) if cp > 1 else (0.0, 0.0),
                               collective_s=self.comm.collective_s, devices_per_node=self.devices_per_node)
         return t, tp_s, ep_s, cp_s
+
+    def _run_sp(self, ri: int, sp: bool) -> bool:
+        """Whether run ri computes on sequence shards under a layout with sequence parallelism `sp`."""
+        return sp and not self._full_sequence[ri]
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         # a run without experts is priced alike at every ep and etp: one Run shared by those candidates
@@ -243,7 +253,7 @@ class CostModel:
         if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
             m = c.num_microbatches
             compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
-        saved = mem.activation_bytes(ri, c.tp, sp, c.micro_batch_size, c.compile, c.ep, c.etp)
+        saved = mem.activation_bytes(ri, c.tp, self._run_sp(ri, sp), c.micro_batch_size, c.compile, c.ep, c.etp)
         acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
                      for a, k in zip(saved, MODES, strict=True))
         local = mem.run_local_params(ri, c.tp, c.ep, c.etp)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from autopar.capture.graph import ModelGraph
+from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.capture.loss_mode import LOSS_FN, describe_loss_mode, loss_mode, own_loss_target
 from autopar.checks import close
 from autopar.errors import PlanMismatchError
@@ -47,6 +47,10 @@ def check_plan_for_graph(plan: Plan, graph: ModelGraph, *, where: str = "plan",
                 raise plan_error(where, f"layer {layer.name}: tp={plan.config.tp} does not divide its {pattern.kind} "
                                  f"pattern (heads={pattern.num_heads}, kv heads={pattern.num_kv_heads}, "
                                  f"vocab={pattern.vocab_size})")
+    cfg = plan.config
+    if cfg.sequence_parallel and (why := sequence_parallel_refusal(graph, cfg.tp)
+                                  or sequence_parallel_expert_conflict(graph, cfg.ep, cfg.etp)):
+        raise plan_error(where, f"sequence_parallel is on but {why}; re-plan with sequence_parallel=False")
     if plan.seq_len != graph.seq_len:
         raise plan_error(where, f"seq_len = {plan.seq_len} but the model's example input has {graph.seq_len} tokens")
     flops = plan.global_batch_size * (priced.forward_flops + priced.backward_flops)

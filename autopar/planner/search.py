@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from autopar.capture.graph import sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
 from autopar.planner.band import pessimism
@@ -301,6 +302,10 @@ def _check_layout(costs: CostModel, c: ParallelConfig) -> None:
         raise InfeasiblePlanError(f"layout {c}: {why}")
     if why := expert_degrees_invalid(g, c.ep, c.etp):
         raise InfeasiblePlanError(f"layout {c}: {why}")
+    if c.sequence_parallel and (why := sequence_parallel_refusal(g, c.tp)
+                                or sequence_parallel_expert_conflict(g, c.ep, c.etp)):
+        raise InfeasiblePlanError(f"layout {c}: sequence parallelism is not possible: {why}; set "
+                                  "sequence_parallel=False")
     if c.pp * c.virtual_stages > g.num_layers:
         raise InfeasiblePlanError(f"pp·v = {c.pp * c.virtual_stages} stages exceed the {g.num_layers} layers of "
                                   f"{g.model_name}; lower pp or virtual_stages")

@@ -18,7 +18,7 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from autopar.capture.graph import ModelGraph
+from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.config import OFFLOAD_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
 from autopar.planner.rules import MIN_CP_CHUNK, cp_invalid, divisors, tp_invalid
@@ -159,6 +159,11 @@ def _candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, gl
     out: list[Candidate] = []
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
     schedules = [s for s in SCHEDULES if s not in o.exclude_schedules]
+    # SP where it splits a block (capture.graph.sequence_parallel_refusal); none with ep/etp > 1 where an MoE
+    # layer must run on the full sequence
+    sps = {t: [False, True] if t > 1 and not sequence_parallel_refusal(graph, t) else [False]
+           for t in {*tp_degrees(graph, devices_per_node), *([o.tp] if o.tp else [])}}
+    moe_whole = sequence_parallel_expert_conflict(graph, 2, 2) is not None
     for tp, cp in ((t, c) for t in _tps(graph, world_size, devices_per_node, o.tp)
                    for c in _cps(graph, world_size // t, o.cp)):
         for pp in _pinned(divisors(world_size // (tp * cp)) if world_size % (tp * cp) == 0 else [], o.pp):
@@ -175,7 +180,7 @@ def _candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, gl
                     continue
                 for zero in _zero_stages(dp * cp, zeros, o.zero_stage):
                     for sched, v, n in _schedules(pp, m, graph.num_layers, schedules, o):
-                        for sp in _pinned([False, True] if tp > 1 else [False], o.sequence_parallel):
+                        for sp in _pinned(sps[tp], o.sequence_parallel):
                             compiles = _pinned([False, True] if cp == 1 else [False], o.compile)
                             for comp, f8, off in itertools.product(compiles, fp8s, offloads):
                                 z = 3 if off == "params" else zero
@@ -186,7 +191,8 @@ def _candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, gl
                                                      sequence_parallel=sp, compile=comp, ep=ep, cp=cp, fp8=f8,
                                                      offload=off, precision=precision, microbatch_group=n,
                                                      etp=etp)
-                                           for ep in eps for etp in etps[ep])
+                                           for ep in eps for etp in etps[ep]
+                                           if not (sp and moe_whole and max(ep, etp) > 1))
     return out
 
 
@@ -257,6 +263,9 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
     if why := _pin_rule(graph, world_size, batch, o):
         return why
     tps = [t for t in tp_degrees(graph, devices_per_node) if world_size % t == 0]
+    if o.sequence_parallel and (why := sequence_parallel_refusal(graph, o.tp)
+                                or sequence_parallel_expert_conflict(graph, o.ep or 1, o.etp or 1)):
+        return f"sequence_parallel=True is not possible: {why}; set sequence_parallel=False or leave it unset"
     dps = sorted({world_size // (t * p) for t in tps for p in divisors(world_size // t) if p <= graph.num_layers})
     fitting = [d for d in dps if batch % d == 0]
     if not fitting:

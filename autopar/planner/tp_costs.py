@@ -16,6 +16,11 @@ sequence parallelism, Korthikanti et al. 2022 §4.2.2):
   loss on lm_head    the vocab-parallel cross-entropy: two forward all-reduces of fp32 per-token values
                      (row max; sum of exponentials stacked with the target logit)
   last SP layer      when no vocab-parallel head follows: an all-gather of its output forward
+  full-sequence      a layer inside the SP span that mixes positions in a replicated part (SequenceSpan.
+  layer under SP     whole_layers: attention TP keeps whole) runs on the full sequence: an all-gather of its
+                     input forward, one of its output's gradient backward (the split after it); its patterns
+                     as without SP, its norms on the whole sequence (nothing summed at the step). Such layers
+                     at either end of the stack stay outside the span: nothing extra
   norms under SP     their weights stay replicated while the activations are sequence shards, so each
                      norm parameter's gradient is a partial sum, all-reduced once per step when the
                      runtime gives it its parameter's placement (codegen.tensor_parallel.
@@ -52,10 +57,15 @@ def tp_collectives(graph: ModelGraph, layer: LayerSpec, *, tp: int, sp: bool, mi
     span = span or (sequence_span(graph) if sp else None)
     b = micro_batch
     out: list[TPCollective] = []
+    if sp and span is not None and layer.name in span.whole_layers:
+        before = graph.layers[[la.name for la in graph.layers].index(layer.name) - 1]
+        out += [TPCollective("all_gather", "forward", before.boundary_bytes * b),
+                TPCollective("all_gather", "backward", layer.boundary_bytes * b)]
+    sharded = sp and span is not None and span.runs_sharded(layer.name)
     for p in layer.tp_patterns:
         n = p.allreduce_bytes_per_sample * b
         if p.kind in ("attention", "mlp"):
-            if sp:
+            if sharded:
                 out += [TPCollective("all_gather", "forward", n), TPCollective("reduce_scatter", "forward", n),
                         TPCollective("all_gather", "backward", n), TPCollective("reduce_scatter", "backward", n)]
             else:
