@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "autopar.cli.cmd_profile",
     "autopar.cli.cmd_plan",
     "autopar.cli.cmd_estimate",
+    "autopar.cli.cmd_budget",
     "autopar.cli.cmd_report",
 )
 
