@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -102,8 +103,9 @@ class Budget:
     smallest: dict[str, int]  # cluster kind → its smallest swept size that fits (index)
     unmet: str = ""  # why no point meets the deadline / cost cap, and what would
     sweep_s: float = 0.0  # wall time of the sweep (plans), capture excluded
-    sweep_cpu_s: float = 0.0  # CPU time of this process over the sweep
+    sweep_cpu_s: float = 0.0  # CPU time of the sweep, forked workers included
     capture_s: float = 0.0
+    load_avg: float = 0.0  # the machine's 1-minute load average when the sweep ended (its CPUs are shared)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model_name, "tokens": self.tokens, "goodput": self.goodput,
@@ -111,7 +113,8 @@ class Budget:
                 "points": [p.to_dict() for p in self.points], "front": list(self.front),
                 "front_axis": self.front_axis, "fastest": self.fastest, "cheapest": self.cheapest,
                 "smallest": self.smallest, "unmet": self.unmet, "sweep_s": self.sweep_s,
-                "sweep_cpu_s": self.sweep_cpu_s, "capture_s": self.capture_s}
+                "sweep_cpu_s": self.sweep_cpu_s, "capture_s": self.capture_s,
+                "load_avg": self.load_avg}
 
 
 def pareto_front(pairs: Sequence[tuple[float, float]]) -> tuple[int, ...]:
@@ -129,7 +132,7 @@ def pareto_front(pairs: Sequence[tuple[float, float]]) -> tuple[int, ...]:
 
 
 def _check_inputs(tokens: Any, goodput: Any, deadline_days: Any, max_cost: Any, prices: Mapping[str, Any],
-                  nodes: Sequence[int]) -> None:
+                  nodes: Sequence[int], workers: Any) -> None:
     if not (is_real(tokens) and math.isfinite(tokens) and tokens > 0):
         raise AutoparError(f"tokens = {tokens!r}: give the positive number of tokens to train on, e.g. 2e12")
     if not (is_real(goodput) and 0 < goodput <= 1):
@@ -142,6 +145,8 @@ def _check_inputs(tokens: Any, goodput: Any, deadline_days: Any, max_cost: Any, 
     for kind, price in prices.items():
         if not (is_real(price) and math.isfinite(price) and price > 0):
             raise AutoparError(f"price of {kind} = {price!r}: give a positive price per GPU-hour, e.g. {kind}=2.5")
+    if not is_int(workers) or workers < 1:
+        raise AutoparError(f"workers = {workers!r}: give a positive number of processes (1: plan in this one)")
     if not nodes:
         raise AutoparError("no cluster sizes to sweep; give nodes, e.g. --nodes 8..512 or --nodes 8,16,32")
     for n in nodes:
@@ -238,6 +243,39 @@ def _point(graph: ModelGraph, cluster: Cluster, batches: tuple[int, ...], tokens
     return best
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (forked workers)."""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+_FORKED: dict[str, Any] = {}  # what forked workers inherit: the graph and the sweep's constants
+
+
+def _forked_point(job: tuple[Cluster, float | None]) -> tuple[BudgetPoint, dict[str, Any] | None]:
+    point = _point(_FORKED["graph"], job[0], *_FORKED["args"], job[1], _FORKED["options"])
+    # sent back as JSON-able data: a Plan travels as its dict
+    return dataclasses.replace(point, plan=None), (point.plan.to_dict() if point.plan else None)
+
+
+def _sweep(graph: ModelGraph, jobs: list[tuple[Cluster, float | None]], batches: tuple[int, ...], tokens: float,
+           goodput: float, options: PlannerOptions, workers: int) -> list[BudgetPoint]:
+    """Each (cluster, price) job's point, in order: in this process, or in `workers` forked processes."""
+    import multiprocessing as mp
+
+    if workers <= 1 or len(jobs) < 2 or "fork" not in mp.get_all_start_methods():
+        return [_point(graph, c, batches, tokens, goodput, price, options) for c, price in jobs]
+    _FORKED.update(graph=graph, args=(batches, tokens, goodput), options=options)
+    try:
+        with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            done = pool.map(_forked_point, jobs, chunksize=1)
+    finally:
+        _FORKED.clear()
+    return [dataclasses.replace(pt, plan=Plan.from_dict(d) if d else None) for pt, d in done]
+
+
 def _slower(p: BudgetPoint, q: BudgetPoint, batches: tuple[int, ...]) -> tuple[str, str]:
     """Why p (more GPUs) predicts longer than q (fewer, of its kind), as (cause, note). q's layout spread
     over p's GPUs by data parallelism keeps its model-parallel group (tp·cp·pp) and needs a global batch the
@@ -320,15 +358,16 @@ def _choose(points: list[BudgetPoint], deadline_days: float | None, max_cost: fl
 def budget(model: Any, *, tokens: float, clusters: Sequence[str | Cluster], nodes: Sequence[int],
            global_batch_tokens: int | Sequence[int] = DEFAULT_BATCH_TOKENS, prices: Mapping[str, float] | None = None,
            deadline_days: float | None = None, max_cost: float | None = None, goodput: float = 1.0,
-           example_inputs: tuple | None = None, options: PlannerOptions | None = None) -> Budget:
+           example_inputs: tuple | None = None, options: PlannerOptions | None = None, workers: int = 1) -> Budget:
     """Plan `model` (a ModelGraph, or an nn.Module with example_inputs) on every cluster kind × size and
     answer how long training `tokens` takes and what it costs (see the module docstring).
 
     clusters: preset names, cluster files or Cluster objects (each swept over `nodes`); prices: cluster
     name → price per GPU-hour, from the user only; global_batch_tokens: one global batch or several
-    (each a whole number of sequences), each point taking the one that trains fastest."""
+    (each a whole number of sequences), each point taking the one that trains fastest; workers: processes
+    that plan points at once (forked, sharing the captured graph; 1: this process)."""
     prices = dict(prices or {})
-    _check_inputs(tokens, goodput, deadline_days, max_cost, prices, nodes)
+    _check_inputs(tokens, goodput, deadline_days, max_cost, prices, nodes, workers)
     kinds = cluster_kinds(clusters, prices)
     unpriced_keys = sorted(set(prices) - {k.name for k in kinds})
     if unpriced_keys:
@@ -361,10 +400,11 @@ def budget(model: Any, *, tokens: float, clusters: Sequence[str | Cluster], node
     batches = _batch_sizes(batch_tokens, graph.seq_len)
     opts = dataclasses.replace(check_options(options), top_k=0)
     graph.fingerprint  # noqa: B018 - hashed once here, not inside the first point's plan
-    t1, c1 = time.perf_counter(), time.process_time()
-    points = [_point(graph, dataclasses.replace(k, nodes=n), batches, tokens, goodput, prices.get(k.name), opts)
-              for k in kinds for n in sorted(set(nodes))]
-    sweep_s, sweep_cpu_s = time.perf_counter() - t1, time.process_time() - c1
+    t1, c1 = time.perf_counter(), _cpu_s()
+    jobs = [(dataclasses.replace(k, nodes=n), prices.get(k.name)) for k in kinds for n in sorted(set(nodes))]
+    points = _sweep(graph, jobs, batches, tokens, goodput, opts, workers)
+    sweep_s, sweep_cpu_s = time.perf_counter() - t1, _cpu_s() - c1
+    load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if not any(p.fits for p in points):
         big = max(points, key=lambda p: p.gpus)
         raise InfeasiblePlanError(f"{graph.model_name} fits on none of the swept clusters "
@@ -381,4 +421,5 @@ def budget(model: Any, *, tokens: float, clusters: Sequence[str | Cluster], node
     return Budget(model_name=graph.model_name, tokens=float(tokens), goodput=float(goodput),
                   deadline_days=deadline_days, max_cost=max_cost, points=tuple(points), front=pareto_front(pairs),
                   front_axis="cost" if priced else "gpu_hours", fastest=fastest, cheapest=cheapest,
-                  smallest=smallest, unmet=unmet, sweep_s=sweep_s, sweep_cpu_s=sweep_cpu_s, capture_s=capture_s)
+                  smallest=smallest, unmet=unmet, sweep_s=sweep_s, sweep_cpu_s=sweep_cpu_s, capture_s=capture_s,
+                  load_avg=load_avg)

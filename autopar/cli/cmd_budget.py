@@ -4,9 +4,11 @@ this module parses the amounts (2e12, 2T, 4Mi), durations (30d), ranges (8..512)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
+import time
 
 from autopar.checks import MAX_DEVICES
 from autopar.cli.checks import check_output_path
@@ -128,6 +130,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--goodput", type=float, default=1.0,
                    help="fraction of wall time spent training (restarts, evaluation, checkpoints take the rest); "
                         "default 1.0; Meta reports >0.9 for Llama 3")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes planning points at once (forked; default 1)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit per plan, seconds")
     p.add_argument("--plot", default=None, help="draw days and cost against GPUs (png/svg)")
     p.add_argument("--json", action="store_true", help="print the budget as JSON")
@@ -160,11 +164,15 @@ def _budget(args: argparse.Namespace) -> int:
             raise AutoparError(f"--plot {args.plot}: use a .png or .svg file name")
         check_output_path(args.plot, "--plot")
     cluster_kinds(clusters, dict(prices))  # unknown names and bad files refused before the capture
+    t0 = time.perf_counter()
     graph = _graph(args.model, args.seq_len, training_dtype("cluster"), args.override, args=args)
+    capture_s = time.perf_counter() - t0
     result = autopar.budget(graph, tokens=tokens, clusters=clusters, nodes=nodes,
                             global_batch_tokens=batch_tokens(args.global_batch_tokens, graph.seq_len or 1),
                             prices=prices, deadline_days=deadline, max_cost=max_cost, goodput=args.goodput,
-                            options=PlannerOptions(time_limit_s=args.time_limit))
+                            options=PlannerOptions(time_limit_s=args.time_limit),
+                            workers=args.workers if args.workers is not None else 1)
+    result = dataclasses.replace(result, capture_s=capture_s)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from autopar.budget import Budget, BudgetPoint
 
 __all__ = ["render_budget"]
@@ -79,5 +81,5 @@ def render_budget(b: Budget) -> str:
             lines.append(f"smallest fit    {k}: none of the swept sizes fits")
     n = len(b.points)
     lines.append(f"sweep           {n} plans in {b.sweep_s:.1f} s ({b.sweep_cpu_s:.1f} s CPU), capture "
-                 f"{b.capture_s:.1f} s")
+                 f"{b.capture_s:.1f} s; load average {b.load_avg:.1f} on {os.cpu_count()} CPUs")
     return "\n".join(lines)
