@@ -5,6 +5,7 @@ with a message that says what would do."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -190,3 +191,12 @@ def test_api_refusals(tiny) -> None:
         budget(tiny, tokens=1e9, clusters=KINDS, nodes=[0])
     with pytest.raises(AutoparError, match="give a list of preset names"):
         budget(tiny, tokens=1e9, clusters="dgx-h100", nodes=[1])
+
+
+def test_forked_workers_give_the_same_points(tiny, sweep) -> None:
+    again = budget(tiny, tokens=3e9, clusters=KINDS, nodes=[1, 2, 4], global_batch_tokens=[64 * SEQ, 256 * SEQ],
+                   prices=PRICES, goodput=0.9, deadline_days=0.004, workers=2)
+    strip = [dataclasses.replace(p, plan=None) for p in sweep.points]
+    assert [dataclasses.replace(p, plan=None) for p in again.points] == strip
+    assert [p.plan.config for p in again.points] == [p.plan.config for p in sweep.points]
+    assert (again.front, again.fastest, again.cheapest) == (sweep.front, sweep.fastest, sweep.cheapest)
