@@ -7,6 +7,7 @@
 
 from autopar import zoo
 from autopar.api import estimate, parallelize, plan  # the functions shadow the submodule name autopar.plan
+from autopar.budget import Budget, BudgetPoint, budget  # the function shadows the submodule name autopar.budget
 from autopar.capture import capture  # the function shadows the subpackage name (autopar.capture(...))
 from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
 from autopar.cluster import Cluster
@@ -28,6 +29,9 @@ __all__ = [
     "plan",
     "estimate",
     "parallelize",
+    "budget",
+    "Budget",
+    "BudgetPoint",
     "LayerSpec",
     "ModelGraph",
     "TPPattern",

@@ -61,7 +61,9 @@ PRESETS: dict[str, tuple[str, str, str, int, str]] = {
                      "a typical server: 8x H100 PCIe Gen5, no NVLink bridges, 200 GbE RoCE per GPU"),
 }
 
-_FILE_KEYS = ("name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "backend", "host")
+# price_per_gpu_hour: read by `autopar budget` only (autopar.budget); it changes no cost of a plan
+_FILE_KEYS = ("name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "backend", "host",
+              "price_per_gpu_hour")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us", "efficiency", "efficiency_source", "source", "notes")
 _DEVICE_KEYS = ("name", "kind", "memory_GiB", "memory_bandwidth_GBps", "peak_TFLOPs", "source", "notes")
 
@@ -356,6 +358,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "bandwidth_GBps": (1e-6, 1e4),
     "latency_us": (0.0, 1e6),
     "efficiency": (1e-3, 1.0),
+    "price_per_gpu_hour": (1e-9, 1e9),  # any currency; positive
 }
 
 
@@ -427,6 +430,8 @@ def _cluster_from_mapping(data: Any, where: str) -> Cluster:
     if unknown:
         raise ClusterSpecError(f"{where}: unknown field(s) {unknown}; accepted fields are {list(_FILE_KEYS)}")
     nodes = _require(data, "nodes", where, int, "a positive integer")
+    if "price_per_gpu_hour" in data:
+        _check_number(where, "price_per_gpu_hour", data["price_per_gpu_hour"])
     per_node = _require(data, "devices_per_node", where, int, "a positive integer")
     if nodes < 1 or per_node < 1:
         raise ClusterSpecError(f"{where}: nodes={nodes} and devices_per_node={per_node} must be ≥ 1")

@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "autopar.cli.cmd_plan",
     "autopar.cli.cmd_estimate",
     "autopar.cli.cmd_export",
+    "autopar.cli.cmd_budget",
     "autopar.cli.cmd_report",
 )
 
