@@ -15,6 +15,7 @@ from dist_harness import run_distributed
 from torch.profiler import ProfilerActivity, profile
 
 from autopar.codegen.loss import IGNORE_INDEX, chunked_cross_entropy, lm_cross_entropy
+from autopar.errors import AutoparError
 from cost_models import memory
 
 # Runs in a fresh interpreter: resets the kernel's resident-set high-water mark (/proc/self/clear_refs "5")
@@ -117,6 +118,11 @@ def test_chunked_loss_counts_no_ignored_rows() -> None:
     loss = lm_cross_entropy(logits, targets)  # 0 with nothing to count (torch's mean gives nan), as under TP
     loss.backward()
     assert loss.item() == 0.0 and not logits.grad.any()
+
+
+def test_chunked_loss_refuses_a_chunk_of_no_rows() -> None:
+    with pytest.raises(AutoparError, match="chunk_tokens=0; pass a positive number"):
+        chunked_cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), chunk_tokens=0)
 
 
 def _peak_allocated_bytes(run) -> int:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar.errors import PlanMismatchError
+from autopar.errors import AutoparError, PlanMismatchError
 from cost_models.memory import loss_chunk_tokens
 
 __all__ = ["IGNORE_INDEX", "lm_cross_entropy", "chunked_cross_entropy", "vocab_parallel_cross_entropy", "gather_vocab",
@@ -53,6 +53,9 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, chunk_
     cost_models.memory.loss_chunk_tokens); `group`: the ranks holding equal vocabulary slices, this one
     from `vocab_start`, whose per-row max and sum of exponentials are all-reduced per chunk."""
     _check_shapes(logits, targets)
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        raise AutoparError(f"chunk_tokens={chunk_tokens!r}; pass a positive number of rows per chunk, or None for "
+                           "cost_models.memory.loss_chunk_tokens")
     rows = logits.reshape(-1, logits.size(-1))
     chunk = chunk_tokens or loss_chunk_tokens(rows.size(0), rows.size(1))
     return _ChunkedCrossEntropy.apply(rows, targets.reshape(-1), chunk, vocab_start, group)
