@@ -324,9 +324,11 @@ class PlannerOptions:
     time_limit_s: float = 60.0
     top_k: int = 5  # runner-up configurations kept in the plan
     objective: str = "fastest"  # OBJECTIVES
-    # how the training code computes the loss (cost_models.memory.LOSS_KERNELS): "fp32_logits" as autopar's
-    # runtime and plain torch do; "fused" for a fused or chunked cross-entropy kernel (another framework's)
-    loss_kernel: str = "fp32_logits"
+    # how the training code computes the loss (cost_models.memory.LOSS_KERNELS). None: as autopar's runtime
+    # does, "chunked" for a loss_fn of the logits (lm_cross_entropy) and "fp32_logits" for a model's own loss
+    # (autopar.planner.memory_costs.runtime_loss_kernel); "fp32_logits" for a loss_fn that upcasts all the
+    # logits (F.cross_entropy(logits.float(), ...)), or to price another framework's run; "fused" for a fused kernel
+    loss_kernel: str | None = None
     # the router's load imbalance the MoE layers are priced at (busiest expert-parallel rank's routed tokens ÷
     # the mean, autopar.planner.moe_load); None: the captured graph's (MoESpec.load_imbalance, by default
     # autopar.capture.moe.DEFAULT_LOAD_IMBALANCE). A plan records it (Plan.router_skew)
@@ -383,8 +385,9 @@ class PlannerOptions:
             raise ConfigError(f"PlannerOptions.exclude_schedules has unknown {bad}; expected from {SCHEDULES}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"PlannerOptions.objective={self.objective!r}; expected one of {OBJECTIVES}")
-        if self.loss_kernel not in LOSS_KERNELS:
-            raise ConfigError(f"PlannerOptions.loss_kernel={self.loss_kernel!r}; expected one of {LOSS_KERNELS}")
+        if self.loss_kernel is not None and self.loss_kernel not in LOSS_KERNELS:
+            raise ConfigError(f"PlannerOptions.loss_kernel={self.loss_kernel!r}; expected one of {LOSS_KERNELS} "
+                              "or None (as autopar's runtime computes the loss)")
         if self.router_skew is not None and (not is_real(self.router_skew) or not 1.0 <= self.router_skew < 1e6):
             raise ConfigError(f"PlannerOptions.router_skew={self.router_skew!r}; it must be a number ≥ 1 (the "
                               "busiest expert-parallel rank's routed tokens ÷ the mean; 1 = balanced)")

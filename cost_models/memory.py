@@ -28,8 +28,11 @@ __all__ = [
     "interleaved_round",
     "zero3_gathered_param_bytes",
     "logits_bytes",
+    "loss_saved_bytes",
     "FP32_LOSS_PEAK_BYTES_PER_LOGIT",
     "LOSS_KERNELS",
+    "LOSS_CHUNK_FP32_BYTES",
+    "loss_chunk_tokens",
     "PIPELINE_MEMORY",
     "ALLOCATOR_RESERVE_FRACTION",
     "ALLOCATOR_FRAGMENTATION",
@@ -43,12 +46,18 @@ __all__ = [
 # second matmul and all pointwise ops (torchtitan's op-level selective activation checkpointing); "full"
 # keeps only the layer input (Chen et al. 2016). The one list of modes autopar uses.
 RECOMPUTE_MODES = ("none", "selective", "op_sac", "full")
-# How the loss is computed over the logits: "fp32_logits", torch's and Megatron-LM's cross-entropy, which
-# upcast the [b, s, V] logits to fp32 and keep a fp32 log-softmax for backward; "fused", a fused
+# How the loss is computed over the logits: "chunked", autopar's lm_cross_entropy (autopar/codegen/loss.py),
+# which upcasts one chunk of rows at a time, keeps a fp32 log-sum-exp per row and recomputes each chunk's
+# softmax in backward (as Liger's and torchtitan's chunked losses); "fp32_logits", torch's and Megatron-LM's
+# cross-entropy, which upcast the [b, s, V] logits to fp32 and keep a fp32 log-softmax for backward (a loss
+# the model computes itself, or a loss_fn of F.cross_entropy(logits.float())); "fused", a fused
 # cross-entropy kernel over the 16-bit logits that keeps only a fp32 log-sum-exp per row and writes the
 # gradient into the logits' own buffer (flash-attn's `flash_attn/losses/cross_entropy.py`, inplace_backward,
-# which llm-foundry's MPT uses by default; Liger's and torchtitan's chunked losses hold less still).
-LOSS_KERNELS = ("fp32_logits", "fused")
+# which llm-foundry's MPT uses by default).
+LOSS_KERNELS = ("chunked", "fp32_logits", "fused")
+# The fp32 bytes of one chunk of the chunked loss: rows per chunk = this ÷ (4 B × the rank's vocabulary slice)
+# (loss_chunk_tokens). 256 MiB: ~1,300 rows of a 50k vocabulary, large enough to keep a GPU busy per kernel.
+LOSS_CHUNK_FP32_BYTES = 256 * 2**20
 # What the pipeline runtime of a layout with pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES) holds beyond the
 # layers' activations and the ZeRO stage's states (autopar.planner.memory_costs): "torch",
 # torch.distributed.pipelining (autopar's runtime, torchtitan's), whose stages allocate a receive buffer per
@@ -235,26 +244,48 @@ def zero3_gathered_param_bytes(*, largest_layer_param_bytes: float, prefetch_lay
 # beyond the logits themselves: its backward holds the saved fp32 log-softmax, nll_loss's dense fp32 gradient
 # and log-softmax's fp32 gradient at once (3 × 4 B), more than its forward's fp32 upcast and log-softmax
 # (2 × 4 B). Measured: peak resident bytes of that forward and backward on CPU, tests/test_loss_memory.py
-# (12.00 B per logit above bf16 logits the caller drops before backward, 14.00 when it keeps them); autopar's
-# vocab-parallel cross-entropy (codegen/loss.py) peaks at the same 12 B plus its input, in its forward.
+# (12.00 B per logit above bf16 logits the caller drops before backward, 14.00 when it keeps them).
 FP32_LOSS_PEAK_BYTES_PER_LOGIT = 12
 
 
+def loss_chunk_tokens(tokens: int, vocab_local: float) -> int:
+    """Rows the chunked loss upcasts to fp32 at a time over `tokens` rows of `vocab_local` logits each."""
+    return max(1, min(tokens, int(LOSS_CHUNK_FP32_BYTES // (4 * vocab_local))))
+
+
 def logits_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dtype_bytes: int = 2,
-                 loss_kernel: str = "fp32_logits", held: bool = False) -> float:
+                 loss_kernel: str = "fp32_logits", held: bool = False, chunk_tokens: int | None = None) -> float:
     """Peak bytes of the loss over one micro-batch's [b, s, V/t] logits on the last stage: with the
     "fp32_logits" loss kernel, FP32_LOSS_PEAK_BYTES_PER_LOGIT, plus the logits in the model dtype where they
     stay referenced while the loss runs (`held`: torch.distributed.pipelining's last stage keeps its output
-    for backward; autopar's vocab-parallel loss holds its input through its forward); with "fused", the
-    16-bit logits and a fp32 log-sum-exp per row (LOSS_KERNELS).
+    for backward); with "fused", the 16-bit logits and a fp32 log-sum-exp per row (LOSS_KERNELS); with
+    "chunked", its backward's peak: the logits it saves (held either way) and their gradient in the model
+    dtype, one chunk's fp32 logits (`chunk_tokens` rows, default loss_chunk_tokens) and a fp32 log-sum-exp
+    per row (measured: tests/test_loss_memory.py).
     """
     for name, v in (("micro_batch", micro_batch), ("seq_len", seq_len), ("vocab", vocab), ("tp", tp)):
         _check_positive_int(name, v)
     if loss_kernel not in LOSS_KERNELS:
         raise ValueError(f"loss_kernel={loss_kernel!r}; expected one of {LOSS_KERNELS}")
+    tokens, v_local = micro_batch * seq_len, vocab / tp
     if loss_kernel == "fused":
-        return micro_batch * seq_len * ((vocab / tp) * dtype_bytes + 4)
-    return micro_batch * seq_len * (vocab / tp) * (FP32_LOSS_PEAK_BYTES_PER_LOGIT + (dtype_bytes if held else 0))
+        return tokens * (v_local * dtype_bytes + 4)
+    if loss_kernel == "chunked":
+        chunk = min(tokens, chunk_tokens or loss_chunk_tokens(tokens, v_local))
+        return tokens * (v_local * 2 * dtype_bytes + 4) + chunk * v_local * 4
+    return tokens * v_local * (FP32_LOSS_PEAK_BYTES_PER_LOGIT + (dtype_bytes if held else 0))
+
+
+def loss_saved_bytes(*, micro_batch: int, seq_len: int, vocab: int, tp: int = 1, dtype_bytes: int = 2,
+                     loss_kernel: str = "fp32_logits", held: bool = False) -> float:
+    """Bytes one micro-batch's loss keeps from its forward to its backward (a micro-batch in flight on the last
+    stage beside the running one): "chunked" saves the logits and a fp32 log-sum-exp per row; the other kernels
+    are priced at their whole peak (logits_bytes)."""
+    if loss_kernel == "chunked":
+        _check_positive_int("tp", tp)
+        return micro_batch * seq_len * (vocab / tp * dtype_bytes + 4)
+    return logits_bytes(micro_batch=micro_batch, seq_len=seq_len, vocab=vocab, tp=tp, dtype_bytes=dtype_bytes,
+                        loss_kernel=loss_kernel, held=held)
 
 
 def reserved_bytes(allocated_bytes: float, usable_bytes: float) -> float:

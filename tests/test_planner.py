@@ -91,16 +91,17 @@ def test_memory_tight_for_model_states_gives_zero3_or_tensor_parallelism() -> No
     assert plan.estimate.peak_memory_bytes <= 6 * GiB * (1 - ALLOCATOR_RESERVE_FRACTION)
     # Which of the two, as the costs dictate (pipelining pinned off): over a fast intra-node link TP's
     # per-layer all-reduces are cheap and ZeRO-3's gathers hide behind each micro-batch's passes, so either
-    # shards the states; over a 5 GB/s link TP's all-reduces (in the critical path) cost more, so ZeRO-3
-    # shards the states with less TP. (With 10% of the 6 GiB kept free. Under bf16 with fp32 gradient
-    # reductions ZeRO-3's reduce-scatters carry 4 bytes per parameter, so tp 2 · dp 4 beats dp 8 there by 5%.)
+    # shards the states; over a 5 GB/s link TP's all-reduces (in the critical path) cost more, so ZeRO-2/3
+    # shard the states with less TP (ZeRO-2 since the chunked loss holds 4 bytes per logit, not 12: 1.65 s
+    # against ZeRO-3's 1.85). (With 10% of the 6 GiB kept free. Under bf16 with fp32 gradient reductions
+    # ZeRO's reduce-scatters carry 4 bytes per parameter, so tp 2 · dp 4 beats dp 8 there.)
     tight = PlannerOptions(pp=1, memory_reserve_fraction=0.10)
     fast = autopar.plan(graph, fake_cluster(nodes=1, memory_gib=6, intra_GBps=900), global_batch_size=64,
                         options=tight).config
     slow = autopar.plan(graph, fake_cluster(nodes=1, memory_gib=6, intra_GBps=5), global_batch_size=64,
                         options=tight).config
     assert fast.tp > 1 or fast.zero_stage == 3
-    assert slow.zero_stage == 3 and slow.tp < fast.tp
+    assert slow.zero_stage >= 2 and slow.tp < fast.tp
     # Without ZeRO-2/3, TP and PP nothing fits (ZeRO-1: 5.5 bytes/param = 6.9 GiB before activations).
     with pytest.raises(InfeasiblePlanError, match="memory"):
         autopar.plan(graph, fake_cluster(nodes=1, memory_gib=6), global_batch_size=64,

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.capture.loss_mode import own_loss_target
 from autopar.config import expert_dp
 from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
 from autopar.planner.moe_load import moe_token_share
@@ -86,6 +87,14 @@ def expert_forward_flops(layer: LayerSpec) -> float:
     return sum(k.work * k.count for k in layer.kernels_forward.kernels if k.expert)
 
 
+def runtime_loss_kernel(loss_mode: str) -> str:
+    """What autopar's runtime holds of the logits for the loss (cost_models.memory.LOSS_KERNELS): "chunked"
+    for a loss_fn of the logits (lm_cross_entropy, autopar/codegen/loss.py; a loss_fn that upcasts all the
+    logits is priced with PlannerOptions(loss_kernel="fp32_logits")); "fp32_logits" for a model's own loss,
+    whose code is the model's (typically F.cross_entropy over the upcast logits)."""
+    return "fp32_logits" if own_loss_target(loss_mode) is not None else "chunked"
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankMemory:
     """Per-device bytes on one pipeline rank that do not depend on which layers it holds."""
@@ -101,13 +110,14 @@ class MemoryCosts:
 
     def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
-                 devices_per_node: int = 1, loss_kernel: str = "fp32_logits",
+                 devices_per_node: int = 1, loss_kernel: str | None = None,
                  host_adam_bytes_per_param: float, pipeline_memory: str = "torch") -> None:
         """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
         if pipeline_memory not in memory.PIPELINE_MEMORY:
             raise ValueError(f"pipeline_memory={pipeline_memory!r}; expected one of {memory.PIPELINE_MEMORY}")
         self.graph = graph
-        self.loss_kernel = loss_kernel  # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits
+        # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits (None: as autopar's runtime runs it)
+        self.loss_kernel = loss_kernel or runtime_loss_kernel(graph.loss_mode)
         self.pipeline_memory = pipeline_memory  # cost_models.memory.PIPELINE_MEMORY
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.precision: Precision = policy(precision)
@@ -378,12 +388,14 @@ class MemoryCosts:
             # the last rank's last chunk, whose warm-up holds only earlier chunks, so each head forward is
             # followed by its own backward (one in flight), not the rank's average of all its chunks
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v, group)[pp - 1]
-            # the loss's own peak (cost_models.memory.logits_bytes) holds the logits too where autopar's runtime
-            # keeps them: the pipelining runtime's last stage, and the vocab-parallel loss under tp
+            # the "fp32_logits" loss's peak (cost_models.memory.logits_bytes) holds the logits too where the
+            # runtime keeps them: the pipelining runtime's last stage, and a loss over vocab slices under tp
             held = (pp > 1 and self.pipeline_memory == "torch") or tp > 1
-            logits = last_inflight * memory.logits_bytes(micro_batch=mbs, seq_len=-(-g.seq_len // cp),
-                                                         vocab=g.vocab_size, tp=tp, dtype_bytes=self.elem,
-                                                         loss_kernel=self.loss_kernel, held=held)
+            shape = dict(micro_batch=mbs, seq_len=-(-g.seq_len // cp), vocab=g.vocab_size, tp=tp,
+                         dtype_bytes=self.elem, loss_kernel=self.loss_kernel, held=held)
+            # the micro-batches in flight beyond the running one keep what their loss saved for backward
+            logits = (memory.logits_bytes(**shape)
+                      + max(0.0, last_inflight - 1.0) * memory.loss_saved_bytes(**shape))
             # a layer's gradient is reduce-scattered in its own backward, after the loss's backward has freed
             # all but the logits' 16-bit gradient: the two peaks do not coincide, and the rank holds the larger
             grad_logits = last_inflight * mbs * -(-g.seq_len // cp) * g.vocab_size / tp * self.elem
