@@ -11,8 +11,9 @@ group in one collective and put in global order; each of the rank's two query ch
 the keys up to its own end, causally (chunk g of c tokens: a c × (g+1)·c block, lower-right aligned), so
 a rank computes c²·(2·cp + 1) scores where the causal triangle holds 2·cp·c² per rank, (1 + 1/(2·cp))×
 its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. Backward returns
-the keys' and values' gradients to their owners by a reduce-scatter. Every recompute mode runs the
-all-gather again when it reruns the forward in backward (selective policies do not see it). The all-gather is
+the keys' and values' gradients to their owners by a reduce-scatter. Both collectives are custom ops
+(`gather_kv`, `scatter_kv_grad`) so that torch.compile traces a block's attention around them (compile.py);
+the selective recompute policies keep the gather's output, full recompute runs it again. The all-gather is
 what Llama 3 ran (Dubey et al. 2024, §3.3.2): with GQA the K/V bytes are small next to the queries, and
 an all-gather is one collective per layer where a ring takes cp − 1 steps.
 
