@@ -171,9 +171,6 @@ class ParallelConfig:
         elif self.microbatch_group is not None:
             raise ConfigError(f"microbatch_group={self.microbatch_group} needs schedule='interleaved_1f1b' (the "
                               "micro-batches a rank runs through one of its chunks before the next)")
-        if self.cp > 1 and self.compile:
-            raise ConfigError("compile=True with cp > 1 is not supported (context-parallel attention runs in a "
-                              "torch function mode); set compile=False or cp=1")
         if why := ep_invalid(self.tp, self.dp, self.ep, self.etp):
             raise ConfigError(f"ParallelConfig.{why}")
 

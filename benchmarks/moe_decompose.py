@@ -126,8 +126,6 @@ def decompose(run: dict) -> None:
         if dispatcher != opts.ep_dispatcher or g is not graph and moe.group_limited:
             other, _, _ = pr.price({**run, "ep_dispatcher": dispatcher}, g, cluster)
             print(f"    {label:<40} {other.step_time_s:6.2f} s ({other.step_time_s / pub - 1:+.1%}; as priced before)")
-    if plan.config.cp > 1:  # ParallelConfig refuses compiled blocks under context parallelism
-        return
     fused = autopar.estimate(graph, cluster, dataclasses.replace(plan.config, compile=True), options=opts,
                              stages=plan.stages)
     print(f"    {'memory-bound kernels fused (compile=True)':<40} {fused.step_time_s:6.2f} s "

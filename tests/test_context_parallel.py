@@ -71,8 +71,7 @@ def test_cp_is_a_config_field_and_an_option():
     assert PlannerOptions(cp=2).cp == 2
     with pytest.raises(ConfigError, match="cp"):
         ParallelConfig(cp=0)
-    with pytest.raises(ConfigError, match="compile"):
-        ParallelConfig(cp=2, compile=True)
+    assert ParallelConfig(cp=2, compile=True).compile  # compiled blocks under cp (refused before issue 40)
 
 
 # ---- refused at parallelize, naming the module ----
@@ -129,6 +128,95 @@ def test_cp2_alone_and_with_each_recompute_mode_on_two_ranks():
     _run([*[(f, dict(cp=2)) for f in (*CP_FAMILIES, *ZOO)],
           ("llama", dict(cp=2, recompute="full", num_microbatches=2)), ("llama", dict(cp=2, recompute="selective")),
           ("llama", dict(cp=2, recompute="op_sac"))], 2)
+
+
+COMPILED = (("llama", dict(cp=2, compile=True, recompute="full")), ("llama", dict(cp=2, compile=True)),
+            ("qwen3", dict(cp=2, compile=True, recompute="op_sac")),
+            ("qwen3", dict(cp=2, compile=True, recompute="selective")))
+
+
+def _counted(fn, calls: dict[str, int], name: str):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
+def _compiled_cases(cases) -> list[dict]:
+    """Each case (dynamo's caches reset first) with: the compiled graphs and graph breaks dynamo counted, and
+    the K/V all-gathers and reduce-scatters the rank ran (the custom ops' collectives, eager or compiled);
+    then a mask that is not causal, refused from inside a compiled, checkpointed unit, naming it."""
+    import torch._dynamo
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from parity_models import _GRAPHS, parity_case
+    from torch import nn
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.codegen.compile import apply_compile
+    from autopar.codegen.context_parallel import ContextParallel
+    from autopar.codegen.recompute import apply_recompute
+
+    out = []
+    for kind, cfg in cases:
+        torch._dynamo.reset()
+        counters.clear()
+        calls = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        originals = {name: getattr(dist, name) for name in calls}
+        for name in calls:
+            setattr(dist, name, _counted(originals[name], calls, name))
+        try:
+            result = parity_case(kind, cfg, 3, SEQ)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        blocks = sum(la.kind == "block" for la in _GRAPHS[kind, SEQ].layers)
+        out.append({**result, **calls, "blocks": blocks, "graphs": counters["stats"]["unique_graphs"],
+                    "breaks": sorted(counters["graph_break"])})
+
+    class Attend(nn.Module):
+        def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask) * 2.0
+
+    cp = ContextParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"],
+                         SequenceShard(cp=2, rank=dist.get_rank(), multiple=4))
+    unit = Attend()
+    unit.forward = cp.wrap(unit.forward, "blocks.7.attn")
+    apply_recompute(unit, "full")
+    apply_compile(unit, enters_modes=True)
+    padding = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+    padding[1, ..., 0] = False  # the second sample's first token is padding
+    try:
+        unit(torch.randn(2, 2, 8, 4, requires_grad=True), padding)
+        out.append({"refused": None})
+    except PlanMismatchError as e:
+        out.append({"refused": str(e)})
+    return out
+
+
+@pytest.mark.multiproc
+def test_cp2_with_compiled_blocks_and_recompute_on_two_ranks():
+    """Compiled blocks under cp2 (Llama and Qwen3; none, full, op_sac and selective recompute): single-process
+    parity, the attention compiled with its block (no graph break), and the K/V exchanged as priced
+    (autopar.planner.cp_costs): one all-gather per block and step, two under full recompute (the compiled
+    backward recomputes it), one reduce-scatter."""
+    from dist_harness import run_distributed
+    from test_parity import _check
+
+    per_rank = run_distributed(_compiled_cases, 2, COMPILED, timeout_s=900)
+    for results in per_rank:
+        *cases, refusal = results
+        _check(cases)
+        for r, (_, cfg) in zip(cases, COMPILED, strict=True):
+            assert r["graphs"] >= 1 and r["breaks"] == [], (r["case"], r["graphs"], r["breaks"])
+            steps = len(r["losses"])
+            again = 2 if cfg.get("recompute") == "full" else 1
+            assert (r["all_gather_single"], r["reduce_scatter_single"]) == (again * steps * r["blocks"],
+                                                                            steps * r["blocks"]), r["case"]
+        assert refusal["refused"] is not None and refusal["refused"].startswith(
+            "blocks.7.attn: its attention mask is not causal"), refusal
+    assert [r["losses"] for r in per_rank[1][:-1]] == [r["losses"] for r in per_rank[0][:-1]]
 
 
 def _checkpoint_across_layouts(root: str) -> dict:

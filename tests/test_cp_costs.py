@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ import autopar
 from autopar import Cluster, ParallelConfig, PlannerOptions
 from autopar.planner.costs import CostModel
 from autopar.planner.cp_costs import cp_ranks_per_node, kv_exchange_bytes
+from autopar.planner.problem import MODES
 from autopar.planner.search import price
 from autopar.planner.space import Candidate, cp_degrees
 
@@ -118,3 +121,42 @@ def test_cp_degrees_need_attention_and_chunks_of_4096_tokens(long_llama):
     model, x = autopar.zoo.build("llama3-8b", seq_len=8192)
     short = autopar.capture(model, x)
     assert cp_degrees(short, 8) == [1]
+
+
+def test_kv_exchange_priced_alike_in_compiled_blocks_and_gathered_again_only_by_full_recompute(long_llama):
+    """Codegen runs the K/V all-gather as one custom op in eager and compiled blocks alike: priced the same,
+    kept by the selective policies (selective, op_sac), run again by full recompute (counted in
+    tests/test_cp_compile.py)."""
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    costs = CostModel.for_cluster(long_llama, cluster)
+    cand = Candidate(tp=1, pp=1, dp=2, zero_stage=3, micro_batch_size=1, num_microbatches=1, schedule="1f1b",
+                     virtual_stages=1, sequence_parallel=False, cp=8)
+    eager, compiled = (costs.problem(dataclasses.replace(cand, compile=c)).runs for c in (False, True))
+    ri = next(i for i, r in enumerate(eager) if r.count > 1)
+    layer = costs.memory.runs[ri][0]
+    n = kv_exchange_bytes(long_llama, layer, tp=1, micro_batch=1, elem=costs.memory.elem)
+    gather = costs.comm.collective_s("all_gather", n, 8, 8)
+    scatter = costs.comm.collective_s("reduce_scatter", n, 8, 8)
+    assert gather > 0
+    for runs, comp in ((eager, False), (compiled, True)):
+        run = runs[ri]
+        assert run.tp_comm_s == pytest.approx((gather + scatter,) * len(MODES), rel=1e-9)  # tp = 1: cp's only
+        alone = costs.compute.run(ri, 1, False, cand.tokens_share, comp).recompute_s  # the kernels run again
+        again = {m: gather if m == "full" else 0.0 for m in MODES}
+        assert run.recompute_s == pytest.approx(tuple(a + again[m] for a, m in zip(alone, MODES, strict=True)),
+                                                rel=1e-9)
+    assert compiled[ri].compute_s[0] < eager[ri].compute_s[0]  # its pointwise chains fused
+
+
+def test_the_planner_compiles_blocks_under_context_parallelism():
+    """With compile left to the planner (compile=None), a long-context layout is planned with compiled blocks
+    when they are faster, as without cp."""
+    model, x = autopar.zoo.build("llama3-8b", seq_len=131072)
+    longer = autopar.capture(model, x)
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    either = autopar.plan(longer, cluster, global_batch_size=2, options=PlannerOptions(cp=8, compile=None, top_k=1))
+    eager = autopar.plan(longer, cluster, global_batch_size=2, options=PlannerOptions(cp=8, top_k=1))
+    assert either.config.cp == 8 and either.config.compile and not eager.config.compile
+    assert either.estimate.fits and either.estimate.step_time_s < eager.estimate.step_time_s
+    pinned = autopar.plan(longer, cluster, global_batch_size=2, options=PlannerOptions(cp=8, compile=True, top_k=1))
+    assert pinned.config.cp == 8 and pinned.config.compile  # refused before (ConfigError / a pin rule)

@@ -82,7 +82,6 @@ def _refusals():
          r"cp=2 splits each sequence .* has no sequence dimension in its inputs: leave cp unset or 1"),
         (gpt_graph(layers=4, hidden=256, heads=16, seq=8, vocab=4096), eight, 8, PlannerOptions(cp=8),
          r"cp=8 splits each sequence into 2·cp = 16 chunks, but .* hold 8 tokens .*pin cp ≤ 4 or plan longer"),
-        (g, eight, 8, PlannerOptions(cp=2, compile=True), r"cp=2 with compile=True: .*pin compile=False"),
         (g, eight, 8, PlannerOptions(tp=3), r"tp=3 does not split every head count .*heads \[16\].*possible tp"),
         (g, fake_cluster(nodes=2, per_node=8), 8, PlannerOptions(tp=16),
          r"tp=16 is not possible on 16 devices of 8 per node: .*divide the devices of a node.*possible tp: "

@@ -11,8 +11,9 @@ group in one collective and put in global order; each of the rank's two query ch
 the keys up to its own end, causally (chunk g of c tokens: a c × (g+1)·c block, lower-right aligned), so
 a rank computes c²·(2·cp + 1) scores where the causal triangle holds 2·cp·c² per rank, (1 + 1/(2·cp))×
 its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. Backward returns
-the keys' and values' gradients to their owners by a reduce-scatter. Every recompute mode runs the
-all-gather again when it reruns the forward in backward (selective policies do not see it). The all-gather is
+the keys' and values' gradients to their owners by a reduce-scatter. Both collectives are custom ops
+(`gather_kv`, `scatter_kv_grad`) so that torch.compile traces a block's attention around them (compile.py);
+the selective recompute policies keep the gather's output, full recompute runs it again. The all-gather is
 what Llama 3 ran (Dubey et al. 2024, §3.3.2): with GQA the K/V bytes are small next to the queries, and
 an all-gather is one collective per layer where a ring takes cp − 1 steps.
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -52,29 +53,97 @@ __all__ = ["SequenceShard", "padded_length", "shard_positions", "check_context_p
            "ContextParallel"]
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dim (2) over the cp group; backward reduce-scatters (sums) the gradient.
+def _rank_order(local_len: int, cp: int) -> torch.Tensor:
+    """Global position of each index of the gathered sequence (the cp ranks' shards stacked in rank order)."""
+    return torch.cat([shard_positions(local_len * cp, cp, r) for r in range(cp)])
 
-    A c10d collective issued with dispatch modes off: activation checkpointing's selective policies neither
-    cache it nor see it, so a recompute runs it again like the rest of the forward (the planner prices that
-    second gather), and the count of tensors saved in forward and in recompute stays the same (the
-    functional collective's cached output breaks that count in torch 2.13)."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
-        ctx.group, ctx.cp = group, cp
-        with _disable_current_modes():
-            out = x.new_empty((cp * x.size(0), *x.shape[1:]))  # ranks' tensors stacked along dim 0
-            dist.all_gather_single(out, x.contiguous(), group=group)
-        return torch.cat(out.chunk(cp, dim=0), dim=2)
+_AGREED: set[tuple] = set()  # (group, module, K/V shape) the cp ranks have checked they share
+# Names of the modules whose forward is context-parallel. The gather gets a module's index as a 0-d tensor, not
+# its name: a compiled block then takes it as an input where a string would be a constant that dynamo guards on,
+# compiling every block again (identical blocks otherwise share one compiled graph).
+_UNIT_NAMES: list[str] = []
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        with _disable_current_modes():
-            parts = torch.cat(grad.chunk(ctx.cp, dim=2), dim=0).contiguous()  # rank r's part: r-th along dim 0
-            mine = parts.new_empty((parts.size(0) // ctx.cp, *parts.shape[1:]))
-            dist.reduce_scatter_single(mine, parts, group=ctx.group)
-        return mine, None, None
+
+def _unit_index(where: str) -> torch.Tensor:
+    if where not in _UNIT_NAMES:
+        _UNIT_NAMES.append(where)
+    return torch.tensor(_UNIT_NAMES.index(where))
+
+
+def _agree(where: str, kv: torch.Tensor, key_dim: int, group: dist.ProcessGroup, group_name: str) -> None:
+    """Once per module and shape: the cp ranks exchange K/V of one shape (else a clear error, not a crash)."""
+    mine = (where, tuple(kv.shape), key_dim)
+    if (group_name, *mine) in _AGREED:
+        return
+    shapes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shapes, mine, group=group)
+    if any(s != mine for s in shapes):
+        raise PlanMismatchError(
+            f"{where}: the context-parallel ranks attend with keys/values of different shapes (module, keys+values "
+            f"[b, kv_heads, s, d_k+d_v], d_k: {shapes}); the model computes attention differently on different "
+            "sequence shards. Use cp=1 for this model")
+    _AGREED.add((group_name, *mine))
+
+
+# The K/V exchange as two custom ops: torch.compile (dynamo, AOTAutograd, Inductor) sees each as one opaque op
+# with its shape function and traces the rest of the attention (index arithmetic, the chunks' SDPA) as usual;
+# eager autograd and the recompute policies see one op too (codegen/recompute.py saves its output under
+# selective and op_sac; full recompute runs it again). Collectives are issued with dispatch modes off.
+@torch.library.custom_op("autopar::cp_gather_kv", mutates_args=())
+def gather_kv(kv: torch.Tensor, mask: torch.Tensor | None, unit: torch.Tensor, key_dim: int, group_name: str,
+              cp: int) -> torch.Tensor:
+    """Keys and values of this rank's shard ([b, kv_heads, s, d_k + d_v]) → those of the whole sequence in
+    global order ([b, kv_heads, cp·s, d_k + d_v]). `mask` (the model's mask over its shard, or None) is checked
+    here, on the values, to be causal inside each chunk (`unit`: the index of the module's name, for errors)."""
+    s, where = kv.size(2), _UNIT_NAMES[int(unit)]
+    if mask is not None and not _is_shard_causal(mask, s):
+        raise PlanMismatchError(
+            f"{where}: its attention mask is not causal over the sequence (a padding mask, a sliding window "
+            "narrower than a chunk, or a bias), so it cannot be split across context-parallel ranks. Use "
+            "cp=1, or drop the mask")
+    group = _resolve_process_group(group_name)
+    with _disable_current_modes():
+        _agree(where, kv, key_dim, group, group_name)
+        out = kv.new_empty((cp * kv.size(0), *kv.shape[1:]))  # ranks' tensors stacked along dim 0
+        dist.all_gather_single(out, kv.contiguous(), group=group)
+        ranked = torch.cat(out.chunk(cp, dim=0), dim=2)
+        # rank order → global order: position p sits at index order[p] of the gathered sequence
+        return ranked.index_select(2, torch.argsort(_rank_order(s, cp)).to(kv.device))
+
+
+@gather_kv.register_fake
+def _(kv, mask, unit, key_dim, group_name, cp):
+    return kv.new_empty((*kv.shape[:2], cp * kv.size(2), kv.size(3)))
+
+
+@torch.library.custom_op("autopar::cp_scatter_kv_grad", mutates_args=())
+def scatter_kv_grad(grad: torch.Tensor, group_name: str, cp: int) -> torch.Tensor:
+    """Gradient of the gathered K/V ([b, kv_heads, cp·s, d], global order) → the sum over the cp group of
+    this rank's shard's part ([b, kv_heads, s, d]): a reduce-scatter."""
+    s = grad.size(2) // cp
+    with _disable_current_modes():
+        ranked = grad.index_select(2, _rank_order(s, cp).to(grad.device))  # global order → rank order
+        parts = torch.cat(ranked.chunk(cp, dim=2), dim=0).contiguous()  # rank r's part: r-th along dim 0
+        mine = parts.new_empty((parts.size(0) // cp, *parts.shape[1:]))
+        dist.reduce_scatter_single(mine, parts, group=_resolve_process_group(group_name))
+        return mine
+
+
+@scatter_kv_grad.register_fake
+def _(grad, group_name, cp):
+    return grad.new_empty((*grad.shape[:2], grad.size(2) // cp, grad.size(3)))
+
+
+def _gather_setup(ctx, inputs, output) -> None:
+    ctx.group_name, ctx.cp = inputs[4], inputs[5]
+
+
+def _gather_backward(ctx, grad: torch.Tensor):
+    return torch.ops.autopar.cp_scatter_kv_grad(grad, ctx.group_name, ctx.cp), None, None, None, None, None
+
+
+gather_kv.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
 def padded_length(seq_len: int, multiple: int) -> int:
@@ -142,23 +211,25 @@ def _is_shard_causal(mask: torch.Tensor, local_len: int) -> bool:
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_STATE = threading.local()  # the units being run (innermost last) while a stage's forward is context-parallel
 
 
 class _Attention(TorchFunctionMode):
-    """Replaces every SDPA call of a stage's forward with context-parallel attention (`ContextParallel.attend`),
-    naming the innermost unit running."""
+    """Replaces every SDPA call in a module's forward with context-parallel attention (`ContextParallel.attend`)
+    naming the module (`unit`: `_unit_index`). Each wrapped module enters its own mode, so a block's forward
+    that activation recompute re-runs in backward (outside the stage's forward) is context-parallel too; the
+    chunks' attention is called as the aten op, which no enclosing mode takes for a model's SDPA call. Dynamo
+    traces a torch function mode's handler, so a compiled block traces this one with the rest of its forward."""
 
-    def __init__(self, cp: ContextParallel) -> None:
+    def __init__(self, cp: ContextParallel, unit: torch.Tensor) -> None:
         super().__init__()
-        self.cp = cp
+        self.cp, self.unit = cp, unit
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         call = dict(zip(_SDPA_ARGS, args, strict=False), **kwargs)
-        return self.cp.attend(_STATE.units[-1], **call)
+        return self.cp.attend(self.unit, **call)
 
 
 class ContextParallel:
@@ -167,50 +238,30 @@ class ContextParallel:
     def __init__(self, cp_mesh: DeviceMesh, shard: SequenceShard) -> None:
         self.mesh, self.shard = cp_mesh, shard
         self.group = cp_mesh.get_group()
-        self._agreed: set[tuple] = set()
-
-    def _agree(self, where: str, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Once per module and shape: the cp ranks exchange K/V of one shape (else a clear error, not a crash)."""
-        mine = (where, tuple(key.shape), tuple(value.shape))
-        if mine in self._agreed:
-            return
-        shapes: list = [None] * self.shard.cp
-        with _disable_current_modes():  # not an op of the model: selective recompute must not record it
-            dist.all_gather_object(shapes, mine, group=self.group)
-        if any(s != mine for s in shapes):
-            raise PlanMismatchError(
-                f"{where}: the context-parallel ranks attend with keys/values of different shapes ({shapes}); the "
-                "model computes attention differently on different sequence shards. Use cp=1 for this model")
-        self._agreed.add(mine)
+        self.group_name = self.group.group_name
 
     # ---- attention ----
-    def attend(self, where: str, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def attend(self, unit: torch.Tensor, *, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-        """Local queries [b, h, s, d] against the keys and values of the whole cp group, globally causal."""
+        """Local queries [b, h, s, d] against the keys and values of the whole cp group, globally causal
+        (`unit`: the running module, `_unit_index`).
+        Only shapes and flags are checked here (static under torch.compile); the mask's values are checked
+        by the gather (`gather_kv`), which sees real tensors in a compiled block too."""
         s = query.size(-2)
         if key.size(-2) != s or s % 2:
             raise PlanMismatchError(
-                f"{where}: attention of {s} queries over {key.size(-2)} keys is not self-attention over this "
-                "rank's sequence shard (e.g. cross-attention or a KV cache); context parallelism cannot split it. "
-                "Use cp=1 for this model")
-        if attn_mask is not None:
-            if not _is_shard_causal(attn_mask, s):
-                raise PlanMismatchError(
-                    f"{where}: its attention mask is not causal over the sequence (a padding mask, a sliding window "
-                    "narrower than a chunk, or a bias), so it cannot be split across context-parallel ranks. Use "
-                    "cp=1, or drop the mask")
-        elif not is_causal:
+                f"{_UNIT_NAMES[int(unit)]}: attention of {s} queries over {key.size(-2)} keys is not self-attention "
+                "over this rank's sequence shard (e.g. cross-attention or a KV cache); context parallelism cannot "
+                "split it. Use cp=1 for this model")
+        if attn_mask is None and not is_causal:
             raise PlanMismatchError(
-                f"{where}: bidirectional attention (is_causal=False, no mask); context parallelism here shards "
-                "causal attention only (padding would be attended). Use cp=1 for this model")
-        self._agree(where, key, value)
+                f"{_UNIT_NAMES[int(unit)]}: bidirectional attention (is_causal=False, no mask); context parallelism "
+                "here shards causal attention only (padding would be attended). Use cp=1 for this model")
         cp, c = self.shard.cp, s // 2
         d_k = key.size(-1)
-        kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), self.group, cp)
-        # rank order → global order: position p sits at index order[p] of the gathered sequence
-        gathered = torch.cat([shard_positions(s * cp, cp, r) for r in range(cp)])
-        kv = kv.index_select(2, torch.argsort(gathered).to(kv.device))
+        kv = torch.ops.autopar.cp_gather_kv(torch.cat([key, value], dim=-1), attn_mask, unit, d_k, self.group_name,
+                                            cp)
         outs = []
         for half, chunk in enumerate((self.shard.rank, 2 * cp - 1 - self.shard.rank)):
             # this query chunk (global chunk `chunk`) sees keys 0 .. (chunk + 1)·c − 1: causal, lower-right aligned
@@ -219,27 +270,24 @@ class ContextParallel:
             keys, values = kv[..., :n_keys, :d_k], kv[..., :n_keys, d_k:]
             rows = torch.arange(c, device=query.device)[:, None] + (n_keys - c)
             mask = rows >= torch.arange(n_keys, device=query.device)[None, :]
-            outs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
-                                                       scale=scale, enable_gqa=enable_gqa))
+            outs.append(torch.ops.aten.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
         return torch.cat(outs, dim=-2)
 
     def wrap(self, fn: Callable, where: str) -> Callable:
-        """`fn` with every SDPA call inside it context-parallel (the mode entered once, by the outermost)."""
+        """`fn` with every SDPA call inside it context-parallel, named `where` in errors.
+
+        While torch.compile traces a block the mode is not entered again: dynamo cannot trace entering a mode
+        inside activation checkpointing (a mutation of the mode stack in its region), and needs not, since
+        the stage's mode, entered eagerly, is active and the compiled backward recomputes from the traced
+        graph, not by running this forward again. An eager recompute (a block dynamo left to eager included)
+        enters it."""
+        mode = _Attention(self, _unit_index(where))
+
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            units = getattr(_STATE, "units", None)
-            if units:
-                units.append(where)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    units.pop()
-            _STATE.units = [where]
-            try:
-                with _Attention(self):
-                    return fn(*args, **kwargs)
-            finally:
-                _STATE.units = []
+            with mode:
+                return fn(*args, **kwargs)
         return run
 
     def apply(self, part: nn.Module, unit_paths: Iterable[str]) -> None:

@@ -250,7 +250,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                     for path in layer_modules(graph, layer.name):
                         apply_recompute(part.get_submodule(path), stage.recompute_of(layer.name))
                         if cfg.compile:
-                            apply_compile(part.get_submodule(path))
+                            apply_compile(part.get_submodule(path), enters_modes=context is not None)
             if fsdp:
                 ignored = (experts.shard_states(zero_stage=cfg.zero_stage, offload_params=cfg.offload == "params",
                                                 mp_policy=fsdp_mixed_precision(pol))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv)
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, op_sac_saves
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
@@ -42,6 +43,9 @@ ATTENTION_CORE_OPS = frozenset(
     ) if op is not None
 )
 _CORE_PACKETS = frozenset(getattr(op, "overloadpacket", op) for op in ATTENTION_CORE_OPS)
+# context parallelism's K/V all-gather: kept by both selective policies (a collective is not rerun to save
+# memory the attention's saved inputs hold anyway); full recompute runs it again
+_CP_GATHER = torch.ops.autopar.cp_gather_kv
 
 
 def _attention_core_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -60,6 +64,8 @@ def _op_sac_context():
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         packet = getattr(op, "overloadpacket", op)
+        if packet is _CP_GATHER:
+            return CheckpointPolicy.MUST_SAVE
         if packet in OP_SAC_MATMUL_OPS:
             counts[ctx.is_recompute] += 1
         saved = op_sac_saves(packet, counts[ctx.is_recompute])

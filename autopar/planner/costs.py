@@ -243,9 +243,9 @@ class CostModel:
         # the K/V exchange is context parallelism's collective, priced (and reported) beside TP's
         tp_fwd = tp["forward"] + ep["forward"] + amax * 2 / 3 + bn_fwd + cp.forward_s
         tp_bwd = tp["backward"] + ep["backward"] + amax / 3 + bn_bwd + cp.backward_s
-        # a mode that runs the forward again runs its TP collectives (and K/V all-gather) again; every
-        # recompute mode gathers K/V again (selective policies do not see the gather: cp_costs)
-        rec = tuple(r + tp_fwd if again else r + cp.forward_s if k != "none" else r
+        # a mode that runs the forward again runs its TP collectives again; of the K/V exchange only full
+        # recompute gathers again (both selective policies keep the gather's output: cp_costs), eager or compiled
+        rec = tuple(r + (tp_fwd - cp.forward_s if again else 0.0) + (cp.forward_s if k == "full" else 0.0)
                     for r, again, k in zip(t.recompute_s, t.recompute_tp, MODES, strict=True))
         compute_s = t.compute_s + cp.attention_extra_s
         # the runtime's sum of the micro-batches' weight gradients (cost_models.pipeline.GRAD_ACCUMULATION):

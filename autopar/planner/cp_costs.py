@@ -11,8 +11,8 @@ chunks, is 1/cp of the layer's too. On top of that, per layer with attention and
                  collective it is over cp ranks (ranks spaced by tp in the mesh ("pp","dp","cp","tp"):
                  inside a node when tp·cp ≤ devices per node, else across nodes, bounded by the slowest
                  link). Codegen issues them blocking (attention needs the keys), so nothing hides them;
-                 every recompute mode gathers again (the gather runs outside the selective policies' cache, see
-                 codegen/context_parallel.py). All-gather rather than
+                 full recompute gathers again, the selective policies keep the gather's output (one custom op,
+                 codegen/context_parallel.py; compiled blocks recompute alike). All-gather rather than
                  a ring: one collective per layer where a ring takes cp − 1 steps each exposed unless
                  overlapped with a block of attention, and with grouped-query attention the K/V bytes are
                  small (Llama 3 ran it so, Dubey et al. 2024 §3.3.2).

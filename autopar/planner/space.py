@@ -181,7 +181,7 @@ def _candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, gl
                 for zero in _zero_stages(dp * cp, zeros, o.zero_stage):
                     for sched, v, n in _schedules(pp, m, graph.num_layers, schedules, o):
                         for sp in _pinned(sps[tp], o.sequence_parallel):
-                            compiles = _pinned([False, True] if cp == 1 else [False], o.compile)
+                            compiles = _pinned([False, True], o.compile)
                             for comp, f8, off in itertools.product(compiles, fp8s, offloads):
                                 z = 3 if off == "params" else zero
                                 if z != zero and not (dp == 1 and o.zero_stage is None and 3 in zeros):
@@ -280,9 +280,6 @@ def _why_empty(graph: ModelGraph, world_size: int, devices_per_node: int, batch:
 def _pin_rule(graph: ModelGraph, world_size: int, batch: int, o: PlannerOptions) -> str | None:
     """The rule a pinned value (or two) breaks on its own, naming the values that pass (None when none does)."""
     layers = graph.num_layers
-    if o.cp is not None and o.cp > 1 and o.compile:
-        return (f"cp={o.cp} with compile=True: context-parallel attention runs in a torch function mode that "
-                "compiled blocks do not trace; pin compile=False (the default) or cp=1")
     if o.pp is not None and o.pp > layers:
         return (f"pp={o.pp} exceeds the {layers} layers of {graph.model_name} (each pipeline stage holds at least "
                 f"one); possible pp: {[p for p in divisors(world_size) if p <= layers]}")
