@@ -1,7 +1,8 @@
 """What the search space leaves out, split into the rules a layout cannot break and the rules of thumb.
 
 Hard rules (a layout breaking one cannot run, or cannot be priced): tensor parallelism splits every head
-count and vocabulary evenly and stays inside a node (tp divides the node's device count: the cost model
+count evenly (a vocabulary it does not divide stays replicated: capture.vocab_split), splits something, and
+stays inside a node (tp divides the node's device count: the cost model
 prices tp collectives over one node's links, not across nodes); context parallelism needs attention over a
 sequence of at least 2·cp tokens (every chunk holds one); and the rest `ParallelConfig` checks.
 Rules of thumb (a layout breaking one runs; the search just does not look there unasked):
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 
 from autopar.capture.graph import ModelGraph
+from autopar.capture.vocab_split import splits_anything, whole_vocabulary_note
 
 __all__ = ["MIN_CP_CHUNK", "divisors", "tp_invalid", "cp_invalid", "cp_chunk_tokens", "layout_notes"]
 
@@ -41,9 +43,17 @@ def tp_invalid(graph: ModelGraph, tp: int, *, devices_per_node: int, world_size:
     if nothing := graph.no_tensor_parallelism():
         return f"tp={tp} is not possible: {nothing}; leave tp unset or 1"
     fits = [t for t in divisors(math.gcd(devices_per_node, world_size)) if _splits(graph, t)]
-    if not _splits(graph, tp):
-        return (f"tp={tp} does not split every head count and vocabulary of {graph.model_name} evenly "
+    if not all(pat.max_degree_ok(tp) for layer in graph.layers for pat in layer.tp_patterns):
+        return (f"tp={tp} does not split every head count of {graph.model_name} evenly "
                 f"({_split_sizes(graph)}); possible tp: {fits}")
+    if not splits_anything(graph, tp):
+        vocab = max(p.vocab_size or 0 for la in graph.layers for p in la.tp_patterns)
+        padded = -(-vocab // (128 * tp)) * 128 * tp  # Megatron-LM's padding: a multiple of 128·tp
+        return (f"tp={tp} splits nothing of {graph.model_name}: its only tensor-parallel patterns are its embedding "
+                f"and LM head, over a vocabulary tp does not divide ({_split_sizes(graph)}), which stay replicated "
+                f"(capture found no column→row linear pair in its blocks), so tp ranks would only repeat each "
+                f"other's work; pad the vocabulary to a multiple of tp (e.g. vocab_size={padded}) or use tp in "
+                f"{fits}")
     if devices_per_node % tp or world_size % tp:
         return (f"tp={tp} is not possible on {world_size} devices of {devices_per_node} per node: a tensor-parallel "
                 f"group must divide the devices of a node (its collectives run every layer; the cost model prices "
@@ -52,7 +62,9 @@ def tp_invalid(graph: ModelGraph, tp: int, *, devices_per_node: int, world_size:
 
 
 def _splits(graph: ModelGraph, tp: int) -> bool:
-    return all(pat.max_degree_ok(tp) for layer in graph.layers for pat in layer.tp_patterns)
+    """Whether tp runs every pattern (a vocabulary it does not divide kept whole) and splits at least one."""
+    return tp == 1 or (all(pat.max_degree_ok(tp) for layer in graph.layers for pat in layer.tp_patterns)
+                       and splits_anything(graph, tp))
 
 
 def _split_sizes(graph: ModelGraph) -> str:
@@ -89,10 +101,11 @@ def cp_chunk_tokens(seq_len: int, cp: int) -> int:
     return -(-seq_len // (2 * cp))
 
 
-def layout_notes(graph: ModelGraph, *, cp: int, virtual_stages: int, max_virtual_stages: int) -> tuple[str, ...]:
+def layout_notes(graph: ModelGraph, *, cp: int, virtual_stages: int, max_virtual_stages: int,
+                 tp: int = 1) -> tuple[str, ...]:
     """One note per rule of thumb the layout breaks (it is in the plan because pinned): what the search would
-    have left out and why it runs all the same."""
-    notes = []
+    have left out and why it runs all the same; and a vocabulary that tp leaves whole (capture.vocab_split)."""
+    notes = [note] if (note := whole_vocabulary_note(graph, tp)) else []
     if cp > 1 and graph.seq_len and cp_chunk_tokens(graph.seq_len, cp) < MIN_CP_CHUNK:
         notes.append(f"cp={cp} as pinned: each rank holds 2 chunks of {cp_chunk_tokens(graph.seq_len, cp):,} "
                      f"tokens of the {graph.seq_len:,}-token sequence, below the {MIN_CP_CHUNK:,}-token chunks the "
