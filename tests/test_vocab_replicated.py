@@ -19,7 +19,6 @@ from test_parity import _check
 import autopar
 from autopar import Cluster, PlannerOptions
 from autopar.capture.vocab_split import layer_at_tp, vocab_parallel_head, whole_vocab_patterns
-from autopar.errors import InfeasiblePlanError
 from autopar.planner.costs import CostModel
 from autopar.planner.rules import tp_invalid
 from autopar.planner.space import Candidate, tp_degrees
@@ -29,7 +28,7 @@ from cost_models import memory as cm
 STEPS = 3
 CASES = [("gpt_odd_vocab", dict(tp=2)), ("gpt_odd_vocab", dict(tp=2, sequence_parallel="planner")),
          ("llama_odd_vocab", dict(tp=2)), ("llama_odd_vocab", dict(tp=2, sequence_parallel="planner")),
-         ("llama_tied_odd_vocab", dict(tp=2, sequence_parallel="planner"))]
+         ("llama_tied_odd_vocab", dict(tp=2, sequence_parallel="planner")), ("gpt2_odd_vocab", dict(tp=2))]
 
 
 def _placements(kind: str, config: dict) -> dict:
@@ -58,13 +57,16 @@ def test_odd_vocabulary_trains_under_tp2_as_one_process():
     assert [r["losses"] for r in per_rank[1][0]] == [r["losses"] for r in results]
     for r in results:  # the all-gathers a step issues are those priced (SP's gather before the whole head)
         assert r["gathered_bytes"] == r["planned_gathered_bytes"], r["case"]
-    assert [p["sp"] for p in placed] == [False, True, False, True, True]  # the planner allows SP on both
+    assert [p["sp"] for p in placed] == [False, True, False, True, True, False]  # the planner allows SP there
     for (kind, _), p in zip(CASES, placed, strict=True):
         dt = p["dtensor"]
         whole = [n for n in dt if "wte" in n or "embed_tokens" in n or "lm_head" in n]
         split = [n for n in dt if any(s in n for s in ("q_proj", "o_proj", "up_proj", "down_proj", "qkv", "fc"))]
         assert whole and not any(dt[n] for n in whole), (kind, whole)
-        assert split and all(dt[n] for n in split), (kind, split)
+        if kind == "gpt2_odd_vocab":  # its Conv1D blocks are not split either: nothing is
+            assert not any(dt.values()), kind
+        else:
+            assert split and all(dt[n] for n in split), (kind, split)
         assert not p["vocab_parallel"]
 
 
@@ -122,9 +124,17 @@ def test_planner_keeps_the_degree_and_notes_the_whole_vocabulary():
     assert "does not split every head count" in tp_invalid(graph, 4, devices_per_node=4, world_size=4)
 
 
-def test_a_model_only_its_vocabulary_could_split_is_refused():
-    """HF GPT-2's blocks are Conv1D (no column→row linear pair capture splits): at an odd vocabulary tp would
-    split nothing, and is refused with the padding that would let it split."""
+def test_a_model_only_its_vocabulary_could_split():
+    """HF GPT-2's blocks are Conv1D (no column→row linear pair capture splits): at an odd vocabulary tp splits
+    nothing. The search leaves such a degree out; pinned, it is planned with a note that says so and the
+    padding that would let it split (it trains as one process does: the parity case above)."""
     graph = _graph("gpt2_odd_vocab")
-    with pytest.raises(InfeasiblePlanError, match=r"tp=2 splits nothing of GPT2LMHeadModel.*vocab_size=256"):
-        autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=BATCH, options=PlannerOptions(tp=2, top_k=0))
+    assert tp_degrees(graph, 2) == [1]
+    plan = autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=BATCH,
+                        options=PlannerOptions(tp=2, top_k=0, precision="fp32"))
+    notes = " ".join(plan.estimate.notes)
+    assert plan.config.tp == 2 and "tp=2 as pinned splits nothing of GPT2LMHeadModel" in notes, notes
+    assert "vocab_size=256" in notes and "vocabulary 129 is not divisible by tp=2" in notes
+    free = autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=BATCH,
+                        options=PlannerOptions(top_k=0, precision="fp32"))
+    assert free.config.tp == 1

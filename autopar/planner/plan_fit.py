@@ -3,8 +3,8 @@ and the CLI commands that read a plan file beside a model.
 
 A plan checks itself (`Plan.check`); here it is held against the graph it claims to be for: the same
 fingerprint, stages that hold every layer exactly once and in the model's order, a tensor-parallel degree
-that splits every head count (a vocabulary it does not divide stays whole: capture.vocab_split) and
-something, and figures that agree with the model's FLOPs.
+that splits every head count (a vocabulary it does not divide stays whole: capture.vocab_split), and
+figures that agree with the model's FLOPs.
 
 The loss is how a model trains, not which model it is. A plan made for the model training on its own loss
 (`labels=` given to its forward) runs a `loss_fn` of its logits, and the converse: the layout and its stage
@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 
 from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.capture.loss_mode import LOSS_FN, describe_loss_mode, loss_mode, own_loss_target
-from autopar.capture.vocab_split import splits_anything
 from autopar.checks import close
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan, StagePlan, plan_error
@@ -43,9 +42,6 @@ def check_plan_for_graph(plan: Plan, graph: ModelGraph, *, where: str = "plan",
     check_stages_for_graph(plan.stages, graph, where=where)
     if plan.config.tp > 1 and (nothing := graph.no_tensor_parallelism()):
         raise plan_error(where, f"tp={plan.config.tp} but {nothing}; re-plan with tp=1")
-    if plan.config.tp > 1 and not splits_anything(graph, plan.config.tp):
-        raise plan_error(where, f"tp={plan.config.tp} splits nothing of {graph.model_name} (its vocabulary is not "
-                         "divisible by it and stays replicated); re-plan with tp=1")
     for layer in graph.layers:
         for pattern in layer.tp_patterns:
             if not pattern.max_degree_ok(plan.config.tp):  # a vocabulary tp does not divide stays whole
