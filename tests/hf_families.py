@@ -27,8 +27,8 @@ def _families() -> dict[str, Callable[[], nn.Module]]:
     import transformers as hf
 
     def make(config_cls, model_cls, attention="sdpa", **kw):
-        def build():
-            cfg = config_cls(**kw)
+        def build(**over):
+            cfg = config_cls(**{**kw, **over})
             cfg._attn_implementation = attention
             return model_cls(cfg)
         return build
@@ -70,8 +70,8 @@ def _moe_families() -> dict[str, Callable[[], nn.Module]]:
     import transformers as hf
 
     def make(config_cls, model_cls, attention="sdpa", **kw):
-        def build():
-            cfg = config_cls(**_common(**kw))
+        def build(**over):
+            cfg = config_cls(**_common(**{**kw, **over}))
             cfg._attn_implementation = attention
             return model_cls(cfg)
         return build
@@ -103,11 +103,12 @@ FAMILIES = ("gpt2", "gpt_neox", "gemma", "llama", "llama_tied", "mistral", "qwen
 OTHER_FAMILIES = ("gemma3",)  # built here, run by other suites (tests/test_context_parallel.py)
 
 
-def build_family(name: str, seed: int = 0) -> nn.Module:
-    """The tiny model of family `name`, in fp32, with weights drawn from `seed`."""
+def build_family(name: str, seed: int = 0, **config) -> nn.Module:
+    """The tiny model of family `name`, in fp32, with weights drawn from `seed`; `config`: fields of its
+    transformers config set otherwise (an odd `vocab_size`)."""
     torch.manual_seed(seed)
     builders = _moe_families() if name in MOE_FAMILIES else _families()
-    return builders[name]().float()
+    return builders[name](**config).float()
 
 
 class SkipLM(nn.Module):

@@ -38,7 +38,19 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, eps=1e-6)
 
 
+ODD_VOCAB = 129  # no tp > 1 divides it: the embedding and LM head stay whole (autopar.capture.vocab_split)
+
+
 def build_model(kind: str, seed: int = 0) -> nn.Module:
+    """`kind` ending in "_odd_vocab": that model with a vocabulary of ODD_VOCAB ids (the batches draw below VOCAB)."""
+    if kind.endswith("_odd_vocab"):
+        base = kind.removesuffix("_odd_vocab")
+        if base == "gpt":
+            torch.manual_seed(seed)
+            model, _ = autopar.zoo.build("gpt-tiny", seq_len=SEQ, device="cpu", dropout=0.0, n_layers=LAYERS,
+                                         hidden_size=HIDDEN, n_heads=HEADS, vocab_size=ODD_VOCAB)
+            return model
+        return build_family(base, seed, vocab_size=ODD_VOCAB)
     if kind in FAMILIES or kind in MOE_FAMILIES or kind in OTHER_FAMILIES:
         return build_family(kind, seed)
     if kind in ("skip_tied", "mixed_attention"):

@@ -60,11 +60,7 @@ def _sequence_decision(graph, tp: int = 2) -> tuple[bool, tuple[int, ...]]:
             tuple(i for i, la in enumerate(blocks) if full_sequence_reason(la) is not None))
 
 
-_ODD_VOCAB = pytest.mark.xfail(reason="GPT-2's 50,257-token vocabulary refuses tp=2 for the whole model", strict=True)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_ODD_VOCAB) if n == "gpt2" else n
-                                  for n in (*FAMILIES, *MOE_FAMILIES)])
+@pytest.mark.parametrize("name", [*FAMILIES, *MOE_FAMILIES])
 def test_the_default_build_plans_with_the_planners_sequence_parallelism(name):
     import autopar
     from autopar import Cluster, PlannerOptions

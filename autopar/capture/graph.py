@@ -27,6 +27,7 @@ __all__ = ["TPPattern", "Kernel", "KernelMix", "LayerSpec", "SharedParam", "Mode
            "sequence_span", "full_sequence_reason", "sequence_parallel_refusal", "sequence_parallel_expert_conflict"]
 
 TP_KINDS = ("mlp", "attention", "embedding", "lm_head")
+VOCAB_KINDS = ("embedding", "lm_head")  # split over the vocabulary, or kept whole where tp does not divide it
 LAYER_KINDS = ("embedding", "block", "norm", "head", "other")
 # what bounds a kernel: matmul FLOPs, or the bytes of one of the memory-bound classes that
 # cost_models.compute.MEMORY_KINDS prices from their own measured tables
@@ -71,13 +72,21 @@ class TPPattern:
             raise ValueError("an attention TPPattern needs num_heads")
 
     def max_degree_ok(self, tp: int) -> bool:
-        """Whether tensor-parallel degree `tp` can split this pattern evenly."""
+        """Whether tensor-parallel degree `tp` can run this pattern: attention needs its head counts split
+        evenly; a vocabulary pattern runs at any degree, split where tp divides its vocabulary, else kept
+        whole on every tp rank (`splits`)."""
         if self.kind == "attention":
             kv = self.num_kv_heads or self.num_heads
             return self.num_heads % tp == 0 and kv % tp == 0
-        if self.kind in ("embedding", "lm_head"):
-            return self.vocab_size is None or self.vocab_size % tp == 0
         return True
+
+    def splits(self, tp: int) -> bool:
+        """Whether degree `tp` > 1 splits this pattern over its tp ranks. A vocabulary-parallel embedding or
+        LM head whose vocabulary tp does not divide (GPT-2's 50,257 at tp=2) stays replicated: autopar does
+        not pad the user's vocabulary as Megatron does, and the rest of the model is split all the same."""
+        if tp <= 1 or not self.max_degree_ok(tp):
+            return False
+        return self.kind not in VOCAB_KINDS or self.vocab_size is None or self.vocab_size % tp == 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -502,9 +511,11 @@ def _layer_position(graph: ModelGraph):
     return index.__getitem__
 
 
-def sequence_span(graph: ModelGraph) -> SequenceSpan:
+def sequence_span(graph: ModelGraph, tp: int | None = None) -> SequenceSpan:
     """From the first block layer through the last block/norm layer of the graph, less the layers at either
-    end that must see the full sequence (`full_sequence_reason`); those in between are `whole_layers`."""
+    end that must see the full sequence (`full_sequence_reason`); those in between are `whole_layers`.
+    At degree `tp` a head whose vocabulary tp does not divide stays replicated (TPPattern.splits) and takes
+    the gathered full sequence; without tp every LM head pattern counts as split."""
     names = [la.name for la in graph.layers]
     start = next((i for i, la in enumerate(graph.layers) if la.kind == "block" and i > 0), 1)
     last = max(i for i, la in enumerate(graph.layers) if la.kind in ("block", "norm") or i == 0)
@@ -516,6 +527,7 @@ def sequence_span(graph: ModelGraph) -> SequenceSpan:
     # the head takes sequence shards only when it is the vocab-parallel projection alone: a head that transforms
     # the hidden states first (BERT's dense + norm) would compute replicated weights on one rank's tokens
     head_next = last + 1 < len(names) and any(p.kind == "lm_head" and p.column == graph.layers[last + 1].modules
+                                              and (tp is None or p.splits(tp))
                                               for p in graph.layers[last + 1].tp_patterns)
     return SequenceSpan(scatter_after=names[start - 1], gather_after=None if head_next else names[last],
                         sharded_layers=tuple(names[i] for i in range(start, last + 1) if i not in whole),

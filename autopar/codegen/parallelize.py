@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map_only
 from autopar.capture.graph import ModelGraph
 from autopar.capture.loss_mode import own_loss_target
 from autopar.capture.targets import example_targets, target_parameter, targets_in_batch
+from autopar.capture.vocab_split import vocab_parallel_head
 from autopar.codegen.batch import MicroBatches, batch_size_of, resize_batch
 from autopar.codegen.batch_norm import apply_sync_batch_norm
 from autopar.codegen.compile import apply_compile
@@ -221,7 +222,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     shared = SharedGradients(model, stages_holding(model, units, flow.replicated, len(plan.stages)),
                              mesh.mesh.reshape(cfg.pp, cfg.dp * cfg.cp, cfg.tp), cfg.pp)
     pp_rank = mesh["pp"].get_local_rank()
-    span = sequence_span(graph) if cfg.sequence_parallel else None
+    span = sequence_span(graph, cfg.tp) if cfg.sequence_parallel else None
     experts = ExpertParallel(cfg, mesh) if cfg.ep > 1 or cfg.etp > 1 else None
     parts: list[tuple[int, nn.Module]] = []
     token_shard: list[nn.Parameter] = []  # MoE blocks' parameters whose tp ranks saw other tokens (SP)
@@ -237,7 +238,8 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
             if cfg.tp > 1:
                 apply_tensor_parallel(part, layers, mesh["tp"], sequence_parallel=span,
                                       logits_as_dtensor=target_name is not None)
-                retie(part, ties, {m for la in graph.layers for p in la.tp_patterns for m in (*p.column, *p.row)})
+                retie(part, ties, {m for la in graph.layers for p in la.tp_patterns if p.splits(cfg.tp)
+                                   for m in (*p.column, *p.row)})
             if experts is not None:
                 experts.apply(part, layers)
             moe_sp = sequence_sharded_moe_params(part, layers, span.sharded_layers) if span and cfg.tp > 1 else []
@@ -278,7 +280,7 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
             optimizer, masters))
     else:
         opt = _make_optimizer(optimizer, named)
-    vocab_parallel = cfg.tp > 1 and any(p.kind == "lm_head" for la in graph.layers for p in la.tp_patterns)
+    vocab_parallel = vocab_parallel_head(graph, cfg.tp)  # false where tp keeps the head whole: full logits
     loss = resolve_loss(loss_fn, mesh["tp"] if cfg.tp > 1 else None, vocab_parallel)
     if context is not None:
         loss = context.loss(loss)

@@ -15,6 +15,9 @@ Per pattern, with tp ranks:
   the embedding layer's output is then split along the sequence.
 - "lm_head": vocabulary-parallel output projection; the logits stay sharded over the vocabulary
   for `loss.vocab_parallel_cross_entropy`.
+An embedding or LM head whose vocabulary tp does not divide (TPPattern.splits) is left whole on every rank
+(capture.vocab_split): the loss then runs on full logits, and under sequence parallelism the span gathers
+the hidden states before such a head (`sequence_span(graph, tp)`).
 Attributes that hold a head count on the attention module (`n_heads`, `num_key_value_heads`, ...)
 are divided by tp, so code that views `(b, s, self.n_heads, head_dim)` sees the local head count.
 """
@@ -208,7 +211,7 @@ def _check_divisible(layer: LayerSpec, pattern: TPPattern, tp: int) -> None:
     if not pattern.max_degree_ok(tp):
         raise PlanMismatchError(
             f"layer {layer.name}: tp={tp} does not divide its {pattern.kind} pattern (heads={pattern.num_heads}, "
-            f"kv heads={pattern.num_kv_heads}, vocab={pattern.vocab_size}); re-plan with a tp that divides them"
+            f"kv heads={pattern.num_kv_heads}); re-plan with a tp that divides them"
         )
 
 
@@ -299,6 +302,8 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
         sp = span is not None and span.runs_sharded(layer.name)  # this layer's stream is sequence shards
         for pattern in layer.tp_patterns:
             _check_divisible(layer, pattern, tp)
+            if not pattern.splits(tp):  # a vocabulary tp does not divide: kept whole on every rank
+                continue
             if pattern.kind in ("mlp", "attention"):
                 owner = common_parent((*pattern.column, *pattern.row))
                 # The pattern's input becomes one DTensor at the columns' parent when that is a sub-module
@@ -341,7 +346,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                 for name in pattern.column:
                     module.get_submodule(name).register_forward_hook(_own_output)
             elif pattern.kind == "lm_head":
-                shards_in = span is not None and span.gather_after is None
+                shards_in = span is not None and span.gather_after is None  # the span was made at this tp
                 parallelize_module(module, tp_mesh, {name: ColwiseParallel(
                     input_layouts=Shard(1) if shards_in else Replicate(), output_layouts=Shard(-1),
                     use_local_output=not logits_as_dtensor) for name in pattern.column})

@@ -103,7 +103,7 @@ def _sequence_note(costs: CostModel, c) -> tuple[str, ...]:
     if not c.sequence_parallel:
         why = sequence_parallel_refusal(costs.graph, c.tp)
         return (f"sequence parallelism off: {why}",) if why else ()
-    whole = sequence_span(costs.graph).whole_layers
+    whole = sequence_span(costs.graph, c.tp).whole_layers
     if not whole:
         return ()
     names = ", ".join(whole[:3]) + (", ..." if len(whole) > 3 else "")

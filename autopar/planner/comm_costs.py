@@ -56,6 +56,7 @@ from functools import lru_cache
 
 from autopar.capture.graph import ModelGraph, sequence_span
 from autopar.capture.moe_spec import MoESpec
+from autopar.capture.vocab_split import layer_at_tp
 from autopar.config import ep_folds
 from autopar.planner.dp_costs import DPTail
 from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer
@@ -115,7 +116,7 @@ class CommCosts:
         self.world_size = devices_per_node * nodes
         self.cpu_cores = cpu_cores  # > 0 only for gloo on CPU: processes share these cores
         self.host_floor_s = host_floor_s
-        self._span = sequence_span(graph)
+        self._span = lru_cache(maxsize=None)(lambda tp: sequence_span(graph, tp))
         self._tp = lru_cache(maxsize=None)(self._tp_times)
         self._ep = lru_cache(maxsize=None)(self._ep_times)
         self._sync = lru_cache(maxsize=None)(self._dp_tail_key)
@@ -158,8 +159,8 @@ class CommCosts:
 
     def _tp_times(self, ri: int, tp: int, sp: bool, mbs: int) -> dict[str, float]:
         tp_s = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        layer = self.memory.runs[ri][0]
-        for c in tp_collectives(self.graph, layer, tp=tp, sp=sp, micro_batch=mbs, span=self._span):
+        layer = self.memory.run_layer(ri, tp)
+        for c in tp_collectives(self.graph, layer, tp=tp, sp=sp, micro_batch=mbs, span=self._span(tp)):
             tp_s[c.phase] += self.collective_s(c.op, c.n_bytes, tp, tp)
         return tp_s
 
@@ -338,7 +339,8 @@ class CommCosts:
             holders = len(sp.layers) if sp.layers else c.pp
             if holders < 2 or layer.name not in (sp.layers or (first,)):
                 continue
-            n = self.memory.grad_bytes(sp.num_params) / (c.tp if self.memory.tp_param_fraction(layer) > 0 else 1)
+            split = self.memory.tp_param_fraction(layer_at_tp(layer, c.tp)) > 0
+            n = self.memory.grad_bytes(sp.num_params) / (c.tp if split else 1)
             n /= c.shard_group if c.zero_stage >= 2 else 1
             k = min(holders, c.pp)
             total += self.collective_s("all_reduce", n, k, k if c.world_size <= self.devices_per_node else 1)

@@ -181,7 +181,7 @@ class ComputeCosts:
 
     def _run_compute(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
                      fp8: str = "none", fp8_gathered: bool = False, dp: int = 1, etp: int = 1) -> RunCompute:
-        layer = self.memory.runs[ri][0]
+        layer = self.memory.run_layer(ri, tp)  # a vocabulary tp does not divide: the layer's work whole
         compiled = compiled and layer.kind == "block" and bool(layer.kernels_forward.fused)  # codegen compiles blocks
         # FP8 GEMMs at the FP8 peak where the device has one (emulated on a CPU: the compute dtype)
         gemm_dtype = (FP8_DTYPE if fp8 != "none" and is_fp8_layer(layer) and FP8_DTYPE in self.model.device.peak_flops
@@ -341,7 +341,7 @@ class ComputeCosts:
 
     def optimizer_host_s(self, ri: int, tp: int, shards: int, ep: int = 1) -> float:
         """Of the optimizer step: AdamW's DTensor dispatch over tensor-parallel parameters (on CPU)."""
-        layer = self.memory.runs[ri][0]
+        layer = self.memory.run_layer(ri, tp)
         if tp <= 1 or not layer.tp_patterns:
             return 0.0
         return self.host_floor_s * TP_OPTIMIZER_FLOORS_PER_GEMM * layer.kernels_forward.gemm_count / shards

@@ -165,8 +165,8 @@ class CostModel:
         need = 0.0
         for ri, group in enumerate(self.memory.runs):
             ep, etp = (c.ep, c.etp) if group[0].moe is not None else (1, 1)
-            acts = self.memory.activation_bytes(ri, c.tp, self._run_sp(ri, c.sequence_parallel), c.micro_batch_size,
-                                                c.compile)
+            acts = self.memory.activation_bytes(ri, c.tp, self._run_sp(ri, c.sequence_parallel, c.tp),
+                                                c.micro_batch_size, c.compile)
             need += len(group) * (self.memory.run_state_bytes(ri, c.tp, c.zero_stage, c.shard_group, ep, c.offload,
                                                               pipelined, etp)
                                   + phi * min(acts[k] for k in ks) / c.cp)
@@ -204,7 +204,7 @@ class CostModel:
         (what `_one_run` and `floor` share)."""
         share = mbs / cp  # Candidate.tokens_share: each rank runs 1/cp of every sequence
         tp_s = self.comm.tp_times(ri, tp, sp, share)  # the span says which layers run sharded
-        sp = self._run_sp(ri, sp)
+        sp = self._run_sp(ri, sp, tp)
         t = self.compute.run(ri, tp, sp, share, compiled, ep, fp8, gathered, dp, etp)
         ep_s = self.comm.ep_times(ri, tp, sp, share, ep, cp, etp)
         cp_s = cp_layer_costs(self.graph, self.memory.runs[ri][0], tp=tp, cp=cp, micro_batch=mbs,
@@ -216,9 +216,11 @@ class CostModel:
                               collective_s=self.comm.collective_s, devices_per_node=self.devices_per_node)
         return t, tp_s, ep_s, cp_s
 
-    def _run_sp(self, ri: int, sp: bool) -> bool:
-        """Whether run ri computes on sequence shards under a layout with sequence parallelism `sp`."""
-        return sp and not self._full_sequence[ri]
+    def _run_sp(self, ri: int, sp: bool, tp: int) -> bool:
+        """Whether run ri computes on sequence shards under a layout with sequence parallelism `sp` at degree tp:
+        not a layer that must see the whole sequence, nor an embedding or head whose vocabulary tp leaves whole
+        (capture.vocab_split: the hidden states are gathered before such a head, split after such an embedding)."""
+        return sp and not self._full_sequence[ri] and self.memory.run_layer(ri, tp) is self.memory.runs[ri][0]
 
     def _run_list(self, c: Candidate) -> tuple[Run, ...]:
         # a run without experts is priced alike at every ep and etp: one Run shared by those candidates
@@ -253,7 +255,7 @@ class CostModel:
         if self.runtime.accumulation == "autograd_16bit" and c.pp > 1 and c.num_microbatches > 1:
             m = c.num_microbatches
             compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
-        saved = mem.activation_bytes(ri, c.tp, self._run_sp(ri, sp), c.micro_batch_size, c.compile, c.ep, c.etp)
+        saved = mem.activation_bytes(ri, c.tp, self._run_sp(ri, sp, c.tp), c.micro_batch_size, c.compile, c.ep, c.etp)
         acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
                      for a, k in zip(saved, MODES, strict=True))
         local = mem.run_local_params(ri, c.tp, c.ep, c.etp)

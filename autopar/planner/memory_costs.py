@@ -5,7 +5,8 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
 
   parameters      a layer's parameters on one device: the TP-sharded share ÷ t (vocab × hidden for
                   embeddings and heads, else the TP-sharded share of its dense FLOPs: linears do 2 FLOPs per
-                  parameter per token, norms stay replicated), the rest whole; a mixture-of-experts bank's
+                  parameter per token, norms stay replicated), the rest whole (all of an embedding or head
+                  whose vocabulary t does not divide: capture.vocab_split); a mixture-of-experts bank's
                   parameters (MoESpec.expert_params) ÷ ep, and ÷ etp where each expert's FFN is split over
                   the tp ranks (ParallelConfig.etp)
   model states    cost_models.memory.model_state_bytes on those parameters, each state at the bytes per
@@ -32,7 +33,8 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   §5.1, K = 12 alike), where autopar's own ZeRO-1 shards only the moments (10 + 8/d)
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode,
                   in the compute dtype (captured bytes × compute bytes ÷ the model dtype's)
-  per rank        the logits the last rank holds from the head's forward to its backward, FSDP's gathered
+  per rank        the logits the last rank holds from the head's forward to its backward (÷ t when the head
+                  is vocab-parallel, whole when t does not divide the vocabulary), FSDP's gathered
                   or unsharded buffers (ZeRO-2/3), the in-flight micro-batches of the schedule, and the
                   pipeline runtime's buffers (`pipeline_buffer_bytes`)
   offload         what stays on the device and what goes to the host (offload_costs.OffloadCosts): under
@@ -56,6 +58,7 @@ from functools import cached_property, lru_cache
 
 from autopar.capture.graph import LayerSpec, ModelGraph
 from autopar.capture.loss_mode import own_loss_target
+from autopar.capture.vocab_split import layer_at_tp, vocab_parallel_head
 from autopar.config import expert_dp
 from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
 from autopar.planner.moe_load import moe_token_share
@@ -155,9 +158,14 @@ class MemoryCosts:
         tensor-parallel etp."""
         return self.local_dense_params(layer, tp) + self.local_expert_params(layer, ep, etp)
 
+    def run_layer(self, ri: int, tp: int) -> LayerSpec:
+        """A layer of run `ri` as degree tp runs it (capture.vocab_split.layer_at_tp: a vocabulary tp does not
+        divide is priced whole)."""
+        return layer_at_tp(self.runs[ri][0], tp)
+
     def local_dense_params(self, layer: LayerSpec, tp: int) -> float:
         """Of `local_params`, the dense ones (everything but the expert bank; of these ÷ tp the TP share)."""
-        f = self.tp_param_fraction(layer)
+        f = self.tp_param_fraction(layer_at_tp(layer, tp))
         dense = layer.num_params - (layer.moe.expert_params if layer.moe is not None else 0)
         return dense * (1.0 - f + f / tp)
 
@@ -274,7 +282,7 @@ class MemoryCosts:
         n = 0.0
         for sp in self.graph.shared_params:
             if len(sp.layers) > 1:
-                split = self.tp_param_fraction(self.graph.layer(sp.layers[0])) > 0
+                split = self.tp_param_fraction(layer_at_tp(self.graph.layer(sp.layers[0]), tp)) > 0
                 n += (len(sp.layers) - 1) * sp.num_params / (tp if split else 1)
         return self.model_states(n, zero_stage, dp, offload)
 
@@ -306,7 +314,7 @@ class MemoryCosts:
 
     def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
                           etp: int = 1) -> tuple[float, ...]:
-        layer = self.runs[ri][0]
+        layer = self.run_layer(ri, tp)
         sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
         expert = layer.saved_activation_bytes_expert
         expert_share = self.expert_bank_share(layer, tp, sp, ep, etp) / expert if expert else 0.0
@@ -390,20 +398,22 @@ class MemoryCosts:
             last_inflight = 1.0 if v > 1 else self._inflight(schedule, pp, m, v, group)[pp - 1]
             # the "fp32_logits" loss's peak (cost_models.memory.logits_bytes) holds the logits too where the
             # runtime keeps them: the pipelining runtime's last stage, and a loss over vocab slices under tp
-            held = (pp > 1 and self.pipeline_memory == "torch") or tp > 1
-            shape = dict(micro_batch=mbs, seq_len=-(-g.seq_len // cp), vocab=g.vocab_size, tp=tp,
+            # (a head whose vocabulary tp does not divide stays whole: full logits, a plain cross-entropy)
+            vtp = tp if vocab_parallel_head(g, tp) else 1
+            held = (pp > 1 and self.pipeline_memory == "torch") or vtp > 1
+            shape = dict(micro_batch=mbs, seq_len=-(-g.seq_len // cp), vocab=g.vocab_size, tp=vtp,
                          dtype_bytes=self.elem, loss_kernel=self.loss_kernel, held=held)
             # the micro-batches in flight beyond the running one keep what their loss saved for backward
             logits = (memory.logits_bytes(**shape)
                       + max(0.0, last_inflight - 1.0) * memory.loss_saved_bytes(**shape))
             # a layer's gradient is reduce-scattered in its own backward, after the loss's backward has freed
             # all but the logits' 16-bit gradient: the two peaks do not coincide, and the rank holds the larger
-            grad_logits = last_inflight * mbs * -(-g.seq_len // cp) * g.vocab_size / tp * self.elem
+            grad_logits = last_inflight * mbs * -(-g.seq_len // cp) * g.vocab_size / vtp * self.elem
             last_zero3 = zero3_bytes - reduce_bytes + max(0.0, reduce_bytes + grad_logits - logits)
         else:
             last_zero3 = zero3_bytes
         if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
-            copies = max(fp8_copy_bytes(r[0], g, tp) for r in self.runs)
+            copies = max(fp8_copy_bytes(layer_at_tp(r[0], tp), g, tp) for r in self.runs)
             zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
         shared = self.shared_duplicate_states(tp, zero_stage, dp, offload).total_bytes if pp == 1 else 0.0

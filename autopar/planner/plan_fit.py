@@ -3,7 +3,8 @@ and the CLI commands that read a plan file beside a model.
 
 A plan checks itself (`Plan.check`); here it is held against the graph it claims to be for: the same
 fingerprint, stages that hold every layer exactly once and in the model's order, a tensor-parallel degree
-that splits every head count and vocabulary, and figures that agree with the model's FLOPs.
+that splits every head count (a vocabulary it does not divide stays whole: capture.vocab_split), and
+figures that agree with the model's FLOPs.
 
 The loss is how a model trains, not which model it is. A plan made for the model training on its own loss
 (`labels=` given to its forward) runs a `loss_fn` of its logits, and the converse: the layout and its stage
@@ -43,10 +44,10 @@ def check_plan_for_graph(plan: Plan, graph: ModelGraph, *, where: str = "plan",
         raise plan_error(where, f"tp={plan.config.tp} but {nothing}; re-plan with tp=1")
     for layer in graph.layers:
         for pattern in layer.tp_patterns:
-            if not pattern.max_degree_ok(plan.config.tp):
+            if not pattern.max_degree_ok(plan.config.tp):  # a vocabulary tp does not divide stays whole
                 raise plan_error(where, f"layer {layer.name}: tp={plan.config.tp} does not divide its {pattern.kind} "
-                                 f"pattern (heads={pattern.num_heads}, kv heads={pattern.num_kv_heads}, "
-                                 f"vocab={pattern.vocab_size})")
+                                 f"pattern (heads={pattern.num_heads}, kv heads={pattern.num_kv_heads}); "
+                                 "re-plan with a tp that divides them")
     cfg = plan.config
     if cfg.sequence_parallel and (why := sequence_parallel_refusal(graph, cfg.tp)
                                   or sequence_parallel_expert_conflict(graph, cfg.ep, cfg.etp)):

@@ -1,12 +1,15 @@
 """What the search space leaves out, split into the rules a layout cannot break and the rules of thumb.
 
 Hard rules (a layout breaking one cannot run, or cannot be priced): tensor parallelism splits every head
-count and vocabulary evenly and stays inside a node (tp divides the node's device count: the cost model
-prices tp collectives over one node's links, not across nodes); context parallelism needs attention over a
+count evenly (a vocabulary it does not divide stays replicated: capture.vocab_split) and stays inside a
+node (tp divides the node's device count: the cost model prices tp collectives over one node's links, not
+across nodes); context parallelism needs attention over a
 sequence of at least 2·cp tokens (every chunk holds one); and the rest `ParallelConfig` checks.
 Rules of thumb (a layout breaking one runs; the search just does not look there unasked):
   cp chunks      cp is searched only where each of a sequence's 2·cp chunks holds ≥ MIN_CP_CHUNK tokens;
-  v ≤ max        virtual stages are searched up to PlannerOptions.max_virtual_stages.
+  v ≤ max        virtual stages are searched up to PlannerOptions.max_virtual_stages;
+  tp splits      tp is searched only where it splits some pattern (a model whose only patterns are over a
+                 vocabulary tp does not divide, such as Hugging Face GPT-2's, would repeat its work on each rank).
 A pin is the user's decision: a pinned value that only a rule of thumb excludes is searched and priced as it
 runs, and the plan says which rule it breaks (`layout_notes`, kept in Estimate.notes). A pinned value that
 breaks a hard rule is refused naming the pin, the rule and the values that pass.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 
 from autopar.capture.graph import ModelGraph
+from autopar.capture.vocab_split import splits_anything, whole_vocabulary_note
 
 __all__ = ["MIN_CP_CHUNK", "divisors", "tp_invalid", "cp_invalid", "cp_chunk_tokens", "layout_notes"]
 
@@ -42,7 +46,7 @@ def tp_invalid(graph: ModelGraph, tp: int, *, devices_per_node: int, world_size:
         return f"tp={tp} is not possible: {nothing}; leave tp unset or 1"
     fits = [t for t in divisors(math.gcd(devices_per_node, world_size)) if _splits(graph, t)]
     if not _splits(graph, tp):
-        return (f"tp={tp} does not split every head count and vocabulary of {graph.model_name} evenly "
+        return (f"tp={tp} does not split every head count of {graph.model_name} evenly "
                 f"({_split_sizes(graph)}); possible tp: {fits}")
     if devices_per_node % tp or world_size % tp:
         return (f"tp={tp} is not possible on {world_size} devices of {devices_per_node} per node: a tensor-parallel "
@@ -52,6 +56,7 @@ def tp_invalid(graph: ModelGraph, tp: int, *, devices_per_node: int, world_size:
 
 
 def _splits(graph: ModelGraph, tp: int) -> bool:
+    """Whether tp runs every pattern (a vocabulary it does not divide kept whole)."""
     return all(pat.max_degree_ok(tp) for layer in graph.layers for pat in layer.tp_patterns)
 
 
@@ -89,10 +94,18 @@ def cp_chunk_tokens(seq_len: int, cp: int) -> int:
     return -(-seq_len // (2 * cp))
 
 
-def layout_notes(graph: ModelGraph, *, cp: int, virtual_stages: int, max_virtual_stages: int) -> tuple[str, ...]:
+def layout_notes(graph: ModelGraph, *, cp: int, virtual_stages: int, max_virtual_stages: int,
+                 tp: int = 1) -> tuple[str, ...]:
     """One note per rule of thumb the layout breaks (it is in the plan because pinned): what the search would
-    have left out and why it runs all the same."""
-    notes = []
+    have left out and why it runs all the same; and a vocabulary that tp leaves whole (capture.vocab_split)."""
+    notes = [note] if (note := whole_vocabulary_note(graph, tp)) else []
+    if tp > 1 and graph.layers and not splits_anything(graph, tp) and not graph.no_tensor_parallelism():
+        vocab = max(p.vocab_size or 0 for la in graph.layers for p in la.tp_patterns)
+        padded = -(-vocab // (128 * tp)) * 128 * tp  # Megatron-LM's padding: a multiple of 128·tp
+        notes.append(f"tp={tp} as pinned splits nothing of {graph.model_name}: its only tensor-parallel patterns "
+                     "are its embedding and LM head, kept whole at this degree (capture found no column→row linear "
+                     "pair in its blocks), so its tp ranks repeat each other's work, priced so; a vocabulary padded "
+                     f"to a multiple of tp (vocab_size={padded}) would split them")
     if cp > 1 and graph.seq_len and cp_chunk_tokens(graph.seq_len, cp) < MIN_CP_CHUNK:
         notes.append(f"cp={cp} as pinned: each rank holds 2 chunks of {cp_chunk_tokens(graph.seq_len, cp):,} "
                      f"tokens of the {graph.seq_len:,}-token sequence, below the {MIN_CP_CHUNK:,}-token chunks the "

@@ -232,7 +232,7 @@ def search(costs: CostModel, *, global_batch_size: int, options: PlannerOptions,
 
 def _notes(costs: CostModel, c: Candidate, options: PlannerOptions) -> tuple[str, ...]:
     return layout_notes(costs.graph, cp=c.cp, virtual_stages=c.virtual_stages,
-                        max_virtual_stages=options.max_virtual_stages)
+                        max_virtual_stages=options.max_virtual_stages, tp=c.tp)
 
 
 def _floor_s(costs: CostModel, c: Candidate) -> float:

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
+from autopar.capture.vocab_split import splits_anything
 from autopar.config import OFFLOAD_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
 from autopar.planner.rules import MIN_CP_CHUNK, cp_invalid, divisors, tp_invalid
@@ -82,11 +83,13 @@ class Candidate:
 
 
 def tp_degrees(graph: ModelGraph, devices_per_node: int) -> list[int]:
-    """TP degrees that stay inside a node and split every head count and vocabulary evenly."""
+    """TP degrees that stay inside a node, split every head count evenly and split something (a vocabulary
+    the degree does not divide stays replicated: capture.vocab_split)."""
     patterns = [pat for layer in graph.layers for pat in layer.tp_patterns]
     if not patterns:
         return [1]
-    return [t for t in divisors(devices_per_node) if all(pat.max_degree_ok(t) for pat in patterns)]
+    return [t for t in divisors(devices_per_node)
+            if t == 1 or (all(pat.max_degree_ok(t) for pat in patterns) and splits_anything(graph, t))]
 
 
 def ep_degrees(graph: ModelGraph, dp: int, tp: int = 1) -> list[int]:

@@ -13,6 +13,8 @@ sequence parallelism, Korthikanti et al. 2022 §4.2.2):
                      the sequence is split: free forward, an all-gather of the gradient backward
   lm_head            backward all-reduce of its input gradient; with SP and sequence-shard input (no
                      gather before it): all-gather of the input forward, reduce-scatter backward
+  whole vocabulary   an embedding or head whose vocabulary tp does not divide stays replicated
+                     (capture.vocab_split): none of the two rows above, nor the loss's all-reduces below
   loss on lm_head    the vocab-parallel cross-entropy: two forward all-reduces of fp32 per-token values
                      (row max; sum of exponentials stacked with the target logit)
   last SP layer      when no vocab-parallel head follows: an all-gather of its output forward
@@ -34,6 +36,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from autopar.capture.graph import LayerSpec, ModelGraph, SequenceSpan, sequence_span
+from autopar.capture.vocab_split import layer_at_tp
 from cost_models.precision import DTYPE_BYTES, REDUCE_DTYPE
 
 __all__ = ["CE_BYTES_PER_TOKEN", "TPCollective", "tp_collectives"]
@@ -54,7 +57,8 @@ def tp_collectives(graph: ModelGraph, layer: LayerSpec, *, tp: int, sp: bool, mi
     """The collectives `layer` issues over its TP group (module docstring), in order of appearance."""
     if tp <= 1:
         return ()
-    span = span or (sequence_span(graph) if sp else None)
+    layer = layer_at_tp(layer, tp)  # without the vocabulary patterns tp keeps whole: none of their collectives
+    span = span or (sequence_span(graph, tp) if sp else None)
     b = micro_batch
     out: list[TPCollective] = []
     if sp and span is not None and layer.name in span.whole_layers:
