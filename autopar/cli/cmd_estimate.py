@@ -9,6 +9,7 @@ import json
 
 from autopar.checks import MAX_GLOBAL_BATCH, check_positive_int
 from autopar.cli.cmd_plan import add_model_and_cluster, add_precision, add_router_skew
+from autopar.cli.from_flags import add_from_flags, from_source
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError
 from cost_models.precision import default_precision
@@ -24,12 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     layout = p.add_mutually_exclusive_group(required=True)
     layout.add_argument("--config",
                         help='the layout, e.g. "tp=8,pp=16,dp=128,mbs=1,m=16,schedule=interleaved_1f1b,v=8,sp=1"')
-    layout.add_argument("--from", dest="from_file", metavar="FILE",
-                        help="the layout a torchtitan job config (.toml) or a DeepSpeed ds_config (.json) runs, "
-                             "priced with that framework's runtime")
-    layout.add_argument("--from-megatron", metavar="ARGS",
-                        help='the layout Megatron-LM arguments run ("--tensor-model-parallel-size 8 ..." or @file)')
-    layout.add_argument("--from-deepspeed", metavar="FILE", help="the layout a DeepSpeed ds_config JSON runs")
+    add_from_flags(layout)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="zoo or transformers config field, e.g. num_hidden_layers=4 (repeatable)")
@@ -75,19 +71,6 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _source(args: argparse.Namespace) -> tuple[str, str]:
-    """(target, source) of --from / --from-megatron / --from-deepspeed."""
-    if args.from_megatron is not None:
-        return "megatron", args.from_megatron
-    if args.from_deepspeed is not None:
-        return "deepspeed", args.from_deepspeed
-    suffix = args.from_file.rsplit(".", 1)[-1].lower()
-    if suffix not in ("toml", "json"):
-        raise AutoparError(f"--from {args.from_file}: expected a torchtitan job config (.toml) or a DeepSpeed "
-                           "ds_config (.json); for Megatron-LM arguments use --from-megatron")
-    return ("torchtitan" if suffix == "toml" else "deepspeed"), args.from_file
-
-
 def _estimate_imported(args: argparse.Namespace, cluster) -> int:
     """Price the layout a framework config runs, with that framework's runtime options."""
     import autopar
@@ -96,7 +79,7 @@ def _estimate_imported(args: argparse.Namespace, cluster) -> int:
     from autopar.models import training_dtype
     from autopar.report.text import render_estimate
 
-    target, source = _source(args)
+    target, source = from_source(args)
     first = import_layout(target, source, cluster.world_size, precision=args.precision)
     seq_len = args.seq_len
     if first.seq_len is not None and seq_len is not None and first.seq_len != seq_len:

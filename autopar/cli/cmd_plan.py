@@ -11,6 +11,7 @@ from pathlib import Path
 
 from autopar.checks import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_TOP_K, check_positive_int
 from autopar.cli.checks import check_output_path, check_plan_for_cluster, check_saved_plan
+from autopar.cli.from_flags import add_from_flags, from_source
 from autopar.config import (
     FP8_RECIPES,
     OBJECTIVES,
@@ -135,7 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     e = subparsers.add_parser("explain", help="why the plan is not another layout")
     e.add_argument("plan", help="plan.json")
-    e.add_argument("--config", required=True, help='the alternative, e.g. "tp=4,pp=8,mbs=1,schedule=1f1b"')
+    alternative = e.add_mutually_exclusive_group(required=True)
+    alternative.add_argument("--config", help='the alternative, e.g. "tp=4,pp=8,mbs=1,schedule=1f1b"')
+    add_from_flags(alternative)  # the layout a team runs today, priced as its framework runs it
     e.add_argument("--model", default=None, help="MODEL, when it is not a zoo name equal to the plan's model")
     e.add_argument("--cluster", default=None, help="cluster; default: the plan's preset")
     e.add_argument("--nodes", type=int, default=None)
@@ -294,7 +297,7 @@ def _explain(args: argparse.Namespace) -> int:
     from autopar.report.text import render_explain
 
     plan = Plan.load(args.plan)
-    alt = _alternative(plan, args.config, args.precision)
+    alt = _alternative(plan, args.config, args.precision) if args.config is not None else None
     spec = args.cluster or plan.cluster_name
     from autopar.cluster import Cluster
 
@@ -314,6 +317,8 @@ def _explain(args: argparse.Namespace) -> int:
             "--model with the model the plan was made from (same factory, sequence length and dtype)")
     check_plan_for_graph(plan, graph, where=f"plan {args.plan}")
     check_plan_for_cluster(plan, cluster, where=f"plan {args.plan}")
+    if alt is None:
+        return _explain_imported(args, plan, graph, cluster)
     est, reason = None, None
     try:
         own = plan.stages if alt == plan.config else None  # the plan itself: price its own stages exactly
@@ -328,6 +333,58 @@ def _explain(args: argparse.Namespace) -> int:
                                           "estimate": dataclasses.asdict(est) if est else None, "violates": reason}}))
     else:
         print(render_explain(plan, alt, est, reason))
+    return 0
+
+
+def _explain_imported(args: argparse.Namespace, plan: Plan, graph, cluster) -> int:
+    """Why the plan differs from the layout a framework config runs: that layout priced as its framework runs it,
+    beside the plan, and the same layout under autopar's runtime (what the layout costs, apart from the runtime)."""
+    import autopar
+    from autopar.interop import import_layout
+    from autopar.report.text import render_explain
+
+    target, source = from_source(args)
+    blocks = sum(1 for la in graph.layers if la.kind == "block")
+    got = import_layout(target, source, plan.world_size, precision=args.precision or plan.config.precision,
+                        blocks=blocks)
+    if got.seq_len is not None and got.seq_len != plan.seq_len:
+        raise AutoparError(f"the {target} config trains {got.seq_len} tokens per sample, the plan {plan.seq_len}; "
+                           "compare layouts of one sequence length (plan again with --seq-len)")
+    if got.config.global_batch_size != plan.global_batch_size:
+        raise AutoparError(f"the {target} config trains a global batch of {got.config.global_batch_size} sequences, "
+                           f"the plan {plan.global_batch_size}; compare layouts of one batch (plan again with "
+                           f"--global-batch-size {got.config.global_batch_size})")
+    theirs = dataclasses.replace(got.options, router_skew=plan.router_skew)
+    ours = PlannerOptions(router_skew=plan.router_skew)
+    priced: dict[str, tuple] = {}
+    for name, options in (("framework", theirs), ("autopar", ours)):
+        try:
+            priced[name] = (autopar.estimate(graph, cluster, got.config, options=options), None)
+        except AutoparError as e:
+            priced[name] = (None, str(e))
+    est, reason = priced["framework"]
+    if est is not None and not est.fits:
+        reason = f"constraint {est.violated} (per-device memory) is violated"
+    if args.json:
+        print(json.dumps({"chosen": {"config": plan.config.to_dict(), "estimate": dataclasses.asdict(plan.estimate)},
+                          "from": target, "notes": list(got.notes),
+                          "alternative": {"config": got.config.to_dict(),
+                                          "estimate": dataclasses.asdict(est) if est else None, "violates": reason},
+                          "alternative_on_autopar": dataclasses.asdict(priced["autopar"][0])
+                          if priced["autopar"][0] else None}))
+        return 0
+    print(f"read from {target} ({source}): {got.config}")
+    for note in got.notes:
+        print(f"note: {note}")
+    print(f"priced as {target} runs it (pipeline_runtime={theirs.pipeline_runtime}, loss_kernel={theirs.loss_kernel}, "
+          f"ep_dispatcher={theirs.ep_dispatcher})")
+    print(render_explain(plan, got.config, est, reason))
+    mine = priced["autopar"][0]
+    if est is not None and mine is not None:
+        print(f"the same layout under autopar's runtime: step {mine.step_time_s:.4g} s "
+              f"({mine.step_time_s / plan.estimate.step_time_s - 1:+.2%} against the plan"
+              f"{'' if mine.fits else ', over memory'}); {target}'s runtime rules account for "
+              f"{est.step_time_s - mine.step_time_s:+.4g} s of the difference, the layout for the rest")
     return 0
 
 
