@@ -299,7 +299,11 @@ def solve(problem: InnerProblem, *, time_limit_s: float = 60.0, solver: pulp.LpS
     counts = [sum(round(pulp.value(c(r, s))) for r in range(R)) for s in range(S)]
     layer_modes = _layer_modes(problem, counts, {key: round(pulp.value(var)) for key, var in u.items()})
     sol = evaluate(problem, tuple(counts), layer_modes=layer_modes)
-    if abs(sol.objective_s - pulp.value(lp.objective)) > 1e-6 * max(1.0, sol.objective_s) and status == "Optimal":
+    # the solver meets each constraint within its primal feasibility tolerance (HiGHS: 1e-7), and T ≥ t_i enters
+    # the objective times a = m − 1 (up to hundreds of micro-batches): 1e-6 of the step was met and missed by
+    # round-off alone (llama3-70b on 24 A100 nodes, 2.6e-6); a pricing mismatch between the ILP and evaluate is a
+    # layer's worth, orders above this
+    if abs(sol.objective_s - pulp.value(lp.objective)) > 1e-5 * max(1.0, sol.objective_s) and status == "Optimal":
         raise RuntimeError(f"ILP objective {pulp.value(lp.objective)} disagrees with its evaluation {sol.objective_s}")
     return _with_status(sol, "optimal" if status == "Optimal" else status.lower(), gap,
                         time.perf_counter() - t0)
