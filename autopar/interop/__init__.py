@@ -10,12 +10,16 @@ prices with that framework's runtime (PlannerOptions.pipeline_runtime, loss_kern
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from autopar.config import ParallelConfig, PlannerOptions
 from autopar.errors import AutoparError
 
-__all__ = ["Exported", "Imported", "TARGETS", "export_plan", "import_layout", "stage_notes", "format_error"]
+__all__ = ["Exported", "Imported", "TARGETS", "export_plan", "import_layout", "stage_notes", "format_error",
+           "read_config"]
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 
@@ -43,6 +47,17 @@ class Imported:
 
 def format_error(source: str, what: str, fix: str) -> AutoparError:
     return AutoparError(f"{source}: {what}; {fix}")
+
+
+def read_config(source: str, parse: Callable[[str], Any], kind: str, syntax_errors: tuple[type[Exception], ...],
+                fix: str) -> Any:
+    """`parse` of the text of file `source`, refused naming the file when it cannot be read or is not `kind`."""
+    try:
+        return parse(Path(source).read_text())
+    except OSError as e:
+        raise format_error(source, f"cannot read it ({e.strerror})", fix) from None
+    except (*syntax_errors, UnicodeDecodeError) as e:
+        raise format_error(source, f"not a {kind} file ({e})", fix) from None
 
 
 def stage_notes(plan) -> list[str]:

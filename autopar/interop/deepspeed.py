@@ -13,11 +13,10 @@ the top-level "autopar" object, which DeepSpeed ignores, as "layout" (read back 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from autopar.config import ParallelConfig, PlannerOptions
-from autopar.interop import Exported, Imported, format_error, stage_notes, world_split
+from autopar.interop import Exported, Imported, format_error, read_config, stage_notes, world_split
 
 __all__ = ["export_plan", "import_layout", "VERSION"]
 
@@ -83,12 +82,7 @@ def import_layout(source: str, world_size: int, *, precision: str | None = None,
                   blocks: int | None = None) -> Imported:
     """The layout ds_config `source` runs on `world_size` devices."""
     del blocks  # a ds_config never counts layers
-    try:
-        cfg = json.loads(Path(source).read_text())
-    except OSError as e:
-        raise format_error(source, f"cannot read it ({e.strerror})", "pass a DeepSpeed ds_config .json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise format_error(source, f"not a JSON file ({e})", "pass a DeepSpeed ds_config .json") from None
+    cfg = read_config(source, json.loads, "JSON", (json.JSONDecodeError,), "pass a DeepSpeed ds_config .json")
     if not isinstance(cfg, dict) or not any(k in cfg for k in _KNOWN):
         raise format_error(source, f"has none of {', '.join(_KNOWN)}, so it is not a DeepSpeed ds_config",
                            "pass the JSON given to deepspeed.initialize(config=...)")

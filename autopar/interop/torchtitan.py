@@ -16,13 +16,12 @@ global_batch_size), so mbs = pipeline_parallel_microbatch_size (pp > 1) or local
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import tomllib
 
 from autopar.config import ParallelConfig, PlannerOptions
-from autopar.interop import Exported, Imported, format_error, num_blocks, stage_notes, world_split
+from autopar.interop import Exported, Imported, format_error, num_blocks, read_config, stage_notes, world_split
 
 __all__ = ["export_plan", "import_layout", "VERSION"]
 
@@ -131,12 +130,7 @@ def import_layout(source: str, world_size: int, *, precision: str | None = None,
                   blocks: int | None = None) -> Imported:
     """The layout a torchtitan job config runs on `world_size` devices (blocks: the model's repeated layers, to
     read pipeline_parallel_layers_per_stage as virtual stages)."""
-    try:
-        doc = tomllib.loads(Path(source).read_text())
-    except OSError as e:
-        raise format_error(source, f"cannot read it ({e.strerror})", "pass a torchtitan job-config .toml") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise format_error(source, f"not a TOML file ({e})", "pass a torchtitan job-config .toml") from None
+    doc = read_config(source, tomllib.loads, "TOML", (tomllib.TOMLDecodeError,), "pass a torchtitan job-config .toml")
     if not isinstance(doc.get("parallelism"), dict) and not isinstance(doc.get("training"), dict):
         raise format_error(source, "has no [parallelism] or [training] table, so it is not a torchtitan job config",
                            "pass the .toml given to torchtitan's train.py --job.config_file")
