@@ -9,6 +9,9 @@ weights: by `autopar.parallelize` with a hand-made plan (tests/parity_models.mak
 and by the code a user writes with PyTorch's own parts:
 - tp2: `parallelize_module` with ColwiseParallel / RowwiseParallel (vocabulary-parallel embedding and head,
   `loss_parallel` cross-entropy), no sequence parallelism on either side;
+- tp2-sp: the same with sequence parallelism (SequenceParallel norms, PrepareModuleInput gathering each
+  attention's and MLP's input, row outputs reduce-scattered over the sequence; torchtitan's Llama plan), only
+  with --layouts tp2-sp: autopar's side fails it today (see main);
 - pp2: `torch.distributed.pipelining` PipelineStage + Schedule1F1B, the same cut (embedding and 2 blocks |
   2 blocks, norm and head) and micro-batches;
 - dp2 ZeRO-3: `fully_shard` (reshard after forward) on every block and the root, with the
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-LAYOUTS = ("tp2", "pp2", "dp2-zero3")
+LAYOUTS = ("tp2", "tp2-sp", "pp2", "dp2-zero3")
 VOCAB = 1024
 
 
@@ -70,6 +73,7 @@ def autopar_stepper(layout: str, model: nn.Module, graph, args: argparse.Namespa
     from autopar.codegen import lm_cross_entropy, parallelize
 
     config = {"tp2": dict(tp=2, sequence_parallel=False, micro_batch_size=args.batch),
+              "tp2-sp": dict(tp=2, sequence_parallel=True, micro_batch_size=args.batch),
               "pp2": dict(pp=2, num_microbatches=args.microbatches, micro_batch_size=args.batch // args.microbatches,
                           stage_sizes=(1 + args.layers // 2, args.layers - args.layers // 2 + 2)),
               "dp2-zero3": dict(dp=2, zero_stage=3, micro_batch_size=args.batch // 2)}[layout]
@@ -106,22 +110,39 @@ def native_stepper(layout: str, model: nn.Module, args: argparse.Namespace):
 
     mesh = init_device_mesh("cpu", (2,))
     rank = dist.get_rank()
-    if layout == "tp2":
+    if layout in ("tp2", "tp2-sp"):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
+            PrepareModuleInput,
             RowwiseParallel,
+            SequenceParallel,
             loss_parallel,
             parallelize_module,
         )
 
-        plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        if layout == "tp2":
+            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                    "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+            rows = {"": RowwiseParallel()}
+        else:  # the residual stream a DTensor sharded over the sequence, as torchtitan's Llama
+            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                    "norm": SequenceParallel(),
+                    "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                              use_local_output=False)}
+            rows = {"": RowwiseParallel(output_layouts=Shard(1))}
         for i in range(len(model.layers)):
             plan.update({f"layers.{i}.attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
             plan.update({f"layers.{i}.feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")})
-            plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
-            plan[f"layers.{i}.feed_forward.w2"] = RowwiseParallel()
+            plan[f"layers.{i}.attention.wo"] = rows[""]
+            plan[f"layers.{i}.feed_forward.w2"] = rows[""]
+            if layout == "tp2-sp":
+                plan[f"layers.{i}.attention_norm"] = SequenceParallel()
+                plan[f"layers.{i}.ffn_norm"] = SequenceParallel()
+                plan[f"layers.{i}.attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                                   desired_input_layouts=(Replicate(), None, None))
+                plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                      desired_input_layouts=(Replicate(),))
         parallelize_module(model, mesh, plan)
         opt = optimizer(model.parameters())
 
@@ -230,7 +251,9 @@ def main() -> int:
     ap.add_argument("--check-steps", type=int, default=3, help="first steps whose losses are compared")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and layout")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    # tp2-sp is not in the default: autopar's side fails it (PlanMismatchError in layers.0.attention, the zoo
+    # block's rope tables sized from the sequence-sharded input), and the other rank then waits for gloo's timeout
+    ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=[x for x in LAYOUTS if x != "tp2-sp"])
     args = ap.parse_args()
     from dist_harness import free_port
 
