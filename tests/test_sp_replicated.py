@@ -115,3 +115,18 @@ def test_no_sequence_no_sequence_parallelism():
     with pytest.raises(InfeasiblePlanError, match="not a sequence of tokens"):
         autopar.plan(graph, Cluster.local(nproc=2), global_batch_size=8,
                      options=autopar.PlannerOptions(tp=2, sequence_parallel=True))
+
+
+def test_a_failure_inside_a_sequence_sharded_layer_names_sequence_parallelism():
+    """Code that sizes a tensor from its input's length (the zoo Llama's blocks narrow their rotary tables to
+    x.size(1)) fails on a sequence shard: the advice is to turn SP off, not tp (the issue's wrong advice)."""
+    from autopar.codegen.tensor_parallel import _explain_failures
+    from autopar.errors import PlanMismatchError
+
+    def forward():
+        raise RuntimeError("The size of tensor a (16) must match the size of tensor b (8) at non-singleton dimension 2")
+
+    with pytest.raises(PlanMismatchError, match=r"under sequence parallelism .*\(sequence_parallel=False\)"):
+        _explain_failures("layers.0.attention", True)(forward)()
+    with pytest.raises(PlanMismatchError, match=r"under tensor parallelism .* tp=1"):
+        _explain_failures("layers.0.attention", False)(forward)()

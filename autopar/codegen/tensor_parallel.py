@@ -186,9 +186,10 @@ def _called_parent(module: nn.Module, name: str) -> str:
     return name
 
 
-def _explain_failures(name: str):
+def _explain_failures(name: str, sequence_parallel: bool = False):
     """Wraps a sharded module's forward: an error inside it (code that sizes a tensor with a width the
-    rewrite did not know) is reported as what it is, not as a bare shape error from deep in torch."""
+    rewrite did not know, or, under sequence parallelism, with the length of its own sequence shard) is
+    reported as what it is, not as a bare shape error from deep in torch."""
 
     def wrap(forward):
         @functools.wraps(forward)
@@ -198,6 +199,13 @@ def _explain_failures(name: str):
             except PlanMismatchError:
                 raise
             except RuntimeError as e:
+                if sequence_parallel:  # the layer's input is this rank's share of the tokens
+                    raise PlanMismatchError(
+                        f"module {name!r} failed under sequence parallelism ({str(e).splitlines()[0][:200]}): its "
+                        "code likely sizes a tensor from the length of its input, which is one rank's share of the "
+                        "sequence there (positions or rotary tables built from x.size(1)) while its attention runs "
+                        "on the whole sequence. Re-plan with PlannerOptions(sequence_parallel=False) (sp=0 in a "
+                        "--config layout)") from e
                 raise PlanMismatchError(
                     f"module {name!r} failed under tensor parallelism ({str(e).splitlines()[0][:200]}): its code "
                     "likely sizes a tensor with the full head count or width, which autopar did not rewrite for "
@@ -338,7 +346,7 @@ def apply_tensor_parallel(module: nn.Module, layers: Iterable[LayerSpec], tp_mes
                                      tp_mesh, pattern.num_heads)
                     owner_module.forward = slice_rank_blocks(owner_module.forward, tp_mesh, axis=HEAD_AXIS,
                                                              whole=pattern.num_heads)
-                owner_module.forward = _explain_failures(owner)(owner_module.forward)
+                owner_module.forward = _explain_failures(owner, sp)(owner_module.forward)
             elif pattern.kind == "embedding":
                 parallelize_module(module, tp_mesh, {name: RowwiseParallel(input_layouts=Replicate(),
                                                                           output_layouts=Replicate())
