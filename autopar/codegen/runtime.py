@@ -286,8 +286,10 @@ class ParallelModel:
         """
         self.train()
         timer = self.timer
+        # checked before the step's failure watch: bad input raises alike on every rank before any collective,
+        # and must not be read as the standing failure of a peer that raised the same a moment earlier
+        inputs, targets = self._batch(inputs, targets, "train_step")
         with named_failures("train_step"), timer.step() if timer else nullcontext():
-            inputs, targets = self._batch(inputs, targets, "train_step")
             self.stepper.zero_grad(set_to_none=True)
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
@@ -361,8 +363,9 @@ class ParallelModel:
     def eval_loss(self, inputs: Any, targets: Any = None) -> float:
         """The global mean loss on this rank's local batch (as `train_step` takes it), updating nothing."""
         self.eval()
+        inputs, targets = self._batch(inputs, targets, "eval_loss")  # before the watch, as in train_step
         with named_failures("eval_loss"):
-            local = self._run(*self._batch(inputs, targets, "eval_loss"), backward=False)
+            local = self._run(inputs, targets, backward=False)
             return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
 
     @torch.no_grad()
