@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern, sequence_parallel_refusal
+from autopar.capture.graph import LayerSpec, ModelGraph, TPPattern
+from autopar.capture.sequence import sequence_parallel_refusal
 from autopar.cluster import Cluster
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.float8 import convert_float8, float8_linear_names, is_float8_linear
@@ -124,7 +125,7 @@ def make_plan(graph: ModelGraph, layer_recompute: dict[str, str] | None = None,
     or of `stage_sizes` layers each (to cut where an even split would not); `layer_recompute` (layer name → mode)
     overrides config.recompute for those layers.
     sequence_parallel="planner": on wherever the planner may choose it under tp (off where it refuses it for the
-    model, autopar.capture.graph.sequence_parallel_refusal), so the case trains whatever the planner picks.
+    model, autopar.capture.sequence.sequence_parallel_refusal), so the case trains whatever the planner picks.
     planner=True: the planner's own plan (`planner_plan`), the other keys its pins."""
     if config.pop("planner", False):
         return planner_plan(graph, **config)

@@ -53,7 +53,7 @@ def _as_a_user_builds_it(name: str) -> torch.nn.Module:
 
 def _sequence_decision(graph, tp: int = 2) -> tuple[bool, tuple[int, ...]]:
     """Whether SP may split the model at tp, and which block positions must run on the full sequence."""
-    from autopar.capture.graph import full_sequence_reason, sequence_parallel_refusal
+    from autopar.capture.sequence import full_sequence_reason, sequence_parallel_refusal
 
     blocks = [la for la in graph.layers if la.kind == "block"]
     return (sequence_parallel_refusal(graph, tp) is None,

@@ -28,7 +28,7 @@ from parity_models import build_model, graph_of, make_plan, optimizer
 from test_parity import _check
 
 import autopar
-from autopar.capture.graph import sequence_span
+from autopar.capture.sequence import sequence_span
 from autopar.cluster import Cluster
 from autopar.errors import InfeasiblePlanError, PlanMismatchError
 from autopar.planner.costs import CostModel

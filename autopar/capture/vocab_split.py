@@ -5,7 +5,7 @@ vocabulary to a multiple of 128·tp; autopar does not change the user's model, s
 vocabulary-parallel patterns (the embedding, the LM head, a tied pair of both: TPPattern.splits) stay
 replicated on every tp rank while the heads and MLPs of the blocks are split as usual. Codegen skips those
 patterns, the loss is a plain cross-entropy on the full logits, sequence parallelism gathers the hidden states
-before such a head (capture.graph.sequence_span), and the planner prices such a layer through `layer_at_tp`:
+before such a head (capture.sequence.sequence_span), and the planner prices such a layer through `layer_at_tp`:
 its FLOPs, parameters, activations and logits whole on each rank, none of the vocab-parallel collectives.
 """
 

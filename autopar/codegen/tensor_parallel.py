@@ -38,7 +38,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from autopar.capture.graph import LayerSpec, SequenceSpan, TPPattern, sequence_span
+from autopar.capture.graph import LayerSpec, TPPattern
+from autopar.capture.sequence import SequenceSpan, sequence_span
 from autopar.capture.units import common_parent, is_norm
 from autopar.codegen.float8 import tp_style
 from autopar.codegen.head_bias import HEAD_AXIS, cut_head_outputs, slice_rank_blocks

@@ -8,7 +8,7 @@ data-parallel communication plus the optimizer step.
 
 from __future__ import annotations
 
-from autopar.capture.graph import sequence_parallel_refusal, sequence_span
+from autopar.capture.sequence import sequence_parallel_refusal, sequence_span
 from autopar.plan import Estimate, Plan, SolverInfo, StagePlan
 from autopar.planner.band import layout_band
 from autopar.planner.costs import CostModel
@@ -97,7 +97,7 @@ def _eager_note(costs: CostModel, c) -> tuple[str, ...]:
 
 def _sequence_note(costs: CostModel, c) -> tuple[str, ...]:
     """Under tp: why sequence parallelism is off when the model cannot use it, or which layers run on the full
-    sequence under it (capture.graph.sequence_span)."""
+    sequence under it (capture.sequence.sequence_span)."""
     if c.tp <= 1:
         return ()
     if not c.sequence_parallel:

@@ -54,8 +54,9 @@ import math
 from collections import Counter
 from functools import lru_cache
 
-from autopar.capture.graph import ModelGraph, sequence_span
+from autopar.capture.graph import ModelGraph
 from autopar.capture.moe_spec import MoESpec
+from autopar.capture.sequence import sequence_span
 from autopar.capture.vocab_split import layer_at_tp
 from autopar.config import ep_folds
 from autopar.planner.dp_costs import DPTail

@@ -21,7 +21,7 @@ communication runs beside it (NCCL on its own CUDA stream) and the runtime issue
 passes: FSDP2 (ZeRO-2/3) prefetches all-gathers during forward and reduce-scatters during backward, so
 one micro-batch's forward and backward (β) hide them; autopar's ZeRO-0/1 reduce after backward; gloo
 shares the CPU cores. Under sequence parallelism a layer that must see the whole sequence
-(capture.graph.full_sequence_reason: attention TP keeps whole) has its kernels, activations and expert
+(capture.sequence.full_sequence_reason: attention TP keeps whole) has its kernels, activations and expert
 tokens priced at the full sequence; comm_costs prices the gather and split around it.
 """
 
@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from autopar.capture.graph import ModelGraph, full_sequence_reason
+from autopar.capture.graph import ModelGraph
+from autopar.capture.sequence import full_sequence_reason
 from autopar.config import ParallelConfig
 from autopar.planner.comm_costs import CommCosts
 from autopar.planner.compute_costs import ADAM_BYTES_PER_PARAM, ComputeCosts

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
+from autopar.capture.graph import ModelGraph
 from autopar.capture.loss_mode import LOSS_FN, describe_loss_mode, loss_mode, own_loss_target
+from autopar.capture.sequence import sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.checks import close
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan, StagePlan, plan_error

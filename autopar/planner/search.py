@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from autopar.capture.graph import sequence_parallel_expert_conflict, sequence_parallel_refusal
+from autopar.capture.sequence import sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.config import OFFLOAD_MODES, ParallelConfig, PlannerOptions
 from autopar.errors import InfeasiblePlanError
 from autopar.planner.band import pessimism

@@ -18,7 +18,8 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from autopar.capture.graph import ModelGraph, sequence_parallel_expert_conflict, sequence_parallel_refusal
+from autopar.capture.graph import ModelGraph
+from autopar.capture.sequence import sequence_parallel_expert_conflict, sequence_parallel_refusal
 from autopar.capture.vocab_split import splits_anything
 from autopar.config import OFFLOAD_MODES, SCHEDULES, ZERO_STAGES, ParallelConfig, PlannerOptions, ep_fits, etp_invalid
 from autopar.errors import InfeasiblePlanError
@@ -162,7 +163,7 @@ def _candidates(graph: ModelGraph, *, world_size: int, devices_per_node: int, gl
     out: list[Candidate] = []
     zeros = [z for z in ZERO_STAGES if z not in o.exclude_zero_stages]
     schedules = [s for s in SCHEDULES if s not in o.exclude_schedules]
-    # SP where it splits a block (capture.graph.sequence_parallel_refusal); none with ep/etp > 1 where an MoE
+    # SP where it splits a block (capture.sequence.sequence_parallel_refusal); none with ep/etp > 1 where an MoE
     # layer must run on the full sequence
     sps = {t: [False, True] if t > 1 and not sequence_parallel_refusal(graph, t) else [False]
            for t in {*tp_degrees(graph, devices_per_node), *([o.tp] if o.tp else [])}}

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from autopar.capture.graph import LayerSpec, ModelGraph, SequenceSpan, sequence_span
+from autopar.capture.graph import LayerSpec, ModelGraph
+from autopar.capture.sequence import SequenceSpan, sequence_span
 from autopar.capture.vocab_split import layer_at_tp
 from cost_models.precision import DTYPE_BYTES, REDUCE_DTYPE
 
