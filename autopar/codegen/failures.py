@@ -143,14 +143,29 @@ _stop = threading.Event()  # set at interpreter exit: the watch thread ends befo
 _thread: threading.Thread | None = None
 
 
+# Seconds the interpreter leaves the GIL free at exit before it finalizes. A gloo worker thread destroys
+# each finished collective's work object after the caller's wait() returned (a barrier's work also holds
+# the work it waited on); dropping the last reference to a tensor with a Python object takes the GIL.
+# After finalization began, a thread that takes the GIL is ended by pthread_exit, whose forced unwind
+# through C++ frames aborts the process ("terminate called without an active exception", exit -6)
+# after a run that succeeded. Found by core dump (backtrace: ProcessGroupGloo::runLoop →
+# ~AsyncBarrierWork → ~AsyncGatherWork → TensorImpl::decref_pyobject → take_gil → pthread_exit), one
+# run in ~30 of examples/train_gpt.py under load; 200 ms covers a worker descheduled for many time slices.
+EXIT_QUIESCE_S = 0.2
+
+
 @atexit.register
-def _stop_watch() -> None:
-    """End the watch thread while the interpreter is whole. A daemon thread still inside a store request
-    when finalization starts is torn down as it takes the GIL back, through C++ frames that may not unwind:
-    the process then aborts ("terminate called without an active exception") after a run that succeeded."""
+def _quiet_exit() -> None:
+    """End the watch thread, then let collective worker threads finish, while the interpreter is whole.
+
+    A daemon thread still inside a store request when finalization starts is torn down as it takes the
+    GIL back, and so is a gloo worker releasing a finished collective's tensors (see `EXIT_QUIESCE_S`)."""
     _stop.set()
-    if _thread is not None and _thread is not threading.current_thread():
+    if _thread is None:
+        return  # no process group was watched in this process: no collective ran through autopar
+    if _thread is not threading.current_thread():
         _thread.join(timeout=10 * POLL_S)
+    time.sleep(EXIT_QUIESCE_S)  # releases the GIL: a worker waiting for it takes it now
 
 
 def _current_watch() -> FailureWatch | None:
