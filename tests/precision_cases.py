@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.data_parallel import local
+from autopar.codegen.dist_optimizer import DistributedOptimizer
 
 __all__ = ["job", "policy_cases", "policy_suite_case", "fp16_overflow_case", "memory_cases", "schedule_cases",
            "CLIP_LR", "MODES"]
@@ -135,7 +136,9 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def memory_case(precision: str, zero_stage: int, tp: int) -> dict[str, Any]:
     """Bytes of every parameter, gradient and optimizer-state tensor this rank holds after a step, by
-    state, against the planner's model-state bytes for this rank (autopar.estimate's memory breakdown)."""
+    state, against the planner's model-state bytes for this rank (autopar.estimate's memory breakdown).
+    Under ZeRO-1 with a 16-bit policy: the fp32 masters (weights), the fp32 main gradients (grads), Adam's
+    moments (optimizer) and the 16-bit parameters (compute_copies)."""
     import torch.distributed as dist
 
     import autopar
@@ -160,15 +163,24 @@ def memory_case(precision: str, zero_stage: int, tp: int) -> dict[str, Any]:
                                                                      if p.grad is not None)), drop())
     x, t = batches(1)[0]
     pm.train_step(pm.local_batch(x), pm.local_batch(t))
-    got = {"weights": sum(_local_bytes(p) for p in params),
-           "grads": max(grad_bytes, default=sum(_local_bytes(p.grad) for p in params if p.grad is not None)),
-           "optimizer": sum(_local_bytes(v) for st in pm.optimizer.state.values() for k, v in st.items()
-                            if isinstance(v, torch.Tensor) and k != "step")}
+    moments = sum(_local_bytes(v) for st in pm.optimizer.state.values() for k, v in st.items()
+                  if isinstance(v, torch.Tensor) and k != "step")
+    dist_opt = pm.stepper if isinstance(pm.stepper, DistributedOptimizer) else None
+    if dist_opt is not None:  # ZeRO-1 under a 16-bit policy: 16-bit parameters, fp32 main grads, owned masters
+        got = {"weights": sum(_local_bytes(m) for m in dist_opt.masters), "grads": sum(_local_bytes(p.main_grad)
+                                                                                      for p in params),
+               "optimizer": moments, "compute_copies": sum(_local_bytes(p) for p in params)}
+    else:
+        got = {"weights": sum(_local_bytes(p) for p in params),
+               "grads": max(grad_bytes, default=sum(_local_bytes(p.grad) for p in params if p.grad is not None)),
+               "optimizer": moments}
     # bytes do not depend on the device: one H100 node of `world` GPUs (the CPU lists no fp16 throughput)
     node = dataclasses.replace(Cluster.preset("dgx-h100", nodes=1), devices_per_node=world)
     est = autopar.estimate(graph, node, plan.config)
     want = {k: est.memory_breakdown[k] for k in got}
-    if gathered:  # the compute copies ZeRO-2 holds (those of ZeRO-0/1 live in autocast's cache, out of reach)
+    if "compute_copies" in got:  # the distributed optimizer's 16-bit parameters are the compute copy it prices
+        want["compute_copies"] = est.memory_breakdown["compute_copies"]
+    if gathered:  # the compute copies ZeRO-2 holds (those of ZeRO-0 live in autocast's cache, out of reach)
         got["compute_copies"], want["compute_copies"] = max(gathered), est.memory_breakdown["compute_copies"]
     return {"case": f"{precision} zero={zero_stage} tp={tp} rank={dist.get_rank()}", "got": got, "want": want}
 

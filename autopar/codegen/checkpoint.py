@@ -154,7 +154,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         dist.barrier()
-        state = {"model": state_io.model_state(self._parts),
+        state = {"model": state_io.model_state(self._parts, self.pm.stepper, writing=True),
                  "optim": state_io.optimizer_state(self.pm.stepper, self._parts), **_rng_states(self.pm.device)}
         info = {"step": step, "extra": dict(extra or {})}
         if self.pm.loss_scaler is not None:  # fp16: every rank holds the same scale (its updates are agreed)
@@ -270,7 +270,7 @@ class Checkpointer:
         """Every parameter this rank holds is in the checkpoint with the same global shape, else name both models."""
         saved = FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
         wrong = []
-        for name, t in state_io.model_state(self._parts).items():
+        for name, t in state_io.model_state(self._parts, self.pm.stepper).items():
             meta = saved.get(f"model.{name}")
             if not isinstance(meta, TensorStorageMetadata):
                 wrong.append(f"{name} missing")
@@ -288,7 +288,7 @@ class Checkpointer:
     def _load(self, info: CheckpointInfo) -> None:
         parts, optimizer = self._parts, self.pm.stepper
         state_io.init_optimizer_state(optimizer, self.pm.updates)
-        state: dict[str, Any] = {"model": state_io.model_state(parts),
+        state: dict[str, Any] = {"model": state_io.model_state(parts, optimizer),
                                  "optim": state_io.optimizer_state(optimizer, parts)}
         same_world = info.manifest.get("world_size") == dist.get_world_size()
         rng = _rng_states(self.pm.device) if same_world else {}

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.codegen.data_parallel import local
+from autopar.codegen.data_parallel import grad_of, local
 from autopar.codegen.elastic import collective_device
 from autopar.codegen.experts import ExpertParallel, expert_grad_axes
 from autopar.codegen.mesh import GRAD_AXIS
@@ -54,7 +54,7 @@ def counted_locally(p: nn.Parameter, mesh: DeviceMesh, ranks: dict[str, int] | N
     `_local_ranks(mesh)`, computed once per norm)."""
     ranks = ranks if ranks is not None else _local_ranks(mesh)
     covered: set[str] = set()
-    g = p.grad if isinstance(p.grad, DTensor) else p  # the gradient's own placements, when it has them
+    g = grad_of(p) if isinstance(grad_of(p), DTensor) else p  # the gradient's own placements, when it has them
     if isinstance(g, DTensor):
         names = g.device_mesh.mesh_dim_names or ()
         covered = {axis for name in names for axis in _FLATTENED.get(name, (name,))}
@@ -79,21 +79,21 @@ def global_grad_norm(params: Sequence[nn.Parameter], mesh: DeviceMesh, skip: set
 
     `params`: this rank's parameters, each once; `skip`: ids of replicas counted elsewhere; `experts`: the
     expert banks split over ep ranks, if any."""
-    device = next((local(p.grad).device for p in params if p.grad is not None),
+    device = next((local(g).device for p in params if (g := grad_of(p)) is not None),
                   collective_device() if dist.is_initialized() else torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
     expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
     experts_counted = experts is not None and _expert_counted_locally(experts, mesh)
     ranks = _local_ranks(mesh)
     for p in params:
-        if p.grad is None or id(p) in skip:
+        if grad_of(p) is None or id(p) in skip:
             continue
         if id(p) in expert_ids:
             if not experts_counted:
                 continue
         elif not counted_locally(p, mesh, ranks):
             continue
-        g = local(p.grad)
+        g = local(grad_of(p))
         total += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
@@ -107,5 +107,5 @@ def clip_grads_(params: Sequence[nn.Parameter], max_norm: float, total_norm: flo
     if coef >= 1.0:
         return
     for p in params:
-        if p.grad is not None:
-            local(p.grad).mul_(coef)
+        if (g := grad_of(p)) is not None:
+            local(g).mul_(coef)

@@ -15,7 +15,7 @@ All work on the local shards of DTensor parameters, so they compose with tensor 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 __all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "reduce_gradients", "Zero1Partition",
-           "split_mixed_groups", "local"]
+           "split_mixed_groups", "local", "grad_of"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25 (torch.nn.parallel.DistributedDataParallel)
 
@@ -33,6 +33,13 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25 (torch.nn.parallel.D
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: a DTensor's local shard, else the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a step reduces, clips and steps: the fp32 main gradient where the parameter has one
+    (ZeRO-1 under a 16-bit policy, autopar.codegen.dist_optimizer), else `p.grad`."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
 
 
 def apply_fsdp(part: nn.Module, layer_paths: Sequence[str], dp_mesh: DeviceMesh, *, zero_stage: int,
@@ -65,7 +72,7 @@ def average_gradients(params: Iterable[nn.Parameter], dp_mesh: DeviceMesh) -> No
 def reduce_gradients(params: Iterable[nn.Parameter], mesh: DeviceMesh, *, divisor: int) -> None:
     """Sum gradients over `mesh`'s group in ~BUCKET_BYTES flat buckets, then divide them by `divisor` (the
     group's size for an average; expert parallelism divides by more ranks than hold the experts)."""
-    grads = [local(p.grad) for p in params if p.grad is not None]
+    grads = [local(g) for p in params if (g := grad_of(p)) is not None]
     if mesh.size() == 1:
         if divisor != 1:
             for g in grads:
@@ -159,35 +166,36 @@ class Zero1Partition:
                 p.grad = None
 
     @torch.no_grad()
-    def broadcast_(self) -> None:
+    def broadcast_(self, tensor_of: Callable[[nn.Parameter], torch.Tensor] = local) -> None:
         """Every parameter from its owner, one broadcast per (owner, dtype) of its parameters packed flat.
+        `tensor_of`: the local tensor sent and received for a parameter (its own local shard, or another
+        tensor standing for it, as the fp32 masters do for a checkpoint).
 
         One collective per owner rather than per tensor: on gloo each collective costs a latency of
         0.1–several ms, which per-tensor broadcasts paid dozens of times a step.
         """
         for params, mesh, owners in self.partitions:
             if mesh.size() > 1:
-                self._broadcast(params, mesh, owners)
+                self._broadcast([tensor_of(p) for p in params], mesh, owners)
 
     @staticmethod
-    def _broadcast(params: Sequence[nn.Parameter], mesh: DeviceMesh, owners: Sequence[int]) -> None:
+    def _broadcast(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, owners: Sequence[int]) -> None:
         group = mesh.get_group()
         ranks = dist.get_process_group_ranks(group)
         me = mesh.get_local_rank()
         for r in range(mesh.size()):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p, owner in zip(params, owners, strict=True):
+            for t, owner in zip(tensors, owners, strict=True):
                 if owner == r:
-                    by_dtype.setdefault(local(p).dtype, []).append(local(p))
-            for tensors in by_dtype.values():
+                    by_dtype.setdefault(t.dtype, []).append(t)
+            for same in by_dtype.values():
                 if r == me:
-                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                    flat = torch.cat([t.reshape(-1) for t in same])
                 else:
-                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                                       device=tensors[0].device)
+                    flat = torch.empty(sum(t.numel() for t in same), dtype=same[0].dtype, device=same[0].device)
                 dist.broadcast(flat, src=ranks[r], group=group)
                 if r != me:
                     offset = 0
-                    for t in tensors:
+                    for t in same:
                         t.copy_(flat[offset:offset + t.numel()].view_as(t))
                         offset += t.numel()

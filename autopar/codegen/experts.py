@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Shard
 from autopar.capture.graph import LayerSpec
 from autopar.capture.moe import bank_width
 from autopar.capture.moe_spec import MoESpec
-from autopar.codegen.data_parallel import reduce_gradients
+from autopar.codegen.data_parallel import grad_of, reduce_gradients
 from autopar.codegen.expert_tp import (
     FFNSplit,
     copy_to_tp,
@@ -434,7 +434,7 @@ class ExpertParallel:
             return
         params = self.parameters()
         for p in params:  # an expert bank that received no token this step still takes part
-            if p.grad is None and p.requires_grad:
+            if grad_of(p) is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         reduce_gradients(params, self.grad_mesh, divisor=self.divisor)
 
@@ -469,6 +469,6 @@ class TokenShardGradients:
     @torch.no_grad()
     def sync(self) -> None:
         for p in self.params:
-            if p.grad is None and p.requires_grad:
+            if grad_of(p) is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         reduce_gradients(self.params, self.tp_mesh, divisor=1)

@@ -5,7 +5,8 @@ The order is fixed (docs/design.md, as torchtitan composes it): mesh → fp32 ma
 compute dtype) → pipeline stages (each dry-run on its own) → batch norms synchronised over dp → tensor
 parallelism (tied weights tied again) → activation recompute → ZeRO/data parallelism (FSDP2 gathering in
 the compute dtype; parameters on the host under offload="params") → autocast around each stage's forward →
-the user's optimizer (on the host under offload="optimizer") → schedule.
+the user's optimizer (on the host under offload="optimizer"; under ZeRO-1 with a 16-bit policy over the
+owned fp32 masters, the parameters then in 16 bits: codegen/dist_optimizer.py) → schedule.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from autopar.codegen.context_parallel import ContextParallel, SequenceShard, che
 from autopar.codegen.data_parallel import Zero1Partition, apply_fsdp, split_mixed_groups
 from autopar.codegen.dataflow import DataFlow, forward_kwargs, trace_dataflow
 from autopar.codegen.device import resolve_device
+from autopar.codegen.dist_optimizer import DistributedOptimizer
 from autopar.codegen.experts import ExpertParallel, TokenShardGradients, sequence_sharded_moe_params
 from autopar.codegen.float8 import convert_float8, float8_linear_names
 from autopar.codegen.loss import lm_cross_entropy, resolve_loss
@@ -154,7 +156,8 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
     (over every rank) to this before each step.
     Without loss_fn, a model whose forward takes its targets (`targets`, `labels`, or `target_arg`) trains on
     the loss it returns (`model_loss.py`); any other on `lm_cross_entropy` of the logits it returns.
-    The model's parameters are modified in place (sharded, fp32 masters); its weights are taken from rank 0.
+    The model's parameters are modified in place (sharded, fp32 masters; in the compute dtype under ZeRO-1
+    with a 16-bit policy, the masters then on their owners); its weights are taken from rank 0.
     """
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise PlanMismatchError(f"max_grad_norm={max_grad_norm!r}; give a positive number (e.g. 1.0) or None")
@@ -274,10 +277,12 @@ def parallelize(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None
                             expert_params=experts.parameters() if experts is not None else (),
                             expert_mesh=experts.grad_mesh if experts is not None else None)
              if cfg.zero_stage == 1 and cfg.dp * cfg.cp > 1 else None)
+    opt: torch.optim.Optimizer | HostOptimizer | DistributedOptimizer
     if cfg.offload == "optimizer":  # host masters for the parameters this rank steps (ZeRO-1: those it owns)
         stepped = [(n, p) for n, p in named if zero1 is None or zero1.owns(p)]
-        opt: torch.optim.Optimizer | HostOptimizer = HostOptimizer(stepped, lambda masters: _make_optimizer(
-            optimizer, masters))
+        opt = HostOptimizer(stepped, lambda masters: _make_optimizer(optimizer, masters))
+    elif zero1 is not None and pol.mixed:  # 16-bit parameters, fp32 main gradients, masters on their owners
+        opt = DistributedOptimizer(named, zero1, pol, lambda masters: _make_optimizer(optimizer, masters))
     else:
         opt = _make_optimizer(optimizer, named)
     vocab_parallel = vocab_parallel_head(graph, cfg.tp)  # false where tp keeps the head whole: full logits

@@ -27,7 +27,7 @@ from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
 from autopar.codegen.clipping import clip_grads_, global_grad_norm
 from autopar.codegen.context_parallel import ContextParallel
-from autopar.codegen.data_parallel import Zero1Partition, average_gradients, local
+from autopar.codegen.data_parallel import Zero1Partition, average_gradients, grad_of, local
 from autopar.codegen.experts import ExpertParallel, TokenShardGradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
@@ -266,8 +266,8 @@ class ParallelModel:
     @torch.no_grad()
     def _scale_gradients(self, factor: float) -> None:
         for p in self._parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+            if (g := grad_of(p)) is not None:
+                g.mul_(factor)
 
     def _global_mean(self, local_loss: torch.Tensor) -> float:
         """Mean over data-parallel ranks; every tensor-parallel rank of the last stage holds a copy, and the
@@ -325,7 +325,7 @@ class ParallelModel:
         params = self._parameters()
         scaler = self.loss_scaler
         if scaler is not None:
-            scaler.unscale_(local(p.grad) for p in params if p.grad is not None)
+            scaler.unscale_(local(g) for p in params if (g := grad_of(p)) is not None)
         # every step: what practitioners log, what fp16's overflow check needs, what clipping scales by
         self.grad_norm = global_grad_norm(params, self.mesh, self._replicas, self.experts)
         if self.zero1 is not None:  # counted in the norm; stepped by their owners (and none left for next step)
@@ -384,13 +384,15 @@ class ParallelModel:
 
     # ---- state ----
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's sharded model state (DTensors where sharded), under the original parameter names."""
+        """This rank's sharded model state (DTensors where sharded), under the original parameter names: the live
+        parameters (16-bit under ZeRO-1 with a 16-bit policy; `full_state_dict` and checkpoints hold the fp32
+        masters)."""
         return state_io.model_state(self.modules)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full single-device model state dict on every rank (collective: call it on all ranks)."""
         with named_failures("full_state_dict"):
-            return state_io.full_model_state(self.modules, self.mesh["pp"])
+            return state_io.full_model_state(self.modules, self.mesh["pp"], self.stepper)
 
     def save(self, path: str) -> None:
         """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""

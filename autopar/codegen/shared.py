@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.codegen.data_parallel import local
+from autopar.codegen.data_parallel import grad_of, local
 from autopar.errors import PlanMismatchError
 
 __all__ = ["alias_groups", "retie", "stages_holding", "SharedGradients"]
@@ -147,7 +147,7 @@ class SharedGradients:
             if not replicas:
                 continue
             params = list(replicas.values())
-            grads = [local(p.grad) if p.grad is not None else None for p in params]
+            grads = [local(g) if (g := grad_of(p)) is not None else None for p in params]
             like = next((g for g in grads if g is not None), None)
             total = torch.zeros_like(local(params[0])) if like is None else torch.zeros_like(like)
             for g in grads:

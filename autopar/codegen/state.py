@@ -3,6 +3,13 @@ sharded through `torch.distributed.checkpoint` (DCP), keyed by the original para
 
 Optimizer state is keyed by parameter name too (`"<param>.<state>"`), not by the optimizer's
 integer ids, so DCP can deduplicate replicated entries and place sharded ones (DTensor) correctly.
+
+Under ZeRO-1 with a 16-bit policy (`DistributedOptimizer`) the parameters are 16-bit roundings of fp32
+masters that only their owners hold: the model entries of trained parameters are then the masters — an
+owner writes its masters, the other ranks write nothing for them (DCP takes each name from the rank that
+lists it), a load reads the owned masters and rounds the rest into the 16-bit parameters, and the full state
+dict broadcasts the masters from their owners. Entries are fp32 under every layout, so checkpoints move
+between this layout and the fp32-parameter ones both ways.
 """
 
 from __future__ import annotations
@@ -18,28 +25,53 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from autopar.codegen.data_parallel import grad_of
+from autopar.codegen.dist_optimizer import DistributedOptimizer
 from autopar.codegen.offload import HostOptimizer
 
 __all__ = ["model_state", "full_model_state", "full_gradients", "optimizer_state", "init_optimizer_state",
            "save", "load", "restore_scalars"]
 
 
-def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Sharded model state of this rank (DTensors for sharded parameters), original names."""
+def _replace_params(state: dict[str, torch.Tensor], parts: Sequence[nn.Module],
+                    values: dict[int, torch.Tensor], drop: set[int] | frozenset[int] = frozenset()) -> None:
+    """In `state`, every name of a parameter in `values` (by id) ← that value; names of those in `drop` removed."""
+    for part in parts:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            if name in state and id(p) in values:
+                state[name] = values[id(p)]
+            elif name in state and id(p) in drop:
+                del state[name]
+
+
+def model_state(parts: Sequence[nn.Module], optimizer: Optimizer | None = None, *,
+                writing: bool = False) -> dict[str, torch.Tensor]:
+    """Sharded model state of this rank (DTensors for sharded parameters), original names. Under a
+    `DistributedOptimizer` the trained parameters this rank owns are their fp32 masters, and with `writing`
+    the others are left to their owners (module docstring)."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part.state_dict())
+    if isinstance(optimizer, DistributedOptimizer):
+        masters = optimizer.master_of()
+        drop = {id(p) for p in optimizer.all_params} - masters.keys() if writing else set()
+        _replace_params(state, parts, masters, drop)
     return state
 
 
-def full_model_state(parts: Sequence[nn.Module], pp_mesh: DeviceMesh) -> dict[str, torch.Tensor]:
-    """The full single-device state dict (CPU tensors), on every rank.
+def full_model_state(parts: Sequence[nn.Module], pp_mesh: DeviceMesh,
+                     optimizer: Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """The full single-device state dict (CPU tensors), on every rank; under a `DistributedOptimizer` its
+    trained parameters are the fp32 masters, broadcast from their owners.
 
     DTensors are gathered over their own mesh (every rank of a pipeline stage holds the same names, in
     the same order), then the stages' dicts are exchanged over the pipeline group.
     """
+    state = model_state(parts)
+    if isinstance(optimizer, DistributedOptimizer):
+        _replace_params(state, parts, optimizer.full_precision())
     mine = {}
-    for name, value in sorted(model_state(parts).items()):
+    for name, value in sorted(state.items()):
         full = value.full_tensor() if isinstance(value, DTensor) else value
         mine[name] = full.detach().cpu().clone()
     if pp_mesh.size() == 1:
@@ -56,8 +88,8 @@ def full_gradients(parts: Sequence[nn.Module], pp_mesh: DeviceMesh) -> dict[str,
     """Full gradients (as left by the last step) by parameter name, on every rank; for parity checks."""
     mine = {}
     for name, p in sorted((n, p) for part in parts for n, p in part.named_parameters()):
-        if p.grad is not None:
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if (g := grad_of(p)) is not None:
+            g = g.full_tensor() if isinstance(g, DTensor) else g
             mine[name] = g.detach().cpu().clone()
     if pp_mesh.size() == 1:
         return mine
@@ -77,17 +109,19 @@ def _param_names(parts: Sequence[nn.Module]) -> dict[int, list[str]]:
     return names
 
 
-Optimizer = torch.optim.Optimizer | HostOptimizer
+Optimizer = torch.optim.Optimizer | HostOptimizer | DistributedOptimizer
 
 
 def _inner(optimizer: Optimizer | None) -> torch.optim.Optimizer | None:
     """The torch optimizer holding state (ZeRO-1: for this rank's owned parameters only, the others never
-    having a gradient at its step); under offload="optimizer" it holds it for the host masters."""
-    return optimizer.optimizer if isinstance(optimizer, HostOptimizer) else optimizer
+    having a gradient at its step); under offload="optimizer" it holds it for the host masters, under a
+    `DistributedOptimizer` for the owned fp32 masters."""
+    return optimizer.optimizer if isinstance(optimizer, (HostOptimizer, DistributedOptimizer)) else optimizer
 
 
-def _host(optimizer: Optimizer | None) -> HostOptimizer | None:
-    return optimizer if isinstance(optimizer, HostOptimizer) else None
+def _host(optimizer: Optimizer | None) -> HostOptimizer | DistributedOptimizer | None:
+    """The wrapper whose masters the optimizer steps in place of the model's parameters, if any."""
+    return optimizer if isinstance(optimizer, (HostOptimizer, DistributedOptimizer)) else None
 
 
 def _state_names(optimizer: Optimizer | None, parts: Sequence[nn.Module]) -> dict[int, list[str]]:
@@ -177,8 +211,8 @@ def _writable(state: dict[str, Any]) -> dict[str, Any]:
 
 def save(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None) -> None:
     """Sharded checkpoint of model and optimizer state by parameter name (collective)."""
-    dcp.save({"model": _writable(model_state(parts)), "optim": _writable(optimizer_state(optimizer, parts))},
-             checkpoint_id=path)
+    dcp.save({"model": _writable(model_state(parts, optimizer, writing=True)),
+              "optim": _writable(optimizer_state(optimizer, parts))}, checkpoint_id=path)
 
 
 def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
@@ -187,7 +221,7 @@ def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
     saved global tensor its shard covers, whatever layout (tp, pp, dp, ZeRO stage, world size) saved it.
     The optimizer's hyper-parameters are restored too (collective)."""
     init_optimizer_state(optimizer, updates)
-    live = {"model": model_state(parts), "optim": optimizer_state(optimizer, parts)}
+    live = {"model": model_state(parts, optimizer), "optim": optimizer_state(optimizer, parts)}
     state = {k: _writable(v) for k, v in live.items()}
     dcp.load(state, checkpoint_id=path, **dcp_kwargs)  # tensors in place; plain values come back in `state`
     with torch.no_grad():  # strided values were read replicated: this rank's slice back into the live tensor
@@ -201,9 +235,10 @@ def load(path: str, parts: Sequence[nn.Module], optimizer: Optimizer | None,
 def restore_scalars(loaded: dict[str, Any], optimizer: Optimizer | None,
                     parts: Sequence[nn.Module]) -> None:
     """Put the loaded non-tensor optimizer values (hyper-parameters, float steps) back in the optimizer."""
-    host = _host(optimizer)
-    if host is not None:  # the parameters were just loaded: the host masters copy them
-        host.reload_masters()
+    if isinstance(optimizer, HostOptimizer):  # the parameters were just loaded: the host masters copy them
+        optimizer.reload_masters()
+    elif isinstance(optimizer, DistributedOptimizer):  # the masters were loaded: the owners round them again
+        optimizer.weights_from_masters()
     names = _state_names(optimizer, parts)
     optimizer = _inner(optimizer)
     if optimizer is None:

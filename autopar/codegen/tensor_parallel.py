@@ -382,6 +382,6 @@ def align_grad_placements(params: Iterable[nn.Parameter]) -> None:
     replicated (full) gradient for its row-sharded weight; keeping only this rank's rows (a local slice, no
     communication) stores, reduces and steps the shard the plan prices, not the whole table."""
     for p in params:
-        g = p.grad
+        g = p.grad  # a main gradient (autopar.codegen.dist_optimizer) already has its parameter's placements
         if isinstance(p, DTensor) and isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)

@@ -267,37 +267,42 @@ class CommCosts:
     # ---- data parallelism ----
     def dp_tail(self, c: Candidate) -> DPTail:
         """The data-parallel tail of the rank's dense gradients, over dp·cp, with the step's loss and norm."""
-        return self._sync(c.tp, c.pp, c.shard_group, c.zero_stage, c.num_microbatches)
+        return self._sync(c.tp, c.pp, c.shard_group, c.zero_stage, c.num_microbatches, c.offload)
 
     def expert_tail(self, c: Candidate) -> DPTail:
         """The tail of the rank's expert gradients, over the ranks holding the same experts (edp·cp, tp too
         under unfolded SP: autopar.codegen.experts.expert_grad_axes), which reduce them apart."""
         return self._expert_sync(c.tp, c.pp, c.dp, c.cp, c.zero_stage, c.num_microbatches, c.ep,
-                                 c.sequence_parallel, c.etp)
+                                 c.sequence_parallel, c.etp, c.offload)
 
-    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int) -> DPTail:
+    def _dp_tail_key(self, tp: int, pp: int, dp: int, zero_stage: int, m: int, offload: str = "none") -> DPTail:
         """The data-parallel tail over this rank's dense gradients (the experts': `expert_tail`)."""
         rpn = math.gcd(dp, max(1, self.devices_per_node // tp))
         mem = self.memory
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_dense_params(g[0], tp)
                                         for g in mem.runs)) / pp
 
-        return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1)
+        return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1, offload=offload)
 
     def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
-                         sp: bool, etp: int = 1) -> DPTail:
+                         sp: bool, etp: int = 1, offload: str = "none") -> DPTail:
         mem = self.memory
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_expert_params(g[0], ep, etp) for g in mem.runs)) / pp
         size, per_node = self._expert_group(tp, dp, cp, ep, sp, etp) if grad_bytes > 0 else (1, 1)
 
-        return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False, pipelined=pp > 1)
+        return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False, pipelined=pp > 1,
+                          offload=offload)
 
     def _tail(self, zero_stage: int, size: int, per_node: int, m: int, grad_bytes: float,
-              loss_and_norm: bool = True, pipelined: bool = False) -> DPTail:
+              loss_and_norm: bool = True, pipelined: bool = False, offload: str = "none") -> DPTail:
         """The DPTail of `grad_bytes` of gradients per rank reduced over a group of `size` ranks, `per_node` of
         them on one node (`loss_and_norm`: the group also reduces the loss and the gradient norm; `pipelined`:
-        in pipeline stages, DPTail's reduce-scatter once per step)."""
+        in pipeline stages, DPTail's reduce-scatter once per step). ZeRO-1's broadcast moves the parameters in
+        their dtype: 16-bit under a mixed policy (autopar.codegen.dist_optimizer), fp32 under
+        offload="optimizer", whose host steps fp32 parameters."""
         mem = self.memory
+        pol = mem.precision
+        weights = pol.compute_bytes if pol.mixed and offload != "optimizer" else pol.weight_bytes
 
         def coll(op: str, n: float, k: int) -> float:
             return self.collective_s(op, n, k, per_node if k == size else None)
@@ -307,7 +312,7 @@ class CommCosts:
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
                       host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
                       gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm,
-                      pipelined=pipelined)
+                      pipelined=pipelined, broadcast_ratio=weights / mem.grad_bytes(1.0))
 
     def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool, etp: int = 1) -> tuple[int, int]:
         """(size, most ranks on one node) of the group holding rank 0's experts."""

@@ -8,7 +8,9 @@ rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_pa
   ZeRO-0  ⌈G / 25 MiB⌉ all-reduces of G in flat buckets (DDP's bucket size), after backward; the
           bucket is packed, divided and unpacked: 6·G bytes of memory traffic (read + write, 3 passes)
   ZeRO-1  the same, then one broadcast per owner of its ≈ G/dp updated parameters packed flat
-          (2·G more bytes: the owner packs its share, the others unpack theirs)
+          (2·G more bytes: the owner packs its share, the others unpack theirs), in the parameters' dtype
+          (`broadcast_ratio` = their bytes ÷ reduce bytes: ½ under bf16, whose ZeRO-1 holds 16-bit
+          parameters, autopar.codegen.dist_optimizer)
   ZeRO-2  FSDP2 per layer: an all-gather of P in every micro-batch's forward, a reduce-scatter of
           its gradient in every micro-batch's backward (the gradient shards summed over the step, as
           torchtitan, Composer and Megatron-FSDP run gradient accumulation), or under a pipeline
@@ -72,13 +74,14 @@ class DPTail:
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
                  host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0,
-                 loss_and_norm: bool = True, pipelined: bool = False) -> None:
+                 loss_and_norm: bool = True, pipelined: bool = False, broadcast_ratio: float = 1.0) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
         where they are not charged. interference: the share of compute an overlapped collective takes
         (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte.
         loss_and_norm: False for a tail over part of the gradients (the experts' over the ranks holding
         them), the step's loss and norm all-reduces being counted in the dense tail. pipelined: the layers run in
-        pipeline stages (pp > 1), whose FSDP reduce-scatters once per step rather than every micro-batch."""
+        pipeline stages (pp > 1), whose FSDP reduce-scatters once per step rather than every micro-batch.
+        broadcast_ratio: bytes ZeRO-1's broadcast moves per gradient byte."""
         self.interference = interference
         self.pipelined = pipelined
         self.gather_ratio = gather_ratio
@@ -101,8 +104,8 @@ class DPTail:
         self.fixed_s += buckets * lat
         self.flat_collectives += buckets
         if zero_stage == 1:
-            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), g / dp)
-            self.per_byte_s += b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte
+            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), g * broadcast_ratio / dp)
+            self.per_byte_s += (b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte) * broadcast_ratio
             self.fixed_s += dp * b_lat
             self.flat_collectives += dp
 

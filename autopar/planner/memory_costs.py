@@ -26,11 +26,13 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   to_accumulated_grad_if_needed: fp32 under the mixed policies) from its first backward to the
                   step's end: compute copy and gradients whole, fp32 masters and moments ÷ dp (`pipelined`;
                   under pipeline_memory="megatron" each stage's states are ZeRO's, cost_models.memory).
-                  Under "megatron" ZeRO-1 is Megatron-LM's distributed optimizer, which keeps the fp32 main
-                  parameters with the moments, sharded: bf16 parameters and fp32 main gradients whole,
-                  6 + 12/d bytes per parameter against 18 unsharded (Megatron-LM
+                  ZeRO-1 with a 16-bit policy is the distributed optimizer in both runtimes (Megatron-LM's;
+                  autopar's codegen/dist_optimizer.py), which keeps the fp32 masters with the moments,
+                  sharded: 16-bit parameters (charged as the compute copy) and fp32 main gradients whole,
+                  2 + 4 + 12/d bytes per parameter against 18 unsharded (Megatron-LM
                   docs/source/api-guide/dist_optimizer.md, its table; ZeRO's P_os, Rajbhandari et al. 2020
-                  §5.1, K = 12 alike), where autopar's own ZeRO-1 shards only the moments (10 + 8/d)
+                  §5.1, K = 12 alike). autopar's runtime under offload="optimizer" keeps fp32 parameters
+                  (the host steps them) and 16-bit casts: 4 + 2 + 4 on the device
   activations     cost_models.memory.layer_activation_bytes (Korthikanti et al. 2022) per recompute mode,
                   in the compute dtype (captured bytes × compute bytes ÷ the model dtype's)
   per rank        the logits the last rank holds from the head's forward to its backward (÷ t when the head
@@ -192,14 +194,17 @@ class MemoryCosts:
                      pipelined: bool = False) -> memory.ModelStateBytes:
         """Weights, gradients and optimizer states of num_params on one device, in this model's dtype (what
         stays on the device under `offload`); `pipelined`: the layer is in a stage of a pipeline (pp > 1)."""
-        return self.offload.device_states(self._all_states(num_params, zero_stage, dp, pipelined), offload)
+        return self.offload.device_states(self._all_states(num_params, zero_stage, dp, pipelined, offload), offload)
 
-    def _all_states(self, num_params: float, zero_stage: int, dp: int, pipelined: bool = False
-                    ) -> memory.ModelStateBytes:
+    def _all_states(self, num_params: float, zero_stage: int, dp: int, pipelined: bool = False,
+                    offload: str = "none") -> memory.ModelStateBytes:
         """Each state at the policy's bytes per element, and the compute copies (module docstring): the fp32
         masters are the parameters (sharded by ZeRO-3, and by ZeRO-2's FSDP2, which holds the gathered
-        weights from forward to backward instead). Under a pipeline FSDP keeps the gathered weights and
-        accumulates unsharded gradients for the whole step (module docstring)."""
+        weights from forward to backward instead), except under ZeRO-1 with a 16-bit policy, whose parameters
+        are 16-bit and whose fp32 masters live with the moments on their owners (the distributed optimizer,
+        both runtimes; autopar's own keeps fp32 parameters under offload="optimizer", whose host steps
+        them). Under a pipeline FSDP keeps the gathered weights and accumulates unsharded gradients for the
+        whole step (module docstring)."""
         pol = self.precision
         states = memory.model_state_bytes(num_params, zero_stage=zero_stage, dp=dp, weight_bytes=pol.weight_bytes,
                                           grad_bytes=pol.grad_bytes, optimizer_bytes=pol.optimizer_bytes)
@@ -210,9 +215,10 @@ class MemoryCosts:
         if zero_stage == 2 and dp > 1:
             return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
                                        compute_copy_bytes=num_params * pol.compute_bytes)
-        if zero_stage == 1 and dp > 1 and pol.mixed and self.pipeline_memory == "megatron":
-            # Megatron's distributed optimizer (DeepSpeed's ZeRO-1 alike) shards the fp32 masters with the
-            # moments; the 16-bit parameters are the model's own (module docstring, "megatron" states)
+        if zero_stage == 1 and dp > 1 and pol.mixed and (offload != "optimizer" or self.pipeline_memory == "megatron"):
+            # the distributed optimizer (Megatron-LM's, and autopar.codegen.dist_optimizer; DeepSpeed's ZeRO-1
+            # alike) shards the fp32 masters with the moments; the 16-bit parameters are the model's own and
+            # count as its compute copy (module docstring, "model states")
             return dataclasses.replace(states, weights_bytes=num_params * pol.weight_bytes / dp,
                                        compute_copy_bytes=num_params * pol.compute_bytes)
         if zero_stage <= 1 or dp == 1:
@@ -223,7 +229,7 @@ class MemoryCosts:
         """Host bytes one rank keeps for num_params of its parameters under `offload` (the sharded states: the
         same with or without a pipeline)."""
         stepped = num_params / (dp if zero_stage >= 1 else 1)
-        return self.offload.host_bytes(self._all_states(num_params, zero_stage, dp), stepped, offload)
+        return self.offload.host_bytes(self._all_states(num_params, zero_stage, dp, offload=offload), stepped, offload)
 
     def run_state_bytes(self, ri: int, tp: int, zero_stage: int, dp: int, ep: int = 1, offload: str = "none",
                         pipelined: bool = False, etp: int = 1) -> float:

