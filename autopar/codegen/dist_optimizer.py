@@ -44,9 +44,12 @@ def _accumulate(p: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _to_dtype(p: nn.Parameter, dtype: torch.dtype) -> None:
-    """`p` in `dtype`, the same Python object (modules, ties and optimizers keep referring to it). Not
-    `p.data = ...`: on a DTensor parameter that changes the wrapper's dtype but not its local shard's."""
-    torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+    """`p` in `dtype`, the same Python object (modules, ties and pipeline stages keep referring to it). A
+    DTensor is swapped whole: `p.data = ...` would change the wrapper's dtype but not its local shard's."""
+    if isinstance(p, DTensor):
+        torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+    else:
+        p.data = p.data.to(dtype)
 
 
 class DistributedOptimizer:
