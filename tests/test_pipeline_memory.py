@@ -54,7 +54,8 @@ def test_fsdp_under_a_pipeline_keeps_gathered_weights_and_accumulates_unsharded_
 def test_megatron_distributed_optimizer_shards_the_fp32_main_params() -> None:
     # Megatron-LM docs/source/api-guide/dist_optimizer.md, its table: bf16 parameters with fp32 gradients take
     # 18 bytes a parameter without the distributed optimizer and 6 + 12/d with it (the fp32 main parameters and
-    # Adam's two moments sharded over the d data-parallel ranks); autopar's own ZeRO-1 shards only the moments
+    # Adam's two moments sharded over the d data-parallel ranks); autopar's own ZeRO-1 runs the same layout
+    # (autopar.codegen.dist_optimizer; it sharded only the moments, 10 + 8/d, before)
     graph, cluster = gpt_graph(layers=8, hidden=1024), fake_cluster()
     dp = 4
     for zero, per_param in ((0, 18.0), (1, 6.0 + 12.0 / dp)):
@@ -71,7 +72,8 @@ def test_megatron_distributed_optimizer_shards_the_fp32_main_params() -> None:
     stages = autopar.plan(graph, cluster, global_batch_size=16, options=torch_opts).stages
     mb, n = stages[0].memory_breakdown, _rank_params(stages, graph, stages[0].pp_rank)
     assert mb["weights"] + mb["grads"] + mb["optimizer"] + mb["compute_copies"] == pytest.approx(
-        (10.0 + 8.0 / dp) * n, rel=1e-6)
+        (6.0 + 12.0 / dp) * n, rel=1e-6)
+    assert mb["compute_copies"] == pytest.approx(2.0 * n, rel=1e-6)  # the 16-bit parameters themselves
 
 
 def test_pipeline_buffers_per_microbatch_hand_formula() -> None:
