@@ -11,10 +11,13 @@ Training", §3: fp32 master weights, 16-bit arithmetic, loss scaling for fp16):
 
 The parameters the optimizer steps are the fp32 masters themselves; 16-bit copies exist only for compute:
 under ZeRO-2/3 as FSDP2's gathered parameters (`MixedPrecisionPolicy(param_dtype=bf16)`: the all-gather
-moves 16-bit bytes, ZeRO-2 keeps the gathered copy from forward to backward), under ZeRO-0/1, tensor and
-pipeline parallelism as autocast's casts, which each matmul saves for its backward (a 16-bit copy of the
-layer's weights per micro-batch in flight, unless the layer recomputes its forward). Gradients are
-reduced in fp32 (`REDUCE_DTYPE` below says why).
+moves 16-bit bytes, ZeRO-2 keeps the gathered copy from forward to backward), under ZeRO-0, tensor and
+pipeline parallelism as autocast's casts, cast once per step and held to its last backward. ZeRO-1 over
+dp > 1 ranks is the distributed optimizer (Megatron-LM's; autopar.codegen.dist_optimizer): the model's
+parameters are 16-bit (they are the compute copy), each has an fp32 main gradient, and the fp32 masters
+with their moments exist only on the rank that steps them, which broadcasts the updated 16-bit weights:
+2 + 4 + 12/dp bytes per parameter (`weight_bytes` then counts the masters, `compute_bytes` the
+parameters). Gradients are reduced in fp32 (`REDUCE_DTYPE` below says why).
 
 Everything that charges or allocates model state asks this module: the planner's memory and
 communication pricing (`state_bytes`, `compute_copy_bytes`, `reduce_bytes`, `compute_dtype`) and the
@@ -33,7 +36,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # MixedPrecisionPolicy(reduce_dtype=float32) and Megatron-LM accumulates and all-reduces main_grad in fp32
 # (--accumulate-allreduce-grads-in-fp32): a bf16 sum of N ranks' gradients keeps 8 mantissa bits, so the
 # mean of 64 ranks loses ~6 bits of each gradient, while the fp32 reduction moves twice the bytes. The
-# gradients already live in fp32 (they are the fp32 masters' gradients), so no cast is needed either.
+# gradients already live in fp32 (the fp32 masters' gradients, or the distributed optimizer's main gradients,
+# which accumulate the 16-bit ones), so no cast is needed either.
 REDUCE_DTYPE = "float32"
 # Per-element bytes of AdamW's state: exp_avg and exp_avg_sq in the parameters' dtype (fp32 masters),
 # torch/optim/adamw.py; the scalar `step` is not counted.
@@ -46,7 +50,7 @@ class Precision:
 
     name: str
     compute_dtype: str  # matmuls and activations (autocast / FSDP2 param_dtype)
-    param_dtype: str  # the parameters the optimizer steps: the masters
+    param_dtype: str  # the parameters the optimizer steps: the masters (ZeRO-1's owned ones only)
     reduce_dtype: str  # gradients and their data-parallel reduction
     loss_scaling: bool  # dynamic loss scaling (fp16 only: its 5-bit exponent underflows small gradients)
 

@@ -15,8 +15,9 @@ and costs.CostModel assembles both into the ILP's numbers). Per layer at tensor-
                   dense states over dp and expert states over the edp ranks holding the same experts (dp / ep,
                   or dp · t / ep with EP folded over tp: autopar.config.expert_dp). Compute copies, held from a
                   step's first forward to its last backward: ZeRO-2's FSDP2 gathered weights (compute
-                  dtype), and under ZeRO-0/1 with a 16-bit policy autocast's casts of the weights, cast once
-                  per step (codegen.precision.weight_cast_cache); ZeRO-3's gathered layers are its buffers.
+                  dtype), under ZeRO-0 (and ZeRO-1 on one rank or offloaded) with a 16-bit policy autocast's
+                  casts of the weights, cast once per step (codegen.precision.weight_cast_cache), under
+                  ZeRO-1 the 16-bit parameters themselves (below); ZeRO-3's gathered layers are its buffers.
                   FSDP under pipeline parallelism (ZeRO-2/3, pp > 1) holds more: torch.distributed.pipelining
                   runs every micro-batch's backward without gradient sync and without resharding
                   (stage.py, backward_maybe_with_nosync: set_requires_gradient_sync(False),
