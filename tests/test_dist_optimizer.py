@@ -7,8 +7,9 @@ in gloo jobs against one process running the same algorithm (tests/dist_optimize
   1e-5 of the reference's; the same step skipped on every rank as in the reference. Parameters are 16-bit,
   the optimizer steps fp32 tensors. The dp ranks' micro-batches are the reference's, in order, and a sum of
   two fp32 gradients is exact in either order, so the two agree to the last bits (m = 2 sums in another order).
-  Mixtral under ep2 (expert parameters owned within their own mesh): losses within 2e-2, each expert's tokens
-  of both ranks meeting in one bf16 matmul.
+  Mixtral under ep2 (expert parameters owned within their own mesh; each expert's tokens of both ranks meet in
+  one bf16 matmul) and cp2 with clipping (owners over the flattened dp·cp axis; attention split over the
+  sequence): losses within 2e-2.
 - 4 ranks: pp2·dp2 under 1F1B with 2 micro-batches and clipping (tight, as above); tp2·dp2 (bf16 matmuls split
   over tp round their partial sums apart) and pp2·dp2 on tied embeddings (the two stages holding the tie sum
   its gradients in fp32, one process in bf16 inside autograd): losses within 2e-2, as the bf16 cases of
@@ -64,11 +65,13 @@ def test_parity_memory_and_checkpoints_on_two_ranks(tmp_path):
               ("llama_tied", ZERO1, CLIP),
               ("gpt", ZERO1, dict(precision="fp16", poison=(1,))),
               # experts over the two ranks: each expert's tokens of both ranks meet in one bf16 matmul
-              ("mixtral", dict(ZERO1, ep=2), dict(precision="bf16"))]
+              ("mixtral", dict(ZERO1, ep=2), dict(precision="bf16")),
+              # owners over the flattened dp·cp axis; attention split over the sequence rounds apart
+              ("llama_tied", dict(cp=2, zero_stage=1), CLIP)]
     memory = [(prec, 1, 1) for prec in ("bf16", "fp16", "fp32")]
     checkpoints = [(ZERO1, dict(dp=2)), (dict(dp=2), ZERO1)]
     results = run_distributed(job, 2, parity, memory, checkpoints, str(tmp_path), timeout_s=900)
-    failures = _check_parity(results[0]["parity"], loose=frozenset({4}))
+    failures = _check_parity(results[0]["parity"], loose=frozenset({4, 5}))
     fp16 = results[0]["parity"][3]
     if fp16["skipped"] < 1 or not math.isinf(fp16["norms"][1]):
         failures.append(f"fp16: {fp16['skipped']} steps skipped, norms {fp16['norms']}; want step 2 skipped")
