@@ -70,6 +70,11 @@ class Priced:
     gpus: int
     curve: tuple[tuple[float, float], ...] = ()  # (sustained fraction, predicted step time) on loso's grid
     moe: bool = False  # a mixture-of-experts model (its MAPE is printed apart too)
+    # the same layout (published fields pinned) priced as autopar's own runtime runs it (RUNTIMES)
+    own_predicted_s: float = math.nan
+    own_fits: bool = True
+    own_GiB: float = math.nan
+    own_config: str = ""
 
     @property
     def error(self) -> float:
@@ -162,20 +167,28 @@ def source_id(run: dict) -> str:
     return run.get("source_id") or run["source"].split(":", 1)[0].strip()
 
 
-def _options(run: dict, **pins) -> PlannerOptions:
+# The two ways a row is priced: "published" with the memory rules of the framework that ran it (its loss
+# kernel, its pipeline runtime's buffers), "autopar" as autopar's own runtime would run the same layout
+# (PlannerOptions' defaults): what a user who hands autopar that layout gets.
+RUNTIMES = ("published", "autopar")
+
+
+def _options(run: dict, runtime: str = "published", **pins) -> PlannerOptions:
     """Planner options with every published field of `run` pinned (zero and recompute when published)."""
+    framework = (dict(loss_kernel=run.get("loss_impl", "fp32_logits"),
+                      pipeline_runtime=run.get("pipeline_runtime", "torch")) if runtime == "published" else {})
     return PlannerOptions(tp=run["tp"], cp=run.get("cp", 1), pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1),
                           etp=run.get("etp", 1), zero_stage=run.get("zero"),
-                          recompute=run.get("recompute"), sequence_parallel=run["sp"],
-                          loss_kernel=run.get("loss_impl", "fp32_logits"),
-                          pipeline_runtime=run.get("pipeline_runtime", "torch"),
+                          recompute=run.get("recompute"), sequence_parallel=run["sp"], **framework,
                           ep_dispatcher=run.get("ep_dispatcher", "all_to_all"),
                           top_k=0, max_virtual_stages=8, router_skew=run.get("load_imbalance"),
                           **_run_options(run), **pins)
 
 
-def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, ParallelConfig, bool]:
-    """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
+def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
+          ) -> tuple[autopar.Estimate, ParallelConfig, bool]:
+    """(estimate, layout, refused): the published layout, or the planner's best with its published fields,
+    priced under `runtime` (RUNTIMES)."""
     dp, gb = run["dp"], run["global_batch"]
     # An unpublished interleaving group N (Meta's Llama 3) is priced at N = pp, as torch and Megatron-LM run it:
     # a group below pp fits in less memory but stalls (cost_models/pipeline_order.py), which Meta's published
@@ -187,7 +200,7 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
                              sequence_parallel=run["sp"], **_run_options(run))
-        est = autopar.estimate(graph, cluster, cfg, options=_options(run))
+        est = autopar.estimate(graph, cluster, cfg, options=_options(run, runtime))
         return est, cfg, not est.fits
     pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
     if "schedule" in run:
@@ -195,7 +208,7 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     if "v" in run:
         pins["virtual_stages"] = run["v"]
     try:
-        plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
+        plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, runtime, **pins))
         return plan.estimate, plan.config, False
     except InfeasiblePlanError:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
@@ -203,7 +216,7 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
                              zero_stage=run.get("zero", 0), micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
                              sequence_parallel=run["sp"], **_run_options(run))
-        return autopar.estimate(graph, cluster, cfg, options=_options(run)), cfg, True
+        return autopar.estimate(graph, cluster, cfg, options=_options(run, runtime)), cfg, True
 
 
 def _memory_as_published(run: dict, est) -> float:
@@ -329,11 +342,12 @@ def main(argv: list[str] | None = None) -> int:
           + (f"{sustained:.3f}, fitted to these runs" if sustained is not None
              else f"{fitted:.3f} (cost_models/catalog/fitted.toml)"))
     print(f"{'run':<32} {'published':>10} {'predicted':>10} {'error':>7}  {'mem pub':>8} {'mem pred':>9} "
-          f"{'error':>7}  fits  layout priced")
+          f"{'error':>7}  fits  {'autopar runtime':>17}  layout priced")
     for run in runs:
         curve = curve_of.get(run["name"], ())
         graph, cluster = _graph(run, cache), _cluster(run, sustained)
         est, cfg, refused = price(run, graph, cluster)
+        own, own_cfg, own_refused = price(run, graph, cluster, runtime="autopar")
         layout = str(cfg)
         pub = published_step_s(run, graph)
         row = Priced(name=run["name"], source_id=source_id(run),
@@ -343,14 +357,17 @@ def main(argv: list[str] | None = None) -> int:
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.active_params, tokens=run["global_batch"] * run["seq_len"],
                      peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve,
-                     moe=graph.expert_params > 0)
+                     moe=graph.expert_params > 0, own_predicted_s=own.step_time_s, own_fits=not own_refused,
+                     own_GiB=_memory_as_published(run, own) / GiB, own_config=str(own_cfg))
         (apart if "not_comparable" in run else rows).append(row)
         if "not_comparable" in run:
             reasons[row.name] = run["not_comparable"]
         mem_pub = f"{row.published_GiB:.1f}" if row.published_GiB else "-"
         mem_err = f"{row.memory_error:+.1%}" if row.memory_error is not None else "-"
         print(f"{row.name:<32} {pub:>9.3f}s {est.step_time_s:>9.3f}s {row.error:>+7.1%}  {mem_pub:>8} "
-              f"{row.predicted_GiB:>9.1f} {mem_err:>7}  {'yes' if row.fits else 'NO ':<4}  {layout}")
+              f"{row.predicted_GiB:>9.1f} {mem_err:>7}  {'yes' if row.fits else 'NO ':<4}  "
+              f"{row.own_GiB:>7.1f} GiB {'fits' if row.own_fits else 'NO  '}  {layout}"
+              + (f"  (autopar runtime: {row.own_config})" if row.own_config != layout else ""))
         sys.stdout.flush()
     for row in apart:
         print(f"  {row.name}: priced apart, not in the MAPE, LOSO or bands: {reasons[row.name]}")
@@ -371,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory      MAPE {statistics.fmean(mem):.1%} over {len(mem)} runs that publish it; "
               f"{sum(e <= 0.10 for e in mem)} within 10%")
     print(f"refused     {sum(not r.fits for r in rows)} of {len(rows)} published layouts priced as not fitting")
+    own_errors = [abs(r.own_predicted_s / r.published_s - 1.0) for r in rows]
+    print(f"as autopar's own runtime runs them (published fields pinned, default options): "
+          f"{sum(not r.own_fits for r in rows)} of {len(rows)} priced as not fitting; step time MAPE "
+          f"{statistics.fmean(own_errors):.1%}")
+    for r in rows:
+        if not r.own_fits:
+            print(f"  {r.name}: {r.own_GiB:.1f} GiB under autopar's runtime ({r.own_config})")
     print_memory_notes(runs, rows)
     print_speedups(runs, rows)
     lrows = loso_rows(rows)
