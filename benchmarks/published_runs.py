@@ -262,11 +262,11 @@ def write_bands(rows: list[loso.Row], path: Path = error_band.BANDS_FILE) -> Non
              f"# from {len(rows)} runs of {len({r.source_id for r in rows})} sources; do not edit by hand.", ""]
     for kind, hw in keys + [(error_band.ANY, error_band.ANY)]:
         if kind == error_band.ANY:
-            lo, hi = loso._spread([r.slowdown for r in rows])
+            lo, hi = loso._spread(rows)
             band = loso.Band(lo=lo, hi=hi, runs=len(rows), basis="all")
         elif hw == error_band.ANY:  # the kind on any hardware: derive_band's fallback without the hardware step
-            same = [r.slowdown for r in rows if r.kind == kind]
-            pool = same if len(same) >= loso.BAND_MIN_RUNS else [r.slowdown for r in rows]
+            same = [r for r in rows if r.kind == kind]
+            pool = same if len(same) >= loso.BAND_MIN_RUNS else list(rows)
             lo, hi = loso._spread(pool)
             band = loso.Band(lo=lo, hi=hi, runs=len(pool), basis="kind" if pool is same else "all")
         else:

@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import autopar
@@ -146,3 +147,24 @@ def test_bad_objective_is_refused():
         PlannerOptions(objective="optimistic")
     with pytest.raises(ConfigError, match="loss_kernel"):
         PlannerOptions(loss_kernel="chunky")
+
+
+def test_band_weighs_every_source_alike():
+    # 40 runs of one sweep, all exact, and one run of each of 10 other sources, slowdowns 0.05..0.50: weighted
+    # by run the sweep makes the band [0, ~0.14]; each source weighing alike, the 11 sources' slowdowns decide
+    sweep = [_row(f"s{i}", "sweep", 1.0, 1.0) for i in range(40)]
+    others = [_row(f"o{k}", f"src{k}", 1.0 + 0.05 * k, 1.0) for k in range(1, 11)]
+    lo, hi = loso._spread(sweep + others)
+    # the 11 per-source values (0, 0.05 … 0.50) at Hazen positions (i + ½) / 11: brute-force the quantiles
+    values = [0.0] + [0.05 * k for k in range(1, 11)]
+    pos = [(i + 0.5) / 11 for i in range(11)]
+    assert lo == pytest.approx(float(np.interp(0.10, pos, values)))
+    assert hi == pytest.approx(float(np.interp(0.90, pos, values)))
+    assert hi > 0.4  # a run-weighted band would stop near the sweep
+    # one source: the plain Hazen quantiles of its runs
+    alone = [_row(f"a{i}", "a", 1.0 + 0.01 * i, 1.0) for i in range(20)]
+    lo, hi = loso._spread(alone)
+    assert (lo, hi) == (pytest.approx(float(np.interp(0.10, [(i + 0.5) / 20 for i in range(20)],
+                                                      [0.01 * i for i in range(20)]))),
+                        pytest.approx(float(np.interp(0.90, [(i + 0.5) / 20 for i in range(20)],
+                                                      [0.01 * i for i in range(20)]))))
