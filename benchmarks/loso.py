@@ -109,21 +109,19 @@ def _spread(rows: Sequence[Row]) -> tuple[float, float]:
     A band is read for a run of a source it was not derived from, and a source's runs share its errors
     (one framework, one cluster, one way of reporting), so the unit of independence is the source, not the
     run: weighted by run, the 48 runs of one sweep narrow the band to that sweep's spread and it misses the
-    next source. Each run weighs 1 / (runs of its source); the quantile is the first slowdown whose
-    cumulative weight reaches it (interpolated between neighbours)."""
-    v = sorted(r.slowdown for r in rows)
-    if len(v) < BAND_QUANTILE_MIN_RUNS:
+    next source. Each run weighs 1 / (runs of its source); the q-quantile is the smallest slowdown whose
+    cumulative weight reaches q of the total (the inverted empirical CDF)."""
+    if len(rows) < BAND_QUANTILE_MIN_RUNS:
+        v = sorted(r.slowdown for r in rows)
         return v[0], v[-1]
     per_source: dict[str, int] = {}
     for r in rows:
         per_source[r.source_id] = per_source.get(r.source_id, 0) + 1
     ordered = sorted(rows, key=lambda r: r.slowdown)
-    weights = np.array([1.0 / per_source[r.source_id] for r in ordered])
-    # each run's weight centred on its position (the Hazen convention, so equal weights give the plain
-    # quantiles of n values at (i + ½) / n)
-    at = (np.cumsum(weights) - weights / 2) / weights.sum()
-    values = np.array([r.slowdown for r in ordered])
-    return tuple(float(np.interp(q, at, values)) for q in BAND_QUANTILES)
+    cumulative = np.cumsum([1.0 / per_source[r.source_id] for r in ordered])
+    cumulative /= cumulative[-1]
+    return tuple(ordered[min(int(np.searchsorted(cumulative, q - 1e-12)), len(ordered) - 1)].slowdown
+                 for q in BAND_QUANTILES)
 
 
 def derive_band(train: Sequence[Row], *, kind: str, hardware: str) -> Band:

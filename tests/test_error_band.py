@@ -151,20 +151,17 @@ def test_bad_objective_is_refused():
 
 def test_band_weighs_every_source_alike():
     # 40 runs of one sweep, all exact, and one run of each of 10 other sources, slowdowns 0.05..0.50: weighted
-    # by run the sweep makes the band [0, ~0.14]; each source weighing alike, the 11 sources' slowdowns decide
+    # by run the band would stop near the sweep; each source weighing alike, the 11 sources' slowdowns decide
     sweep = [_row(f"s{i}", "sweep", 1.0, 1.0) for i in range(40)]
     others = [_row(f"o{k}", f"src{k}", 1.0 + 0.05 * k, 1.0) for k in range(1, 11)]
     lo, hi = loso._spread(sweep + others)
-    # the 11 per-source values (0, 0.05 … 0.50) at Hazen positions (i + ½) / 11: brute-force the quantiles
-    values = [0.0] + [0.05 * k for k in range(1, 11)]
-    pos = [(i + 0.5) / 11 for i in range(11)]
-    assert lo == pytest.approx(float(np.interp(0.10, pos, values)))
-    assert hi == pytest.approx(float(np.interp(0.90, pos, values)))
-    assert hi > 0.4  # a run-weighted band would stop near the sweep
-    # one source: the plain Hazen quantiles of its runs
+    # brute force: replicate every source to 40 runs, then the plain inverted-CDF quantiles of the 440 values
+    replicated = [0.0] * 40 + [0.05 * k for k in range(1, 11) for _ in range(40)]
+    assert (lo, hi) == (pytest.approx(float(np.quantile(replicated, 0.10, method="inverted_cdf"))),
+                        pytest.approx(float(np.quantile(replicated, 0.90, method="inverted_cdf"))))
+    assert hi == pytest.approx(0.45)
+    # one source: the plain inverted-CDF quantiles of its runs
     alone = [_row(f"a{i}", "a", 1.0 + 0.01 * i, 1.0) for i in range(20)]
-    lo, hi = loso._spread(alone)
-    assert (lo, hi) == (pytest.approx(float(np.interp(0.10, [(i + 0.5) / 20 for i in range(20)],
-                                                      [0.01 * i for i in range(20)]))),
-                        pytest.approx(float(np.interp(0.90, [(i + 0.5) / 20 for i in range(20)],
-                                                      [0.01 * i for i in range(20)]))))
+    values = [0.01 * i for i in range(20)]
+    assert loso._spread(alone) == (pytest.approx(float(np.quantile(values, 0.10, method="inverted_cdf"))),
+                                   pytest.approx(float(np.quantile(values, 0.90, method="inverted_cdf"))))
