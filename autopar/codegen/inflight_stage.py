@@ -140,6 +140,10 @@ class InflightStage(PipelineStage):
                            last_backward: bool = False) -> None:
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
         _release(self.args_recv_info[bwd_chunk_id])
+        if isinstance(loss, torch.Tensor) and not loss._is_view():
+            # the schedule keeps each micro-batch's loss to report it; its graph would keep the inputs (and
+            # receive buffers) of the last stage to the end of the step
+            loss.detach_()
         if not self.is_last:
             _release(self.grad_recv_info[bwd_chunk_id])
         # the gradient came back, so the peer has this micro-batch's output: a send work still holding the alias
