@@ -64,7 +64,8 @@ LOSS_CHUNK_FP32_BYTES = 256 * 2**20
 # the micro-batches in flight only, outputs freed once sent, the sends' aliases at the latest at their backward;
 # torch's own PipelineStage, torchtitan's, keeps a receive buffer per micro-batch), which run FSDP's backward
 # without gradient sync until the step's last (unsharded gradients accumulated for the whole step);
-# "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs freed once sent: deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's
+# "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs freed once sent:
+# deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's
 # pipeline engine (buffers for the in-flight micro-batches only, num_pipe_buffers) and Meta's Llama 3 trainer
 # (stage inputs and outputs freed as soon as used, Dubey et al. 2024 §3.3.2): nothing beyond the in-flight
 # inputs the activations count, and each ZeRO stage's states as Rajbhandari et al. define them.
