@@ -9,7 +9,7 @@ a mixture-of-experts bank's GEMMs take (EXPERT_GEMMS). autopar runs "torch"; the
 price runs made with another framework (the published runs of benchmarks/data/published_runs.toml).
 
   torch      torch.distributed.pipelining, autopar's runtime and torchtitan's: sends and receives batched
-             (batch_isend_irecv), a receive buffer per micro-batch, FSDP's backward unsynchronised until
+             (batch_isend_irecv), receive buffers for micro-batches in flight, FSDP's backward unsynchronised until
              the step's last micro-batch
   megatron   Megatron-LM / Megatron-Core (and Meta's Llama 3 trainer, which frees stage inputs and outputs
              as soon as used, Dubey et al. 2024 §3.3.2): batched sends, each TP rank sending its 1/t slice

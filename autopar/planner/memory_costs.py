@@ -104,7 +104,7 @@ class RankMemory:
 
     logits_bytes: float
     zero3_buffer_bytes: float
-    pipeline_buffer_bytes: float = 0.0  # torch.distributed.pipelining's per-micro-batch buffers (pp > 1)
+    pipeline_buffer_bytes: float = 0.0  # the pipelining runtime's buffers beyond activations (pp > 1)
     capacity_bytes: float  # device memory less the reserve and the three terms above
 
 
@@ -422,33 +422,45 @@ class MemoryCosts:
         for q in range(pp):
             last = q == pp - 1  # only the last rank holds the logits
             lg, z3 = (logits, last_zero3) if last else (0.0, zero3_bytes)
-            buf = self.pipeline_buffer_bytes(q, pp=pp, v=v, m=m, inflight=inflight[q], mbs=mbs, tp=tp, sp=sp, cp=cp)
+            buf = self.pipeline_buffer_bytes(q, pp=pp, v=v, m=m, inflight=inflight[q], mbs=mbs, tp=tp, sp=sp, cp=cp,
+                                             schedule=schedule)
             out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=z3, pipeline_buffer_bytes=buf,
                                   capacity_bytes=self.usable_bytes - lg - z3 - buf + shared))
         return tuple(out)
 
     def pipeline_buffer_bytes(self, q: int, *, pp: int, v: int, m: int, inflight: float, mbs: int, tp: int,
-                              sp: bool, cp: int = 1) -> float:
-        """Bytes pipeline rank q holds in torch.distributed.pipelining's buffers beyond its layers' activations.
+                              sp: bool, cp: int = 1, schedule: str = "1f1b") -> float:
+        """Bytes pipeline rank q holds in autopar's pipelining runtime beyond its layers' activations.
 
-        A PipelineStage allocates, when the schedule starts, one receive buffer per micro-batch for its input
-        (every stage but the first) and one for its output's gradient (every stage but the last), and keeps
-        them for the step (stage.py, _setup_forward_recv_info and _setup_backward_recv_info: a buffer per
-        micro-batch index); it also keeps each in-flight micro-batch's output until that micro-batch's backward
-        (forward_one_chunk's fwd_cache), which no layer of the stage saves. The input buffers of in-flight
-        micro-batches are the inputs the stage's first layer saves, counted with its activations. Megatron-LM
-        frees outputs once sent (deallocate_output_tensor), as Meta's trainer frees stage inputs and outputs
-        (Dubey et al. 2024, §3.3.2); torch's runtime, which autopar runs, does not. `inflight`: micro-batches
-        in flight per stage of the rank (inflight_microbatches); one buffer is a stage boundary's tensor, the
-        largest the graph has (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp.
-        Under pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY)
-        there is nothing beyond the activations."""
+        autopar's stages (codegen/inflight_stage.py, over torch.distributed.pipelining's schedules) allocate a
+        receive buffer when the receive is posted and drop it after that micro-batch's backward: the input
+        buffers are those of the micro-batches in flight, the inputs the stage's first layer saves, counted
+        with its activations; a gradient buffer lives from its receive to its backward, one at the backward
+        that makes the rank's peak. A stage frees each output's data once its send is handed to the schedule
+        (Megatron-LM's deallocate_output_tensor); the send reads an alias that lives while the schedule holds
+        the send: torch's Schedule1F1B keeps the last forward's send and its warm-up's last send work (2);
+        ScheduleGPipe keeps its send works to the end of the forwards and the multi-stage runtime (interleaved)
+        to the end of the step, so there the alias is freed at its micro-batch's backward: the outputs of the
+        sending stages' micro-batches in flight. `inflight`: micro-batches in flight per stage of the rank
+        (inflight_microbatches); one buffer is a stage boundary's tensor, the largest the graph has
+        (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp. torch's own
+        PipelineStage would also hold an input and a gradient buffer for every micro-batch (m each) and every
+        in-flight output (tests/test_pipeline_memory.py). Under pipeline_memory="megatron" (another
+        framework's runtime, cost_models.memory.PIPELINE_MEMORY) there is nothing beyond the activations."""
         if pp == 1 or self.pipeline_memory == "megatron":
             return 0.0
         one = self.act_scale * self._largest_boundary_bytes * mbs / (tp if sp else 1) / cp
-        receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
-        sending = v - (1 if q == pp - 1 else 0)  # nor its last
-        return one * (receiving * (m - inflight) + sending * (inflight + m))
+        sending = v - (1 if q == pp - 1 else 0)  # stages of the rank that are not the model's last
+        if sending == 0:
+            return 0.0
+        if schedule == "1f1b":
+            held = min(2.0, inflight)
+        elif schedule == "gpipe":
+            held = float(m)
+        else:  # the rank's chunks in flight (inflight counts whole-rank micro-batches: chunks / v); at the last
+            # rank's peak they are its sending stages' (the head's chunk runs its backward right after its forward)
+            held = inflight * v
+        return one * (held + 1.0)
 
     @cached_property
     def _largest_boundary_bytes(self) -> int:
