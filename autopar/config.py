@@ -333,7 +333,7 @@ class PlannerOptions:
     # the runtime pp > 1 is priced on (cost_models.pipeline.PIPELINE_RUNTIMES: its boundary transfers, what it
     # holds in memory and how its framework launches expert GEMMs): "torch", the one autopar runs
     # (torch.distributed.pipelining); "megatron" or "deepspeed" to price a run made with another framework
-    pipeline_runtime: str = "torch"
+    pipeline_runtime: str = "autopar"
     # how expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS): "all_to_all", as autopar
     # runs it; "deepep" to price a run made with DeepEP's node-deduplicating kernels
     ep_dispatcher: str = "all_to_all"

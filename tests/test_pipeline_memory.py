@@ -89,13 +89,20 @@ def test_pipeline_buffers_hand_formula() -> None:
     by_rank = {st.pp_rank: st.memory_breakdown["pipeline_buffers"] for st in plan.stages}
     assert by_rank == {0: 3 * B, 1: 0}
     assert est.memory_breakdown["pipeline_buffers"] in (3 * B, 0)
+    # torch's own stages (pipeline_runtime="torch", torchtitan): rank 0 a gradient buffer per micro-batch (8)
+    # and its 2 in-flight outputs; rank 1 an input buffer per micro-batch beyond its 1 in flight (7)
+    torch_plan = autopar.plan(graph, cluster, global_batch_size=64,
+                              options=PlannerOptions(tp=1, pp=2, dp=4, zero_stage=0, micro_batch_size=2,
+                                                     schedule="1f1b", recompute="full", pipeline_runtime="torch"))
+    assert {st.pp_rank: st.memory_breakdown["pipeline_buffers"] for st in torch_plan.stages} == {0: 10 * B, 1: 7 * B}
 
 
 def test_pipeline_runtime_is_checked() -> None:
     with pytest.raises(ConfigError, match="pipeline_runtime"):
         PlannerOptions(pipeline_runtime="gpipe")
-    assert memory.PIPELINE_MEMORY == ("torch", "megatron")
-    assert {n: r.memory for n, r in PIPELINE_RUNTIMES.items()} == {"torch": "torch", "megatron": "megatron",
+    assert memory.PIPELINE_MEMORY == ("autopar", "torch", "megatron")
+    assert {n: r.memory for n, r in PIPELINE_RUNTIMES.items()} == {"autopar": "autopar", "torch": "torch",
+                                                                    "megatron": "megatron",
                                                                   "deepspeed": "megatron"}
 
 
@@ -188,7 +195,7 @@ def test_inflight_stage_holds_buffers_of_microbatches_in_flight_as_priced(schedu
     runs = run_distributed(_pipeline_held, pp, "autopar", schedule, m, width, v)
     group = 2 if schedule.startswith("grouped") else None
     kind = "interleaved_1f1b" if v > 1 else schedule
-    costs = SimpleNamespace(pipeline_memory="torch", act_scale=1.0, _largest_boundary_bytes=width * 4)
+    costs = SimpleNamespace(pipeline_memory="autopar", act_scale=1.0, _largest_boundary_bytes=width * 4)
     for r in runs:
         q = r["rank"]
         inflight = memory.inflight_microbatches(kind, pp, m, q, v, group)

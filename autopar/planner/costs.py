@@ -58,7 +58,7 @@ class CostModel:
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
                  host: HostSpec | None = None, loss_kernel: str | None = None,
-                 precision: str | None = None, pipeline_runtime: str = "torch",
+                 precision: str | None = None, pipeline_runtime: str = "autopar",
                  ep_dispatcher: str = "all_to_all") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
         practitioner default, cost_models.precision.default_precision). pipeline_runtime: the runtime
@@ -106,7 +106,7 @@ class CostModel:
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
                     loss_kernel: str | None = None, precision: str | None = None,
-                    pipeline_runtime: str = "torch", ep_dispatcher: str = "all_to_all") -> CostModel:
+                    pipeline_runtime: str = "autopar", ep_dispatcher: str = "all_to_all") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),

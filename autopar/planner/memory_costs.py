@@ -114,7 +114,7 @@ class MemoryCosts:
     def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
                  devices_per_node: int = 1, loss_kernel: str | None = None,
-                 host_adam_bytes_per_param: float, pipeline_memory: str = "torch") -> None:
+                 host_adam_bytes_per_param: float, pipeline_memory: str = "autopar") -> None:
         """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
         if pipeline_memory not in memory.PIPELINE_MEMORY:
             raise ValueError(f"pipeline_memory={pipeline_memory!r}; expected one of {memory.PIPELINE_MEMORY}")
@@ -353,7 +353,7 @@ class MemoryCosts:
 
     def pipelined(self, c: Candidate) -> bool:
         """Whether c's stages run under torch.distributed.pipelining's FSDP handling (module docstring)."""
-        return c.pp > 1 and self.pipeline_memory == "torch"
+        return c.pp > 1 and self.pipeline_memory != "megatron"
 
     @staticmethod
     def fsdp(zero_stage: int, dp: int, offload: str) -> bool:
@@ -386,7 +386,7 @@ class MemoryCosts:
                                                              grad_bytes_ratio=grad_ratio) if zero_stage == 3
                            else largest * grad_ratio)
             reduce_bytes = largest * grad_ratio
-            if pp > 1 and self.pipeline_memory == "torch":
+            if pp > 1 and self.pipeline_memory != "megatron":
                 # gathered weights and accumulated gradients are model states here (module docstring): what
                 # remains is the running layer's 16-bit gradient before it is accumulated
                 zero3_bytes = reduce_bytes = largest
@@ -400,7 +400,7 @@ class MemoryCosts:
             # runtime keeps them: the pipelining runtime's last stage, and a loss over vocab slices under tp
             # (a head whose vocabulary tp does not divide stays whole: full logits, a plain cross-entropy)
             vtp = tp if vocab_parallel_head(g, tp) else 1
-            held = (pp > 1 and self.pipeline_memory == "torch") or vtp > 1
+            held = (pp > 1 and self.pipeline_memory != "megatron") or vtp > 1
             shape = dict(micro_batch=mbs, seq_len=-(-g.seq_len // cp), vocab=g.vocab_size, tp=vtp,
                          dtype_bytes=self.elem, loss_kernel=self.loss_kernel, held=held)
             # the micro-batches in flight beyond the running one keep what their loss saved for backward
@@ -444,12 +444,19 @@ class MemoryCosts:
         sending stages' micro-batches in flight. `inflight`: micro-batches in flight per stage of the rank
         (inflight_microbatches); one buffer is a stage boundary's tensor, the largest the graph has
         (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp. torch's own
-        PipelineStage would also hold an input and a gradient buffer for every micro-batch (m each) and every
-        in-flight output (tests/test_pipeline_memory.py). Under pipeline_memory="megatron" (another
-        framework's runtime, cost_models.memory.PIPELINE_MEMORY) there is nothing beyond the activations."""
+        PipelineStage (pipeline_memory="torch", torchtitan's runtime) holds an input and a gradient buffer for
+        every micro-batch index for the whole step, beyond the in-flight inputs the activations count, and every
+        in-flight output until its backward (torch/distributed/pipelining/stage.py: _setup_forward_recv_info and
+        _setup_backward_recv_info, forward_one_chunk's fwd_cache; tests/test_pipeline_memory.py). Under
+        pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY) there is
+        nothing beyond the activations."""
         if pp == 1 or self.pipeline_memory == "megatron":
             return 0.0
         one = self.act_scale * self._largest_boundary_bytes * mbs / (tp if sp else 1) / cp
+        if self.pipeline_memory == "torch":
+            receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
+            sending = v - (1 if q == pp - 1 else 0)  # nor its last
+            return one * (receiving * (m - inflight) + sending * (inflight + m))
         sending = v - (1 if q == pp - 1 else 0)  # stages of the rank that are not the model's last
         if sending == 0:
             return 0.0
