@@ -33,6 +33,7 @@ from pathlib import Path
 
 import autopar
 from autopar import Cluster, ParallelConfig, PlannerOptions
+from autopar.config import FP8_RUNTIME_RECIPES
 from autopar.errors import InfeasiblePlanError
 from cost_models import catalog
 
@@ -70,6 +71,8 @@ class Priced:
     gpus: int
     curve: tuple[tuple[float, float], ...] = ()  # (sustained fraction, predicted step time) on loso's grid
     moe: bool = False  # a mixture-of-experts model (its MAPE is printed apart too)
+    fp8: bool = False  # FP8 GEMMs (any recipe, any framework): printed apart (print_apart)
+    cp: bool = False  # context parallelism (cp > 1): printed apart
     # the same layout (published fields pinned) priced as autopar's own runtime runs it (RUNTIMES)
     own_predicted_s: float = math.nan
     own_fits: bool = True
@@ -157,9 +160,13 @@ def published_step_s(run: dict, graph) -> float:
     return flops / (gpus * run["tflops_per_gpu"] * 1e12)
 
 
-def _run_options(run: dict) -> dict:
-    """The run's precision and memory options as ParallelConfig fields: FP8 recipe, offload, compiled blocks."""
-    return dict(fp8=run.get("fp8", "none"), offload=run.get("offload", "none"), compile=run.get("compile", False))
+def _run_options(run: dict, runtime: str = "published") -> dict:
+    """The run's precision and memory options as ParallelConfig fields: FP8 recipe, offload, compiled blocks.
+    Under autopar's runtime a Transformer Engine recipe becomes torchao's per-tensor one, what autopar runs."""
+    fp8 = run.get("fp8", "none")
+    if runtime == "autopar" and fp8 not in FP8_RUNTIME_RECIPES["torchao"]:
+        fp8 = "none" if fp8 == "none" else "tensorwise"
+    return dict(fp8=fp8, offload=run.get("offload", "none"), compile=run.get("compile", False))
 
 
 def source_id(run: dict) -> str:
@@ -175,14 +182,14 @@ RUNTIMES = ("published", "autopar")
 
 def _options(run: dict, runtime: str = "published", **pins) -> PlannerOptions:
     """Planner options with every published field of `run` pinned (zero and recompute when published)."""
-    framework = (dict(loss_kernel=run.get("loss_impl", "fp32_logits"),
+    framework = (dict(loss_kernel=run.get("loss_impl", "fp32_logits"), fp8_runtime=run.get("fp8_runtime", "torchao"),
                       pipeline_runtime=run.get("pipeline_runtime", "torch")) if runtime == "published" else {})
     return PlannerOptions(tp=run["tp"], cp=run.get("cp", 1), pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1),
                           etp=run.get("etp", 1), zero_stage=run.get("zero"),
                           recompute=run.get("recompute"), sequence_parallel=run["sp"], **framework,
                           ep_dispatcher=run.get("ep_dispatcher", "all_to_all"),
                           top_k=0, max_virtual_stages=8, router_skew=run.get("load_imbalance"),
-                          **_run_options(run), **pins)
+                          **_run_options(run, runtime), **pins)
 
 
 def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
@@ -199,7 +206,7 @@ def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
                              zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
-                             sequence_parallel=run["sp"], **_run_options(run))
+                             sequence_parallel=run["sp"], **_run_options(run, runtime))
         est = autopar.estimate(graph, cluster, cfg, options=_options(run, runtime))
         return est, cfg, not est.fits
     pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
@@ -215,7 +222,7 @@ def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
                              etp=run.get("etp", 1),
                              zero_stage=run.get("zero", 0), micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
-                             sequence_parallel=run["sp"], **_run_options(run))
+                             sequence_parallel=run["sp"], **_run_options(run, runtime))
         return autopar.estimate(graph, cluster, cfg, options=_options(run, runtime)), cfg, True
 
 
@@ -301,6 +308,31 @@ def print_speedups(runs: list[dict], rows: list[Priced]) -> None:
         print(f"{row.name + ' / ' + base.name:<62} {pub:>8.3f}x {pred:>8.3f}x {pred / pub - 1:>+7.1%}")
 
 
+def loso_errors(rows: list[loso.Row]) -> dict[str, float]:
+    """Each run's error priced at the sustained fraction fitted without its source (what LOSO holds out)."""
+    out = {}
+    for source in {r.source_id for r in rows}:
+        g = loso.fit_sustained([r for r in rows if r.source_id != source])
+        out.update({r.name: (r.at(g) if g is not None else r).error for r in rows if r.source_id == source})
+    return out
+
+
+def print_apart(rows: list[Priced], held_out: dict[str, float]) -> None:
+    """FP8 rows and context-parallel rows on their own: MAPE, LOSO MAPE, and how many are priced as not fitting
+    as their framework runs them and as autopar's runtime would."""
+    for what, subset in (("FP8 rows", [r for r in rows if r.fp8]), ("CP rows", [r for r in rows if r.cp])):
+        if not subset:
+            continue
+        errs = [abs(r.error) for r in subset]
+        lo = [abs(held_out[r.name]) for r in subset if r.name in held_out]
+        own = [abs(r.own_predicted_s / r.published_s - 1.0) for r in subset]
+        print(f"{what:<11} {len(subset)} runs of {len({r.source_id for r in subset})} sources: MAPE "
+              f"{statistics.fmean(errs):.1%}" + (f", LOSO {statistics.fmean(lo):.1%}" if lo else "")
+              + f", median signed {statistics.median(r.error for r in subset):+.1%}; not fitting "
+              f"{sum(not r.fits for r in subset)} as published, {sum(not r.own_fits for r in subset)} under "
+              f"autopar's runtime (MAPE there {statistics.fmean(own):.1%})")
+
+
 def _planner_against_meta(runs: list[dict], cache: dict, sustained: float | None) -> None:
     """Llama-3-405B on 16,384 H100: Meta's layout against what autopar.plan chooses for the same job."""
     run = next((r for r in runs if r["name"] == "llama3-405b-16k-gpus"), None)
@@ -357,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.active_params, tokens=run["global_batch"] * run["seq_len"],
                      peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve,
-                     moe=graph.expert_params > 0, own_predicted_s=own.step_time_s, own_fits=not own_refused,
+                     moe=graph.expert_params > 0, fp8=run.get("fp8", "none") != "none", cp=run.get("cp", 1) > 1,
+                     own_predicted_s=own.step_time_s, own_fits=not own_refused,
                      own_GiB=_memory_as_published(run, own) / GiB, own_config=str(own_cfg))
         (apart if "not_comparable" in run else rows).append(row)
         if "not_comparable" in run:
@@ -395,9 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if not r.own_fits:
             print(f"  {r.name}: {r.own_GiB:.1f} GiB under autopar's runtime ({r.own_config})")
+    lrows = loso_rows(rows)
+    print_apart(rows, loso_errors(lrows) if len({r.source_id for r in lrows}) >= 2 else {})
     print_memory_notes(runs, rows)
     print_speedups(runs, rows)
-    lrows = loso_rows(rows)
     if len({r.source_id for r in lrows}) >= 2:
         results = loso.leave_one_source_out(lrows)
         print("\nleave-one-source-out (sustained fraction, baseline MFU and bands derived without the source):")

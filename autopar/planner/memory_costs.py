@@ -60,7 +60,7 @@ from autopar.capture.graph import LayerSpec, ModelGraph
 from autopar.capture.loss_mode import own_loss_target
 from autopar.capture.vocab_split import layer_at_tp, vocab_parallel_head
 from autopar.config import expert_dp
-from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
+from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share, te_weight_cache_bytes
 from autopar.planner.moe_load import moe_token_share
 from autopar.planner.offload_costs import OffloadCosts, OffloadSummary
 from autopar.planner.problem import MODES
@@ -114,14 +114,17 @@ class MemoryCosts:
     def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
                  devices_per_node: int = 1, loss_kernel: str | None = None,
-                 host_adam_bytes_per_param: float, pipeline_memory: str = "autopar") -> None:
-        """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
+                 host_adam_bytes_per_param: float, pipeline_memory: str = "autopar", fp8_runtime: str = "torchao"
+                 ) -> None:
+        """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload).
+        fp8_runtime: the framework running FP8 (PlannerOptions.fp8_runtime): what FSDP gathers, which copies live."""
         if pipeline_memory not in memory.PIPELINE_MEMORY:
             raise ValueError(f"pipeline_memory={pipeline_memory!r}; expected one of {memory.PIPELINE_MEMORY}")
         self.graph = graph
         # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits (None: as autopar's runtime runs it)
         self.loss_kernel = loss_kernel or runtime_loss_kernel(graph.loss_mode)
         self.pipeline_memory = pipeline_memory  # cost_models.memory.PIPELINE_MEMORY
+        self.fp8_runtime = fp8_runtime
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.precision: Precision = policy(precision)
         self.elem = self.precision.compute_bytes  # one activation, logit or gathered-weight element
@@ -348,8 +351,9 @@ class MemoryCosts:
                            c.microbatch_group, c.etp)
 
     def fp8_gathered(self, c: Candidate) -> bool:
-        """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
-        return c.fp8 == "tensorwise" and self.fsdp(c.zero_stage, c.shard_group, c.offload)
+        """Whether FSDP gathers the converted weights in float8 (torchao's tensorwise scaling under ZeRO-2/3)."""
+        return c.fp8 == "tensorwise" and self.fp8_runtime == "torchao" and self.fsdp(c.zero_stage, c.shard_group,
+                                                                                     c.offload)
 
     def pipelined(self, c: Candidate) -> bool:
         """Whether c's stages run under torch.distributed.pipelining's FSDP handling (module docstring)."""
@@ -376,7 +380,8 @@ class MemoryCosts:
         g = self.graph
         zero3_bytes = reduce_bytes = 0.0  # FSDP's buffers; of them, the gradient reduce-scatter's
         if self.fsdp(zero_stage, dp, offload):
-            largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep, etp) for ri in range(len(self.runs)))
+            f8 = fp8 == "tensorwise" and self.fp8_runtime == "torchao"  # torchao's float8 all-gather
+            largest = max(self.gathered_bytes(ri, tp, f8, ep, etp) for ri in range(len(self.runs)))
             # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer (computed in the compute
             # dtype, cast to the reduce dtype when they differ); ZeRO-3 also holds the running and the
             # prefetched layer's gathered weights (ZeRO-2 keeps its weights, counted in the model states)
@@ -412,7 +417,11 @@ class MemoryCosts:
             last_zero3 = zero3_bytes - reduce_bytes + max(0.0, reduce_bytes + grad_logits - logits)
         else:
             last_zero3 = zero3_bytes
-        if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
+        if fp8 != "none" and self.fp8_runtime != "torchao":  # TE's FP8 weight copies of the rank's layers, all step
+            copies = sum(len(r) * te_weight_cache_bytes(layer_at_tp(r[0], tp), g, recipe=fp8, tp=tp)
+                         for r in self.runs) / pp
+            zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
+        elif fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
             copies = max(fp8_copy_bytes(layer_at_tp(r[0], tp), g, tp) for r in self.runs)
             zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
