@@ -101,7 +101,7 @@ def plan(model: Any, cluster: Any, *, example_inputs: tuple | None = None, examp
     costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=options.precision,
                                   pipeline_runtime=options.pipeline_runtime,
-                                  ep_dispatcher=options.ep_dispatcher)
+                                  ep_dispatcher=options.ep_dispatcher, fp8_runtime=options.fp8_runtime)
     cluster.check_precision(costs.precision.name)
     result = search(costs, global_batch_size=global_batch_size, options=options)
     return build_plan(result, costs, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint,
@@ -137,7 +137,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig, *, example_inputs
     costs = CostModel.for_cluster(_priced(graph, options), cluster, profile, options.memory_reserve_fraction,
                                   options.loss_kernel, precision=config.precision,
                                   pipeline_runtime=options.pipeline_runtime,
-                                  ep_dispatcher=options.ep_dispatcher)
+                                  ep_dispatcher=options.ep_dispatcher, fp8_runtime=options.fp8_runtime)
     if stages is None:
         return build_estimate(price(costs, config, options), costs)
     ordered = _check_stages(stages, config, costs.graph)

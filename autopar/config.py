@@ -30,15 +30,21 @@ from cost_models.precision import PRECISIONS
 
 __all__ = ["ParallelConfig", "ep_folds", "ep_fits", "ep_invalid", "expert_dp", "etp_invalid",
            "PlannerOptions", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES",
-           "FP8_RECIPES", "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "PRECISIONS", "check_options"]
+           "FP8_RECIPES", "FP8_RUNTIMES", "FP8_RUNTIME_RECIPES",
+           "OFFLOAD_MODES", "OBJECTIVES", "LOSS_KERNELS", "PRECISIONS", "check_options"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # "fastest": the layout of least modelled step time; "pessimistic": of least step time at the slow end of its
 # error band (cost_models.error_band), so a layout wins only by more than the model's own uncertainty
 OBJECTIVES = ("fastest", "pessimistic")
 ZERO_STAGES = (0, 1, 2, 3)
-# torchao float8 training recipes (autopar.codegen.float8): scales per tensor, or per row of each GEMM operand
-FP8_RECIPES = ("none", "tensorwise", "rowwise")
+# FP8 training recipes, by the framework that runs them (PlannerOptions.fp8_runtime): torchao's float8 training,
+# what autopar.codegen.float8 runs (scales per tensor, or per row of each GEMM operand), and Transformer
+# Engine's, which autopar prices for runs made with Megatron-LM or NeMo (per-tensor delayed scaling from an amax
+# history, per-tensor current scaling, MXFP8's 1×32 block scales): autopar.planner.fp8_costs
+FP8_RUNTIME_RECIPES = {"torchao": ("tensorwise", "rowwise"), "transformer_engine": ("delayed", "tensorwise", "mxfp8")}
+FP8_RUNTIMES = tuple(FP8_RUNTIME_RECIPES)
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "delayed", "mxfp8")
 # "optimizer": fp32 masters and moments in host memory, the step on the CPU (ZeRO-Offload, Ren et al. 2021);
 # "params": FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer states on the host)
 OFFLOAD_MODES = ("none", "optimizer", "params")
@@ -118,7 +124,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # each block compiled with torch.compile (autopar.codegen.compile), its pointwise chains fused
     compile: bool = False
-    # FP8 GEMMs (torchao float8 training) on top of the 16-bit compute: one of FP8_RECIPES
+    # FP8 GEMMs on top of the 16-bit compute: one of FP8_RECIPES, run by PlannerOptions.fp8_runtime (torchao
+    # by default: "tensorwise" or "rowwise"; "delayed" and "mxfp8" are Transformer Engine recipes autopar prices)
     fp8: str = "none"
     # where the optimizer states (and with "params" the parameters) live: one of OFFLOAD_MODES
     offload: str = "none"
@@ -333,10 +340,14 @@ class PlannerOptions:
     # the runtime pp > 1 is priced on (cost_models.pipeline.PIPELINE_RUNTIMES: its boundary transfers, what it
     # holds in memory and how its framework launches expert GEMMs): "torch", the one autopar runs
     # (torch.distributed.pipelining); "megatron" or "deepspeed" to price a run made with another framework
-    pipeline_runtime: str = "torch"
+    pipeline_runtime: str = "autopar"
     # how expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS): "all_to_all", as autopar
     # runs it; "deepep" to price a run made with DeepEP's node-deduplicating kernels
     ep_dispatcher: str = "all_to_all"
+    # the framework that runs FP8 GEMMs (FP8_RUNTIMES: its recipes, which casts it fuses, the FP8 weight copies
+    # it holds; autopar.planner.fp8_costs): "torchao", the one autopar's codegen runs; "transformer_engine" to
+    # price a run made with Megatron-LM or NeMo
+    fp8_runtime: str = "torchao"
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "virtual_stages", "ep",
@@ -370,8 +381,16 @@ class PlannerOptions:
         if set(self.exclude_recompute) - set(RECOMPUTE_MODES) or set(RECOMPUTE_MODES) <= set(self.exclude_recompute):
             raise ConfigError(f"PlannerOptions.exclude_recompute={self.exclude_recompute!r}; exclude some of "
                              f"{RECOMPUTE_MODES}, not all")
+        if self.fp8_runtime not in FP8_RUNTIMES:
+            raise ConfigError(f"PlannerOptions.fp8_runtime={self.fp8_runtime!r}; expected one of {FP8_RUNTIMES} "
+                              "('torchao': what autopar runs; 'transformer_engine': Megatron-LM / NeMo runs)")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"PlannerOptions.fp8={self.fp8!r}; expected one of {FP8_RECIPES} or None (auto)")
+        recipes = FP8_RUNTIME_RECIPES[self.fp8_runtime]
+        if self.fp8 not in (None, "none", *recipes):
+            other = next(r for r, rs in FP8_RUNTIME_RECIPES.items() if self.fp8 in rs)
+            raise ConfigError(f"PlannerOptions.fp8={self.fp8!r} is a {other} recipe, but fp8_runtime="
+                              f"{self.fp8_runtime!r} runs {recipes}; set fp8_runtime={other!r} or pick one of those")
         if self.offload is not None and self.offload not in OFFLOAD_MODES:
             raise ConfigError(f"PlannerOptions.offload={self.offload!r}; expected one of {OFFLOAD_MODES} "
                               "or None (auto)")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 # the spread a band reports: with at least BAND_QUANTILE_MIN_RUNS runs, the 10th and 90th percentiles of
-# their residuals (a band that 80% of runs like it fell inside); with fewer, their minimum and maximum
+# their residuals, each source weighing alike (`_spread`); with fewer runs, their minimum and maximum
 BAND_QUANTILES = (0.10, 0.90)
 BAND_QUANTILE_MIN_RUNS = 10
 # a band needs at least this many runs of its kind (parallelism kind and hardware); with fewer it widens
@@ -103,19 +103,32 @@ def fit_sustained(train: Sequence[Row]) -> float | None:
     return min(grid, key=lambda g: mape([r.at(g).error for r in train]))
 
 
-def _spread(values: Sequence[float]) -> tuple[float, float]:
-    v = sorted(values)
-    if len(v) < BAND_QUANTILE_MIN_RUNS:
+def _spread(rows: Sequence[Row]) -> tuple[float, float]:
+    """(lo, hi) of the rows' slowdowns: BAND_QUANTILES of their distribution with every source weighing alike.
+
+    A band is read for a run of a source it was not derived from, and a source's runs share its errors
+    (one framework, one cluster, one way of reporting), so the unit of independence is the source, not the
+    run: weighted by run, the 48 runs of one sweep narrow the band to that sweep's spread and it misses the
+    next source. Each run weighs 1 / (runs of its source); the q-quantile is the smallest slowdown whose
+    cumulative weight reaches q of the total (the inverted empirical CDF)."""
+    if len(rows) < BAND_QUANTILE_MIN_RUNS:
+        v = sorted(r.slowdown for r in rows)
         return v[0], v[-1]
-    qs = statistics.quantiles(v, n=100, method="inclusive")
-    return qs[round(BAND_QUANTILES[0] * 100) - 1], qs[round(BAND_QUANTILES[1] * 100) - 1]
+    per_source: dict[str, int] = {}
+    for r in rows:
+        per_source[r.source_id] = per_source.get(r.source_id, 0) + 1
+    ordered = sorted(rows, key=lambda r: r.slowdown)
+    cumulative = np.cumsum([1.0 / per_source[r.source_id] for r in ordered])
+    cumulative /= cumulative[-1]
+    return tuple(ordered[min(int(np.searchsorted(cumulative, q - 1e-12)), len(ordered) - 1)].slowdown
+                 for q in BAND_QUANTILES)
 
 
 def derive_band(train: Sequence[Row], *, kind: str, hardware: str) -> Band:
     """The band of a layout of `kind` on `hardware` from the residuals of the training runs like it."""
     for basis, match in (("kind+hardware", lambda r: r.kind == kind and r.hardware == hardware),
                          ("kind", lambda r: r.kind == kind), ("all", lambda r: True)):
-        runs = [r.slowdown for r in train if match(r)]
+        runs = [r for r in train if match(r)]
         if len(runs) >= BAND_MIN_RUNS or (basis == "all" and runs):
             lo, hi = _spread(runs)
             return Band(lo=lo, hi=hi, runs=len(runs), basis=basis)
@@ -126,7 +139,7 @@ def derive_bands(train: Sequence[Row]) -> dict[tuple[str, str], Band]:
     """A band for every (kind, hardware) seen in `train`, plus ("*", "*") over every run."""
     keys = {(r.kind, r.hardware) for r in train}
     out = {k: derive_band(train, kind=k[0], hardware=k[1]) for k in sorted(keys)}
-    lo, hi = _spread([r.slowdown for r in train])
+    lo, hi = _spread(train)
     out[("*", "*")] = Band(lo=lo, hi=hi, runs=len(train), basis="all")
     return out
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import autopar
 from autopar import Cluster, ParallelConfig, PlannerOptions
+from autopar.config import FP8_RUNTIME_RECIPES
 from autopar.errors import InfeasiblePlanError
 from cost_models import catalog
 
@@ -70,6 +71,13 @@ class Priced:
     gpus: int
     curve: tuple[tuple[float, float], ...] = ()  # (sustained fraction, predicted step time) on loso's grid
     moe: bool = False  # a mixture-of-experts model (its MAPE is printed apart too)
+    fp8: bool = False  # FP8 GEMMs (any recipe, any framework): printed apart (print_apart)
+    cp: bool = False  # context parallelism (cp > 1): printed apart
+    # the same layout (published fields pinned) priced as autopar's own runtime runs it (RUNTIMES)
+    own_predicted_s: float = math.nan
+    own_fits: bool = True
+    own_GiB: float = math.nan
+    own_config: str = ""
 
     @property
     def error(self) -> float:
@@ -152,9 +160,13 @@ def published_step_s(run: dict, graph) -> float:
     return flops / (gpus * run["tflops_per_gpu"] * 1e12)
 
 
-def _run_options(run: dict) -> dict:
-    """The run's precision and memory options as ParallelConfig fields: FP8 recipe, offload, compiled blocks."""
-    return dict(fp8=run.get("fp8", "none"), offload=run.get("offload", "none"), compile=run.get("compile", False))
+def _run_options(run: dict, runtime: str = "published") -> dict:
+    """The run's precision and memory options as ParallelConfig fields: FP8 recipe, offload, compiled blocks.
+    Under autopar's runtime a Transformer Engine recipe becomes torchao's per-tensor one, what autopar runs."""
+    fp8 = run.get("fp8", "none")
+    if runtime == "autopar" and fp8 not in FP8_RUNTIME_RECIPES["torchao"]:
+        fp8 = "none" if fp8 == "none" else "tensorwise"
+    return dict(fp8=fp8, offload=run.get("offload", "none"), compile=run.get("compile", False))
 
 
 def source_id(run: dict) -> str:
@@ -162,20 +174,28 @@ def source_id(run: dict) -> str:
     return run.get("source_id") or run["source"].split(":", 1)[0].strip()
 
 
-def _options(run: dict, **pins) -> PlannerOptions:
+# The two ways a row is priced: "published" with the memory rules of the framework that ran it (its loss
+# kernel, its pipeline runtime's buffers), "autopar" as autopar's own runtime would run the same layout
+# (PlannerOptions' defaults): what a user who hands autopar that layout gets.
+RUNTIMES = ("published", "autopar")
+
+
+def _options(run: dict, runtime: str = "published", **pins) -> PlannerOptions:
     """Planner options with every published field of `run` pinned (zero and recompute when published)."""
+    framework = (dict(loss_kernel=run.get("loss_impl", "fp32_logits"), fp8_runtime=run.get("fp8_runtime", "torchao"),
+                      pipeline_runtime=run.get("pipeline_runtime", "torch")) if runtime == "published" else {})
     return PlannerOptions(tp=run["tp"], cp=run.get("cp", 1), pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1),
                           etp=run.get("etp", 1), zero_stage=run.get("zero"),
-                          recompute=run.get("recompute"), sequence_parallel=run["sp"],
-                          loss_kernel=run.get("loss_impl", "fp32_logits"),
-                          pipeline_runtime=run.get("pipeline_runtime", "torch"),
+                          recompute=run.get("recompute"), sequence_parallel=run["sp"], **framework,
                           ep_dispatcher=run.get("ep_dispatcher", "all_to_all"),
                           top_k=0, max_virtual_stages=8, router_skew=run.get("load_imbalance"),
-                          **_run_options(run), **pins)
+                          **_run_options(run, runtime), **pins)
 
 
-def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, ParallelConfig, bool]:
-    """(estimate, layout, refused): the published layout, or the planner's best with its published fields."""
+def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
+          ) -> tuple[autopar.Estimate, ParallelConfig, bool]:
+    """(estimate, layout, refused): the published layout, or the planner's best with its published fields,
+    priced under `runtime` (RUNTIMES)."""
     dp, gb = run["dp"], run["global_batch"]
     # An unpublished interleaving group N (Meta's Llama 3) is priced at N = pp, as torch and Megatron-LM run it:
     # a group below pp fits in less memory but stalls (cost_models/pipeline_order.py), which Meta's published
@@ -186,8 +206,8 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
                              zero_stage=run["zero"], micro_batch_size=run["mbs"],
                              num_microbatches=gb // (dp * run["mbs"]), schedule=run.get("schedule", "1f1b"),
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
-                             sequence_parallel=run["sp"], **_run_options(run))
-        est = autopar.estimate(graph, cluster, cfg, options=_options(run))
+                             sequence_parallel=run["sp"], **_run_options(run, runtime))
+        est = autopar.estimate(graph, cluster, cfg, options=_options(run, runtime))
         return est, cfg, not est.fits
     pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
     if "schedule" in run:
@@ -195,15 +215,15 @@ def price(run: dict, graph, cluster: Cluster) -> tuple[autopar.Estimate, Paralle
     if "v" in run:
         pins["virtual_stages"] = run["v"]
     try:
-        plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, **pins))
+        plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(run, runtime, **pins))
         return plan.estimate, plan.config, False
     except InfeasiblePlanError:
         cfg = ParallelConfig(tp=run["tp"], pp=run["pp"], dp=dp, cp=run.get("cp", 1), ep=run.get("ep", 1),
                              etp=run.get("etp", 1),
                              zero_stage=run.get("zero", 0), micro_batch_size=1,
                              num_microbatches=gb // dp, schedule="1f1b", recompute=run.get("recompute", "full"),
-                             sequence_parallel=run["sp"], **_run_options(run))
-        return autopar.estimate(graph, cluster, cfg, options=_options(run)), cfg, True
+                             sequence_parallel=run["sp"], **_run_options(run, runtime))
+        return autopar.estimate(graph, cluster, cfg, options=_options(run, runtime)), cfg, True
 
 
 def _memory_as_published(run: dict, est) -> float:
@@ -249,11 +269,11 @@ def write_bands(rows: list[loso.Row], path: Path = error_band.BANDS_FILE) -> Non
              f"# from {len(rows)} runs of {len({r.source_id for r in rows})} sources; do not edit by hand.", ""]
     for kind, hw in keys + [(error_band.ANY, error_band.ANY)]:
         if kind == error_band.ANY:
-            lo, hi = loso._spread([r.slowdown for r in rows])
+            lo, hi = loso._spread(rows)
             band = loso.Band(lo=lo, hi=hi, runs=len(rows), basis="all")
         elif hw == error_band.ANY:  # the kind on any hardware: derive_band's fallback without the hardware step
-            same = [r.slowdown for r in rows if r.kind == kind]
-            pool = same if len(same) >= loso.BAND_MIN_RUNS else [r.slowdown for r in rows]
+            same = [r for r in rows if r.kind == kind]
+            pool = same if len(same) >= loso.BAND_MIN_RUNS else list(rows)
             lo, hi = loso._spread(pool)
             band = loso.Band(lo=lo, hi=hi, runs=len(pool), basis="kind" if pool is same else "all")
         else:
@@ -286,6 +306,31 @@ def print_speedups(runs: list[dict], rows: list[Priced]) -> None:
     for row, base in pairs:
         pub, pred = base.published_s / row.published_s, base.predicted_s / row.predicted_s
         print(f"{row.name + ' / ' + base.name:<62} {pub:>8.3f}x {pred:>8.3f}x {pred / pub - 1:>+7.1%}")
+
+
+def loso_errors(rows: list[loso.Row]) -> dict[str, float]:
+    """Each run's error priced at the sustained fraction fitted without its source (what LOSO holds out)."""
+    out = {}
+    for source in {r.source_id for r in rows}:
+        g = loso.fit_sustained([r for r in rows if r.source_id != source])
+        out.update({r.name: (r.at(g) if g is not None else r).error for r in rows if r.source_id == source})
+    return out
+
+
+def print_apart(rows: list[Priced], held_out: dict[str, float]) -> None:
+    """FP8 rows and context-parallel rows on their own: MAPE, LOSO MAPE, and how many are priced as not fitting
+    as their framework runs them and as autopar's runtime would."""
+    for what, subset in (("FP8 rows", [r for r in rows if r.fp8]), ("CP rows", [r for r in rows if r.cp])):
+        if not subset:
+            continue
+        errs = [abs(r.error) for r in subset]
+        lo = [abs(held_out[r.name]) for r in subset if r.name in held_out]
+        own = [abs(r.own_predicted_s / r.published_s - 1.0) for r in subset]
+        print(f"{what:<11} {len(subset)} runs of {len({r.source_id for r in subset})} sources: MAPE "
+              f"{statistics.fmean(errs):.1%}" + (f", LOSO {statistics.fmean(lo):.1%}" if lo else "")
+              + f", median signed {statistics.median(r.error for r in subset):+.1%}; not fitting "
+              f"{sum(not r.fits for r in subset)} as published, {sum(not r.own_fits for r in subset)} under "
+              f"autopar's runtime (MAPE there {statistics.fmean(own):.1%})")
 
 
 def _planner_against_meta(runs: list[dict], cache: dict, sustained: float | None) -> None:
@@ -329,11 +374,12 @@ def main(argv: list[str] | None = None) -> int:
           + (f"{sustained:.3f}, fitted to these runs" if sustained is not None
              else f"{fitted:.3f} (cost_models/catalog/fitted.toml)"))
     print(f"{'run':<32} {'published':>10} {'predicted':>10} {'error':>7}  {'mem pub':>8} {'mem pred':>9} "
-          f"{'error':>7}  fits  layout priced")
+          f"{'error':>7}  fits  {'autopar runtime':>17}  layout priced")
     for run in runs:
         curve = curve_of.get(run["name"], ())
         graph, cluster = _graph(run, cache), _cluster(run, sustained)
         est, cfg, refused = price(run, graph, cluster)
+        own, own_cfg, own_refused = price(run, graph, cluster, runtime="autopar")
         layout = str(cfg)
         pub = published_step_s(run, graph)
         row = Priced(name=run["name"], source_id=source_id(run),
@@ -343,14 +389,18 @@ def main(argv: list[str] | None = None) -> int:
                      published_GiB=run.get("memory_GiB"), predicted_GiB=_memory_as_published(run, est) / GiB,
                      params=graph.active_params, tokens=run["global_batch"] * run["seq_len"],
                      peak_flops=cluster.device.peak_flops_for(graph.dtype), gpus=run["gpus"], curve=curve,
-                     moe=graph.expert_params > 0)
+                     moe=graph.expert_params > 0, fp8=run.get("fp8", "none") != "none", cp=run.get("cp", 1) > 1,
+                     own_predicted_s=own.step_time_s, own_fits=not own_refused,
+                     own_GiB=_memory_as_published(run, own) / GiB, own_config=str(own_cfg))
         (apart if "not_comparable" in run else rows).append(row)
         if "not_comparable" in run:
             reasons[row.name] = run["not_comparable"]
         mem_pub = f"{row.published_GiB:.1f}" if row.published_GiB else "-"
         mem_err = f"{row.memory_error:+.1%}" if row.memory_error is not None else "-"
         print(f"{row.name:<32} {pub:>9.3f}s {est.step_time_s:>9.3f}s {row.error:>+7.1%}  {mem_pub:>8} "
-              f"{row.predicted_GiB:>9.1f} {mem_err:>7}  {'yes' if row.fits else 'NO ':<4}  {layout}")
+              f"{row.predicted_GiB:>9.1f} {mem_err:>7}  {'yes' if row.fits else 'NO ':<4}  "
+              f"{row.own_GiB:>7.1f} GiB {'fits' if row.own_fits else 'NO  '}  {layout}"
+              + (f"  (autopar runtime: {row.own_config})" if row.own_config != layout else ""))
         sys.stdout.flush()
     for row in apart:
         print(f"  {row.name}: priced apart, not in the MAPE, LOSO or bands: {reasons[row.name]}")
@@ -371,9 +421,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory      MAPE {statistics.fmean(mem):.1%} over {len(mem)} runs that publish it; "
               f"{sum(e <= 0.10 for e in mem)} within 10%")
     print(f"refused     {sum(not r.fits for r in rows)} of {len(rows)} published layouts priced as not fitting")
+    own_errors = [abs(r.own_predicted_s / r.published_s - 1.0) for r in rows]
+    print(f"as autopar's own runtime runs them (published fields pinned, default options): "
+          f"{sum(not r.own_fits for r in rows)} of {len(rows)} priced as not fitting; step time MAPE "
+          f"{statistics.fmean(own_errors):.1%}")
+    for r in rows:
+        if not r.own_fits:
+            print(f"  {r.name}: {r.own_GiB:.1f} GiB under autopar's runtime ({r.own_config})")
+    lrows = loso_rows(rows)
+    print_apart(rows, loso_errors(lrows) if len({r.source_id for r in lrows}) >= 2 else {})
     print_memory_notes(runs, rows)
     print_speedups(runs, rows)
-    lrows = loso_rows(rows)
     if len({r.source_id for r in lrows}) >= 2:
         results = loso.leave_one_source_out(lrows)
         print("\nleave-one-source-out (sustained fraction, baseline MFU and bands derived without the source):")

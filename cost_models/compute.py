@@ -403,7 +403,7 @@ def _work_rate(rows: list[GemmSample], flops: float) -> float:
 
 def _dtype_bytes(dtype: str) -> int:
     sizes = {"float32": 4, "fp32": 4, "tf32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "fp8": 1,
-             "float64": 8}
+             "mxfp8": 1, "float64": 8}
     if dtype not in sizes:
         raise KeyError(f"unknown dtype {dtype!r}; expected one of {sorted(sizes)}")
     return sizes[dtype]

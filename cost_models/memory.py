@@ -59,16 +59,18 @@ LOSS_KERNELS = ("chunked", "fp32_logits", "fused")
 # (loss_chunk_tokens). 256 MiB: ~1,300 rows of a 50k vocabulary, large enough to keep a GPU busy per kernel.
 LOSS_CHUNK_FP32_BYTES = 256 * 2**20
 # What the pipeline runtime of a layout with pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES) holds beyond the
-# layers' activations and the ZeRO stage's states (autopar.planner.memory_costs): "torch",
-# torch.distributed.pipelining (autopar's runtime, torchtitan's), whose stages allocate a receive buffer per
-# micro-batch for their input and their output's gradient, keep each in-flight micro-batch's output until its
-# backward, and run FSDP's backward without gradient sync until the step's last (unsharded gradients accumulated
-# for the whole step); "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs
-# freed once sent: deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's
+# layers' activations and the ZeRO stage's states (autopar.planner.memory_costs): "autopar",
+# torch.distributed.pipelining's schedules with autopar's stages (codegen/inflight_stage.py: receive buffers for
+# the micro-batches in flight only, outputs freed once sent, the sends' aliases at the latest at their backward);
+# "torch", the same schedules with torch's own PipelineStage, as torchtitan runs them (a receive buffer for every
+# micro-batch's input and output gradient, every in-flight output kept until its backward). Both run FSDP's
+# backward without gradient sync until the step's last (unsharded gradients accumulated for the whole step);
+# "megatron", Megatron-LM's schedules (receive buffers allocated per transfer, outputs freed once sent:
+# deallocate_output_tensor in megatron/core/pipeline_parallel/schedules.py), DeepSpeed's
 # pipeline engine (buffers for the in-flight micro-batches only, num_pipe_buffers) and Meta's Llama 3 trainer
 # (stage inputs and outputs freed as soon as used, Dubey et al. 2024 §3.3.2): nothing beyond the in-flight
 # inputs the activations count, and each ZeRO stage's states as Rajbhandari et al. define them.
-PIPELINE_MEMORY = ("torch", "megatron")
+PIPELINE_MEMORY = ("autopar", "torch", "megatron")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # Fraction of device memory a layout may not fill with tensors (autopar.PlannerOptions.memory_reserve_fraction):

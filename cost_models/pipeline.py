@@ -5,12 +5,14 @@ One name per runtime, four consequences priced apart: `p2p`, the issue pattern o
 (cost_models.comm.PIPELINE_P2P), `memory`, what the runtime keeps beyond the layers' activations and the
 ZeRO stage's states (cost_models.memory.PIPELINE_MEMORY), `accumulation`, the memory traffic of adding
 each micro-batch's weight gradients into the step's (GRAD_ACCUMULATION), and `expert_gemm`, how many launches
-a mixture-of-experts bank's GEMMs take (EXPERT_GEMMS). autopar runs "torch"; the others
+a mixture-of-experts bank's GEMMs take (EXPERT_GEMMS). autopar runs "autopar"; the others
 price runs made with another framework (the published runs of benchmarks/data/published_runs.toml).
 
-  torch      torch.distributed.pipelining, autopar's runtime and torchtitan's: sends and receives batched
-             (batch_isend_irecv), a receive buffer per micro-batch, FSDP's backward unsynchronised until
-             the step's last micro-batch
+  autopar    torch.distributed.pipelining's schedules over autopar's stages (codegen/inflight_stage.py): sends
+             and receives batched (batch_isend_irecv), receive buffers for micro-batches in flight only, outputs
+             freed once sent, FSDP's backward unsynchronised until the step's last micro-batch
+  torch      the same schedules over torch's own PipelineStage, as torchtitan runs them: a receive buffer for
+             every micro-batch and every in-flight output kept until its backward
   megatron   Megatron-LM / Megatron-Core (and Meta's Llama 3 trainer, which frees stage inputs and outputs
              as soon as used, Dubey et al. 2024 §3.3.2): batched sends, each TP rank sending its 1/t slice
              (Narayanan et al. SC'21 §4.1, on by default), outputs freed once sent
@@ -74,6 +76,7 @@ class PipelineRuntime:
 
 
 PIPELINE_RUNTIMES = {
+    "autopar": PipelineRuntime(p2p="batched", memory="autopar", accumulation="not_priced"),
     "torch": PipelineRuntime(p2p="batched", memory="torch", accumulation="not_priced"),
     "megatron": PipelineRuntime(p2p="scatter_gather", memory="megatron", accumulation="fused",
                                 expert_gemm="per_expert"),

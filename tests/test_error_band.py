@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import autopar
@@ -146,3 +147,21 @@ def test_bad_objective_is_refused():
         PlannerOptions(objective="optimistic")
     with pytest.raises(ConfigError, match="loss_kernel"):
         PlannerOptions(loss_kernel="chunky")
+
+
+def test_band_weighs_every_source_alike():
+    # 40 runs of one sweep, all exact, and one run of each of 10 other sources, slowdowns 0.05..0.50: weighted
+    # by run the band would stop near the sweep; each source weighing alike, the 11 sources' slowdowns decide
+    sweep = [_row(f"s{i}", "sweep", 1.0, 1.0) for i in range(40)]
+    others = [_row(f"o{k}", f"src{k}", 1.0 + 0.05 * k, 1.0) for k in range(1, 11)]
+    lo, hi = loso._spread(sweep + others)
+    # brute force: replicate every source to 40 runs, then the plain inverted-CDF quantiles of the 440 values
+    replicated = [0.0] * 40 + [0.05 * k for k in range(1, 11) for _ in range(40)]
+    assert (lo, hi) == (pytest.approx(float(np.quantile(replicated, 0.10, method="inverted_cdf"))),
+                        pytest.approx(float(np.quantile(replicated, 0.90, method="inverted_cdf"))))
+    assert hi == pytest.approx(0.45)
+    # one source: the plain inverted-CDF quantiles of its runs
+    alone = [_row(f"a{i}", "a", 1.0 + 0.01 * i, 1.0) for i in range(20)]
+    values = [0.01 * i for i in range(20)]
+    assert loso._spread(alone) == (pytest.approx(float(np.quantile(values, 0.10, method="inverted_cdf"))),
+                                   pytest.approx(float(np.quantile(values, 0.90, method="inverted_cdf"))))

@@ -25,6 +25,8 @@ TWO_RANK_DP_TP = [
     ("gpt", dict(tp=2, sequence_parallel=True)),
     ("hf_llama", dict(tp=2)),  # GQA (4 query / 2 kv heads) and a vocab-parallel LM head
     ("hf_llama", dict(tp=2, sequence_parallel=True)),
+    # the zoo's own Llama: its blocks pick rotary rows in the attention, which SP hands the whole sequence
+    ("llama_zoo", dict(tp=2, sequence_parallel=True)),
 ]
 TWO_RANK_PP = [
     ("gpt", dict(pp=2, num_microbatches=4, schedule="gpipe")),

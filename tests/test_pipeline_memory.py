@@ -76,10 +76,11 @@ def test_megatron_distributed_optimizer_shards_the_fp32_main_params() -> None:
     assert mb["compute_copies"] == pytest.approx(2.0 * n, rel=1e-6)  # the 16-bit parameters themselves
 
 
-def test_pipeline_buffers_per_microbatch_hand_formula() -> None:
+def test_pipeline_buffers_hand_formula() -> None:
     # pp = 2, 1F1B, m = 8, micro-batch 2: a boundary tensor is B = 2 samples × s·h bf16. Rank 0 (first stage)
-    # receives nothing, keeps m gradient buffers and its 2 in-flight outputs: (8 + 2)·B; rank 1 (last) keeps
-    # m input buffers, of which its 1 in-flight one is its first layer's saved input: (8 − 1)·B.
+    # receives nothing; it holds the gradient buffer of its running backward and the two outputs torch's 1F1B
+    # still holds in sends (inflight_stage.py): 3·B. Rank 1 (last) sends nothing; its input buffers are its
+    # in-flight micro-batches' inputs, counted with its activations: 0. (torch's own stages: 10·B and 7·B.)
     graph, cluster = gpt_graph(layers=8, hidden=1024, seq=1024), fake_cluster()
     cfg = ParallelConfig(tp=1, pp=2, dp=4, zero_stage=0, micro_batch_size=2, num_microbatches=8, recompute="full")
     est = autopar.estimate(graph, cluster, cfg)
@@ -88,50 +89,126 @@ def test_pipeline_buffers_per_microbatch_hand_formula() -> None:
                         options=PlannerOptions(tp=1, pp=2, dp=4, zero_stage=0, micro_batch_size=2, schedule="1f1b",
                                                recompute="full"))
     by_rank = {st.pp_rank: st.memory_breakdown["pipeline_buffers"] for st in plan.stages}
-    assert by_rank == {0: 10 * B, 1: 7 * B}
-    assert est.memory_breakdown["pipeline_buffers"] in (10 * B, 7 * B)
+    assert by_rank == {0: 3 * B, 1: 0}
+    assert est.memory_breakdown["pipeline_buffers"] in (3 * B, 0)
+    # torch's own stages (pipeline_runtime="torch", torchtitan): rank 0 a gradient buffer per micro-batch (8)
+    # and its 2 in-flight outputs; rank 1 an input buffer per micro-batch beyond its 1 in flight (7)
+    torch_plan = autopar.plan(graph, cluster, global_batch_size=64,
+                              options=PlannerOptions(tp=1, pp=2, dp=4, zero_stage=0, micro_batch_size=2,
+                                                     schedule="1f1b", recompute="full", pipeline_runtime="torch"))
+    assert {st.pp_rank: st.memory_breakdown["pipeline_buffers"] for st in torch_plan.stages} == {0: 10 * B, 1: 7 * B}
 
 
 def test_pipeline_runtime_is_checked() -> None:
     with pytest.raises(ConfigError, match="pipeline_runtime"):
         PlannerOptions(pipeline_runtime="gpipe")
-    assert memory.PIPELINE_MEMORY == ("torch", "megatron")
-    assert {n: r.memory for n, r in PIPELINE_RUNTIMES.items()} == {"torch": "torch", "megatron": "megatron",
+    assert memory.PIPELINE_MEMORY == ("autopar", "torch", "megatron")
+    assert {n: r.memory for n, r in PIPELINE_RUNTIMES.items()} == {"autopar": "autopar", "torch": "torch",
+                                                                    "megatron": "megatron",
                                                                   "deepspeed": "megatron"}
 
 
-def _torch_recv_buffers(m: int, width: int) -> tuple[int, int, int]:
-    """On a 2-rank gloo pipeline of two Linear stages, after one 1F1B step of m micro-batches of [1, width]:
-    (rank, bytes of this stage's input receive buffers, bytes of its gradient receive buffers)."""
+def _pipeline_held(runtime: str, schedule: str, m: int, width: int, v: int) -> dict:
+    """On a 2-rank gloo pipeline of Linear+Tanh stages (Tanh saves its output for backward, so a freed output
+    must not be that tensor), two steps of `schedule` over m micro-batches of [1, width]. At every backward's
+    start (where a rank's activations peak): the live input receive buffers, the chunks in flight on receiving
+    stages, and the bytes of gradient buffers and of sent outputs still alive. Also the receive buffers alive
+    after the step, and the gradients."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from autopar.codegen.grouped_schedule import ScheduleGroupedInterleaved1F1B
+    from autopar.codegen.inflight_stage import InflightStage
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, pp = dist.get_rank(), 2
+    cls = InflightStage if runtime == "autopar" else PipelineStage
     torch.manual_seed(0)
-    stage = PipelineStage(torch.nn.Linear(width, width), rank, 2, torch.device("cpu"))
-    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean())
-    x, target = torch.randn(m, width), torch.randn(m, width)
-    if rank == 0:
-        sched.step(x)
+    mods = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(pp * v)]
+    stages = [cls(mods[i], i, pp * v, torch.device("cpu")) for i in range(rank, pp * v, pp)]
+    loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
+    if schedule == "interleaved_1f1b":
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
+    elif schedule.startswith("grouped"):
+        sched = ScheduleGroupedInterleaved1F1B(stages, m, microbatch_group=int(schedule[7:]), loss_fn=loss)
     else:
-        sched.step(target=target, losses=[])
+        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stages[0], m, loss_fn=loss)
+    peaks = {"inputs": 0, "inflight_receiving": 0, "bytes": 0}
+    elem = width * 4  # one fp32 [1, width] boundary tensor
 
-    def size(infos) -> int:  # distinct storages: a reused buffer would count once
-        seen = {}
-        for info_tuple in infos.values():
-            for info in info_tuple:
-                buf = getattr(info, "buffer", None)
-                if isinstance(buf, torch.Tensor):
-                    seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+    def live(kind: str) -> int:
+        return sum(1 for s in stages for k, _, ref in getattr(s, "recv_buffers", []) if k == kind and ref() is not None)
+
+    def at_backward() -> None:
+        sent = sum(ref().untyped_storage().nbytes() for s in stages for refs in s._sent.values() for ref in refs
+                   if ref() is not None)
+        peaks["inputs"] = max(peaks["inputs"], live("input"))
+        peaks["inflight_receiving"] = max(peaks["inflight_receiving"],
+                                          sum(len(s.fwd_cache) for s in stages if not s.is_first))
+        peaks["bytes"] = max(peaks["bytes"], live("grad") * elem + sent)
+
+    if runtime == "autopar":
+        for s in stages:
+            def backward(*a, _f=s.backward_one_chunk, **k):
+                at_backward()
+                return _f(*a, **k)
+            s.backward_one_chunk = backward
+    x, target = torch.randn(m, width), torch.randn(m, width)
+    for _ in range(2):
+        for mod in mods:
+            mod.zero_grad()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=target, losses=[])
+
+    def size(infos) -> int:  # distinct storages of the receive buffers the stages still hold
+        seen = {info.buffer.untyped_storage().data_ptr(): info.buffer.untyped_storage().nbytes()
+                for s in infos for t in s.values() for info in t if isinstance(info.buffer, torch.Tensor)}
         return sum(seen.values())
 
-    return rank, size(stage.args_recv_info), size(stage.grad_recv_info)
+    return {"rank": rank, **peaks, "after_inputs": size(s.args_recv_info for s in stages),
+            "after_grads": size(s.grad_recv_info for s in stages),
+            "grads": {s.stage_index: [p.grad.clone() for p in s.submod.parameters()] for s in stages}}
 
 
-def test_torch_pipelining_allocates_a_receive_buffer_per_microbatch() -> None:
-    # the measured counterpart of pipeline_buffer_bytes' receive buffers: m of them per direction
+def test_torch_pipelining_allocates_a_receive_buffer_per_microbatch_and_autopar_does_not() -> None:
+    # torch's PipelineStage keeps an input and a gradient receive buffer for every micro-batch index after the
+    # step (what pipeline_buffer_bytes charged before); autopar's InflightStage keeps none, trains the same
     m, width = 4, 256
-    got = sorted(run_distributed(_torch_recv_buffers, 2, m, width))
     one = width * 4  # one fp32 [1, width] micro-batch
-    assert got == [(0, 0, m * one), (1, m * one, 0)]
+    torch_runs = run_distributed(_pipeline_held, 2, "torch", "1f1b", m, width, 1)
+    ours = run_distributed(_pipeline_held, 2, "autopar", "1f1b", m, width, 1)
+    assert [(r["after_inputs"], r["after_grads"]) for r in torch_runs] == [(0, m * one), (m * one, 0)]
+    assert [(r["after_inputs"], r["after_grads"]) for r in ours] == [(0, 0), (0, 0)]
+    for a, b in zip(torch_runs, ours, strict=True):
+        for index, grads in a["grads"].items():
+            for g, h in zip(grads, b["grads"][index], strict=True):
+                torch.testing.assert_close(h, g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("grouped2", 2)])
+def test_inflight_stage_holds_buffers_of_microbatches_in_flight_as_priced(schedule: str, v: int) -> None:
+    from types import SimpleNamespace
+
+    from autopar.planner.memory_costs import MemoryCosts
+
+    m, width, pp = 8, 64, 2  # m >= 4·pp
+    runs = run_distributed(_pipeline_held, pp, "autopar", schedule, m, width, v)
+    group = 2 if schedule.startswith("grouped") else None
+    kind = "interleaved_1f1b" if v > 1 else schedule
+    costs = SimpleNamespace(pipeline_memory="autopar", act_scale=1.0, _largest_boundary_bytes=width * 4)
+    for r in runs:
+        q = r["rank"]
+        inflight = memory.inflight_microbatches(kind, pp, m, q, v, group)
+        price = MemoryCosts.pipeline_buffer_bytes(costs, q, pp=pp, v=v, m=m, inflight=inflight, mbs=1, tp=1,
+                                                  sp=False, schedule=kind)
+        if v == 1:
+            # input buffers at the peak: the micro-batches in flight (the last rank receives on every stage)
+            assert r["inputs"] == (inflight if q == pp - 1 else 0)
+            assert r["bytes"] == pytest.approx(price, rel=0.01)
+        else:
+            # the multi-stage runtime posts each receive one action ahead of its compute (torch's _add_send_recv):
+            # one input buffer beyond the chunks in flight, and gradient buffers early, up to 2 not priced
+            assert r["inflight_receiving"] <= r["inputs"] <= r["inflight_receiving"] + 1
+            assert price - width * 4 <= r["bytes"] <= price + 2 * width * 4

@@ -114,7 +114,7 @@ def test_send_prices_each_runtime(gpt_graph):
     cluster = Cluster.preset("dgx-a100-80gb", nodes=2)
     costs = {name: CostModel.for_cluster(gpt_graph, cluster, pipeline_runtime=name) for name in PIPELINE_RUNTIMES}
     assert {n: c.comm.pipeline_p2p for n, c in costs.items()} == {
-        "torch": "batched", "megatron": "scatter_gather", "deepspeed": "blocking_scatter_gather"}
+        "autopar": "batched", "torch": "batched", "megatron": "scatter_gather", "deepspeed": "blocking_scatter_gather"}
     tp, mbs = 4, 2
     n_bytes = costs["torch"].memory.act_scale * costs["torch"].memory.runs[0][0].boundary_bytes * mbs
     comm = costs["torch"].comm

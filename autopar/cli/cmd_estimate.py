@@ -96,12 +96,13 @@ def _estimate_imported(args: argparse.Namespace, cluster) -> int:
     if args.json:
         print(json.dumps({"config": got.config.to_dict(), "from": target, "notes": list(got.notes),
                           "options": {"pipeline_runtime": options.pipeline_runtime, "loss_kernel": options.loss_kernel,
-                                      "ep_dispatcher": options.ep_dispatcher},
+                                      "ep_dispatcher": options.ep_dispatcher, "fp8_runtime": options.fp8_runtime},
                           "estimate": dataclasses.asdict(est)}, indent=1))
         return 0
     print(f"read from {target} ({source}): {got.config}")
     print(f"priced as {target} runs it: pipeline_runtime={options.pipeline_runtime}, "
-          f"loss_kernel={options.loss_kernel}, ep_dispatcher={options.ep_dispatcher}")
+          f"loss_kernel={options.loss_kernel}, ep_dispatcher={options.ep_dispatcher}, "
+          f"fp8_runtime={options.fp8_runtime}")
     for note in got.notes:
         print(f"note: {note}")
     print(render_estimate(got.config, est))

@@ -13,7 +13,7 @@ from autopar.checks import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_TOP_K, check_posit
 from autopar.cli.checks import check_output_path, check_plan_for_cluster, check_saved_plan
 from autopar.cli.from_flags import add_from_flags, from_source
 from autopar.config import (
-    FP8_RECIPES,
+    FP8_RUNTIME_RECIPES,
     OBJECTIVES,
     OFFLOAD_MODES,
     PRECISIONS,
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
                    help="compile each block with torch.compile: --compile (on), off (eager, the default) or "
                         "auto (the planner prices both and picks)")
-    p.add_argument("--fp8", default="none", choices=(*FP8_RECIPES, "auto"),
+    p.add_argument("--fp8", default="none", choices=("none", *FP8_RUNTIME_RECIPES["torchao"], "auto"),
                    help="FP8 GEMMs through float8 training (autopar.codegen.float8): none (the default: it changes "
                         "numerics), tensorwise or rowwise scaling, or auto (the planner prices each and picks)")
     p.add_argument("--offload", default="auto", choices=(*OFFLOAD_MODES, "auto"),
@@ -357,9 +357,12 @@ def _explain_imported(args: argparse.Namespace, plan: Plan, graph, cluster) -> i
     theirs = dataclasses.replace(got.options, router_skew=plan.router_skew)
     ours = PlannerOptions(router_skew=plan.router_skew)
     priced: dict[str, tuple] = {}
-    for name, options in (("framework", theirs), ("autopar", ours)):
+    # under autopar's runtime a Transformer Engine recipe runs as torchao's per-tensor one
+    own = (got.config if got.config.fp8 in ("none", *FP8_RUNTIME_RECIPES["torchao"])
+           else dataclasses.replace(got.config, fp8="tensorwise"))
+    for name, options, cfg in (("framework", theirs, got.config), ("autopar", ours, own)):
         try:
-            priced[name] = (autopar.estimate(graph, cluster, got.config, options=options), None)
+            priced[name] = (autopar.estimate(graph, cluster, cfg, options=options), None)
         except AutoparError as e:
             priced[name] = (None, str(e))
     est, reason = priced["framework"]
@@ -377,7 +380,7 @@ def _explain_imported(args: argparse.Namespace, plan: Plan, graph, cluster) -> i
     for note in got.notes:
         print(f"note: {note}")
     print(f"priced as {target} runs it (pipeline_runtime={theirs.pipeline_runtime}, loss_kernel={theirs.loss_kernel}, "
-          f"ep_dispatcher={theirs.ep_dispatcher})")
+          f"ep_dispatcher={theirs.ep_dispatcher}, fp8_runtime={theirs.fp8_runtime})")
     print(render_explain(plan, got.config, est, reason))
     mine = priced["autopar"][0]
     if est is not None and mine is not None:

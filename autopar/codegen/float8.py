@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from autopar.capture.graph import ModelGraph
+from autopar.config import FP8_RUNTIME_RECIPES
 from autopar.errors import PlanMismatchError
 
 __all__ = ["FP8_DIM_MULTIPLE", "float8_linear_names", "convert_float8", "float8_supported", "is_float8_linear",
@@ -78,6 +79,10 @@ def float8_supported(device: torch.device) -> bool:
 def _config(recipe: str, *, emulate: bool, fsdp_float8_all_gather: bool):
     from torchao.float8 import Float8LinearConfig
 
+    if recipe not in FP8_RUNTIME_RECIPES["torchao"]:
+        raise PlanMismatchError(f"fp8={recipe!r} is a Transformer Engine recipe autopar prices but does not run (its "
+                                f"codegen runs torchao's {FP8_RUNTIME_RECIPES['torchao']}); plan with "
+                                "PlannerOptions(fp8_runtime='torchao') and fp8='tensorwise' or 'rowwise'")
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise PlanMismatchError(f"float8 all-gather under FSDP needs tensorwise scaling, not {recipe!r}")

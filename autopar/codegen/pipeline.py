@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from autopar.capture.graph import ModelGraph
@@ -34,6 +34,7 @@ from autopar.capture.moe import grouped_mm_any_dtype
 from autopar.codegen.batch import MicroBatches
 from autopar.codegen.dataflow import CallKey, DataFlow, LeafMeta, StageIO, forward_kwargs, model_logits
 from autopar.codegen.grouped_schedule import ScheduleGroupedInterleaved1F1B
+from autopar.codegen.inflight_stage import InflightStage
 from autopar.codegen.model_loss import stage_loss
 from autopar.errors import PlanMismatchError
 from autopar.plan import Plan
@@ -186,7 +187,11 @@ class _StageRunner:
         try:
             out = self.forward(*args, **{**self.kwargs, **kwargs})
         except _StageExit:
-            return (*self._pack(), torch.tensor([float(index)], device=self.device))
+            sends = self._pack()
+            # nothing of this micro-batch stays here once sent: the runtime frees what it sends (inflight_stage.py)
+            self.received, self.produced = {}, {}
+            return (*sends, torch.tensor([float(index)], device=self.device))
+        self.received, self.produced = {}, {}
         if self.index != self.num_stages - 1:
             raise PlanMismatchError(f"the model's forward ended inside pipeline stage {self.index} of "
                                     f"{self.num_stages}; the later stages' modules were never called. Re-plan "
@@ -296,6 +301,7 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
     gradients are those of the mean over the whole batch (the losses the schedule reports are
     summed, not averaged, to get that mean). The schedule's own `scale_grads` would divide each
     stage's gradients after backward instead, twice for a weight two stages of this rank share.
+    Its stages hold receive buffers and outputs for the micro-batches in flight only (inflight_stage.py).
     The schedule is stepped with the micro-batch indices as input and target (`ParallelModel`), and
     the loss reads micro-batch i's targets, whatever their structure, from `feed`.
     With `per_microbatch_mean=False` (the model's own loss, summed over its tokens) nothing is divided here.
@@ -303,7 +309,7 @@ def build_schedule(plan: Plan, stage_modules: Sequence[tuple[int, nn.Module]], p
     cfg = plan.config
     m = cfg.num_microbatches
     group = pp_mesh.get_group()
-    stages = [PipelineStage(mod, index, len(plan.stages), device, group=group) for index, mod in stage_modules]
+    stages = [InflightStage(mod, index, len(plan.stages), device, group=group) for index, mod in stage_modules]
 
     def scaled_loss(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(output, feed.target(_index_of(index)))

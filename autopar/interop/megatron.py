@@ -89,7 +89,7 @@ def export_plan(plan) -> Exported:
     elif c.precision == "fp16":
         args.append("--fp16")
     if c.fp8 != "none":
-        args += ["--fp8-format hybrid", f"--fp8-recipe {'tensorwise' if c.fp8 == 'tensorwise' else 'blockwise'}"]
+        args += ["--fp8-format hybrid", f"--fp8-recipe {'blockwise' if c.fp8 == 'rowwise' else c.fp8}"]
         if c.fp8 == "rowwise":
             notes.append("fp8=rowwise (torchao per-row scales) has no Megatron/Transformer Engine recipe; written as "
                          "--fp8-recipe blockwise (1×128 / 128×128 block scales), the closest")
@@ -205,12 +205,14 @@ def import_layout(source: str, world_size: int, *, precision: str | None = None,
     zero = (fsdp[strategy] if a.get("--use-megatron-fsdp") or a.get("--use-custom-fsdp")
             else 1 if a.get("--use-distributed-optimizer") else 0)
     recipe = a.get("--fp8-recipe", "delayed") if a.get("--fp8-format") else None
-    fp8 = {None: "none", "tensorwise": "tensorwise", "blockwise": "rowwise"}.get(recipe)
+    # Transformer Engine's recipes as TE runs them (PlannerOptions.fp8_runtime = "transformer_engine")
+    fp8 = {None: "none", "tensorwise": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}.get(recipe)
     if fp8 is None:
-        if recipe not in ("delayed", "mxfp8"):
+        if recipe != "blockwise":
             raise format_error(where, f"--fp8-recipe {recipe!r} is not a Megatron recipe",
                                "use tensorwise, delayed, mxfp8 or blockwise")
-        notes.append(f"--fp8-recipe {recipe} priced as tensorwise FP8 (per-tensor scales, the closest autopar prices)")
+        notes.append("--fp8-recipe blockwise (1×128 / 128×128 scales) priced as TE's per-tensor current scaling "
+                     "(fp8=tensorwise: its casts and GEMM rate, the closest autopar prices)")
         fp8 = "tensorwise"
     prec = "bf16" if a.get("--bf16") else "fp16" if a.get("--fp16") else "fp32"
     ep = _int(a, "--expert-model-parallel-size", 1, where)
@@ -226,6 +228,7 @@ def import_layout(source: str, world_size: int, *, precision: str | None = None,
         precision=precision or prec)
     deepep = a.get("--moe-enable-deepep") or a.get("--moe-token-dispatcher-type") == "flex"
     options = PlannerOptions(pipeline_runtime="megatron", ep_dispatcher="deepep" if deepep else "all_to_all",
+                             fp8_runtime="transformer_engine",
                              loss_kernel="fused" if a.get("--cross-entropy-loss-fusion") else "fp32_logits")
     seq = a.get("--seq-length")
     return Imported("megatron", config, options, int(seq) if seq else None, tuple(notes))

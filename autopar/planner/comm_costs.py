@@ -212,7 +212,7 @@ class CommCosts:
     # ---- FP8 scales ----
     def fp8_amax_s(self, ri: int, c: Candidate) -> float:
         """Per micro-batch: the scalar all-reduces of tensorwise amaxes over TP-sharded tensors (fp8_costs)."""
-        if c.fp8 != "tensorwise" or c.tp == 1:
+        if c.fp8 != "tensorwise" or c.tp == 1 or self.memory.fp8_runtime != "torchao":
             return 0.0
         work = cast_work(self.memory.runs[ri][0], self.graph, recipe=c.fp8, elem_bytes=self.memory.elem,
                          micro_batch=c.micro_batch_size, tp=c.tp, compiled=c.compile, weights_gathered_fp8=False,

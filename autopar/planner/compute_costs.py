@@ -52,7 +52,8 @@ from functools import lru_cache
 from autopar.capture.graph import KernelMix, LayerSpec, ModelGraph
 from autopar.config import expert_dp
 from autopar.planner.dp_costs import FLOOR_S
-from autopar.planner.fp8_costs import FP8_DTYPE, cast_work, fp8_gemm, is_fp8_layer
+from autopar.planner.fp8_costs import cast_work, fp8_gemm, is_fp8_layer, te_cast_work, te_weight_cast_bytes
+from autopar.planner.fp8_costs import gemm_dtype as fp8_gemm_dtype
 from autopar.planner.memory_costs import MemoryCosts
 from autopar.planner.moe_load import busiest_rank_factor, moe_token_share
 from autopar.planner.problem import MODES
@@ -120,8 +121,11 @@ class ComputeCosts:
     """Kernel, recompute, optimizer and host seconds of a graph's layers; cached per (run, tp, sp, b)."""
 
     def __init__(self, graph: ModelGraph, memory: MemoryCosts, *, compute: ComputeModel,
-                 host_floor_s: float, straggler: float = 1.0, expert_gemm: str = "grouped") -> None:
-        """expert_gemm: how the runtime launches an expert bank's GEMMs (cost_models.pipeline.EXPERT_GEMMS)."""
+                 host_floor_s: float, straggler: float = 1.0, expert_gemm: str = "grouped",
+                 fp8_runtime: str = "torchao") -> None:
+        """expert_gemm: how the runtime launches an expert bank's GEMMs (cost_models.pipeline.EXPERT_GEMMS);
+        fp8_runtime: the framework running FP8 GEMMs, whose casts are priced (fp8_costs)."""
+        self.fp8_runtime = fp8_runtime
         if expert_gemm not in EXPERT_GEMMS:
             raise ValueError(f"ComputeCosts: expert_gemm={expert_gemm!r}; expected one of {EXPERT_GEMMS}")
         self.expert_launch_per_group = expert_gemm == "per_expert"
@@ -184,8 +188,7 @@ class ComputeCosts:
         layer = self.memory.run_layer(ri, tp)  # a vocabulary tp does not divide: the layer's work whole
         compiled = compiled and layer.kind == "block" and bool(layer.kernels_forward.fused)  # codegen compiles blocks
         # FP8 GEMMs at the FP8 peak where the device has one (emulated on a CPU: the compute dtype)
-        gemm_dtype = (FP8_DTYPE if fp8 != "none" and is_fp8_layer(layer) and FP8_DTYPE in self.model.device.peak_flops
-                      else self.dtype)
+        gemm_dtype = (fp8_gemm_dtype(self.model.device, fp8) if is_fp8_layer(layer) else None) or self.dtype
         f = layer.forward_flops_tp_sharded / layer.forward_flops if layer.forward_flops > 0 else 0.0
         share = 1.0 - f + f / tp
         fp = self.memory.tp_param_fraction(layer)
@@ -194,8 +197,11 @@ class ComputeCosts:
             experts = self._experts(layer, ep, mbs, tp, sp, etp)
             fwd = self._pass_s(layer.kernels_forward, tp, sp, mbs, compiled, experts, gemm_dtype)
             bwd = self._pass_s(layer.kernels_backward, tp, sp, mbs, compiled, experts, gemm_dtype, backward=True)
-            casts = cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
-                              compiled=compiled, weights_gathered_fp8=fp8_gathered, dp=dp)
+            casts = (cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
+                               compiled=compiled, weights_gathered_fp8=fp8_gathered, dp=dp)
+                     if self.fp8_runtime == "torchao" else
+                     te_cast_work(layer, self.graph, recipe=fp8, elem_bytes=self.memory.elem, micro_batch=mbs, tp=tp,
+                                  sp=sp))
             fwd += self._memory_pass_s(casts.forward_bytes, casts.forward_kernels)
             bwd += self._memory_pass_s(casts.backward_bytes, casts.backward_kernels)
             if tp == 1 and not compiled:
@@ -294,6 +300,15 @@ class ComputeCosts:
         if ep == 1:
             return 1, 1.0, share, etp
         return ep, busiest_rank_factor(layer.moe, ep, mbs * share * layer.moe.tokens_per_sample), share, etp
+
+    def fp8_weight_cast_s(self, ri: int, tp: int, fp8: str) -> float:
+        """Seconds per step of one layer of run `ri`'s weight casts under Transformer Engine (cast and transposed
+        on the first micro-batch, kept for the others: fp8_costs); 0 under torchao (priced per micro-batch)."""
+        if self.fp8_runtime == "torchao" or fp8 == "none":
+            return 0.0
+        n_bytes, kernels = te_weight_cast_bytes(self.memory.run_layer(ri, tp), self.graph, recipe=fp8,
+                                                elem_bytes=self.memory.elem, tp=tp)
+        return self._memory_pass_s(n_bytes, kernels) * self.straggler
 
     def _memory_pass_s(self, n_bytes: float, kernels: int) -> float:
         """`kernels` memory-bound kernels moving n_bytes in all (FP8 casts), at the memory tables' rate."""

@@ -58,13 +58,14 @@ class CostModel:
                  intra_node: LinkSpec, inter_node: LinkSpec, profile: Profile | None = None,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, backend: str = "nccl",
                  host: HostSpec | None = None, loss_kernel: str | None = None,
-                 precision: str | None = None, pipeline_runtime: str = "torch",
-                 ep_dispatcher: str = "all_to_all") -> None:
+                 precision: str | None = None, pipeline_runtime: str = "autopar",
+                 ep_dispatcher: str = "all_to_all", fp8_runtime: str = "torchao") -> None:
         """precision: the policy every layout is priced in (ParallelConfig.precision; default: the device's
         practitioner default, cost_models.precision.default_precision). pipeline_runtime: the runtime
         that runs pp > 1 (cost_models.pipeline.PIPELINE_RUNTIMES): how it issues stage-boundary transfers,
         what it holds in memory and how its framework launches expert GEMMs. ep_dispatcher: how
-        expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS)."""
+        expert-parallel groups move routed tokens (cost_models.comm.EP_DISPATCHERS). fp8_runtime: the framework
+        running FP8 GEMMs (PlannerOptions.fp8_runtime; autopar.planner.fp8_costs)."""
         runtime = pipeline.runtime(pipeline_runtime)
         self.runtime = runtime
         self.graph = graph
@@ -84,12 +85,13 @@ class CostModel:
                                   memory_reserve_fraction=memory_reserve_fraction, host=host,
                                   devices_per_node=devices_per_node, loss_kernel=loss_kernel,
                                   pipeline_memory=runtime.memory,
-                                  host_adam_bytes_per_param=ADAM_BYTES_PER_PARAM)
+                                  host_adam_bytes_per_param=ADAM_BYTES_PER_PARAM, fp8_runtime=fp8_runtime)
         self.precision = self.memory.precision
         # a step over many GPUs in lock step runs at its slowest GPU's speed (cost_models.fleet)
         straggler = fleet.straggler_factor(devices_per_node * nodes) if device.kind == "gpu" else 1.0
         self.compute = ComputeCosts(graph, self.memory, compute=ComputeModel(device, profile),
-                                    host_floor_s=host_floor_s, straggler=straggler, expert_gemm=runtime.expert_gemm)
+                                    host_floor_s=host_floor_s, straggler=straggler, expert_gemm=runtime.expert_gemm,
+                                    fp8_runtime=fp8_runtime)
         self.comm = CommCosts(graph, self.memory, comm=comm, compute=self.compute.model,
                               devices_per_node=devices_per_node, nodes=nodes, cpu_cores=cpu_cores,
                               host_floor_s=host_floor_s, pipeline_p2p=runtime.p2p, ep_dispatcher=ep_dispatcher)
@@ -106,13 +108,14 @@ class CostModel:
     def for_cluster(cls, graph: ModelGraph, cluster, profile: Profile | None = None,
                     memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION,
                     loss_kernel: str | None = None, precision: str | None = None,
-                    pipeline_runtime: str = "torch", ep_dispatcher: str = "all_to_all") -> CostModel:
+                    pipeline_runtime: str = "autopar", ep_dispatcher: str = "all_to_all",
+                    fp8_runtime: str = "torchao") -> CostModel:
         return cls(graph, device=cluster.device, devices_per_node=cluster.devices_per_node, nodes=cluster.nodes,
                    intra_node=cluster.intra_node, inter_node=cluster.inter_node,
                    profile=profile if profile is not None else getattr(cluster, "profile", None),
                    memory_reserve_fraction=memory_reserve_fraction, backend=getattr(cluster, "backend", "nccl"),
                    host=getattr(cluster, "host", None), loss_kernel=loss_kernel, precision=precision,
-                   pipeline_runtime=pipeline_runtime, ep_dispatcher=ep_dispatcher)
+                   pipeline_runtime=pipeline_runtime, ep_dispatcher=ep_dispatcher, fp8_runtime=fp8_runtime)
 
     @property
     def world_size(self) -> int:
@@ -277,6 +280,7 @@ class CostModel:
         hooks, opt_host = (tail.hooks_s, tail.optimizer_host_s) if grad_bytes > 0 else (0.0, 0.0)
         device_opt = (0.0 if c.offload != "none" else
                       self.compute.optimizer_s(ri, c.tp, shards, c.ep, c.etp, whole_tensors=c.zero_stage == 1))
+        device_opt += self.compute.fp8_weight_cast_s(ri, c.tp, c.fp8)  # TE's, once per step (fp8_costs)
         return Run(
             name=group[0].name, count=len(group), layer_names=tuple(la.name for la in group),
             time_s=tuple(compute_s + tp_fwd + tp_bwd + r + hooks for r in rec),

@@ -63,7 +63,7 @@ from autopar.capture.graph import LayerSpec, ModelGraph
 from autopar.capture.loss_mode import own_loss_target
 from autopar.capture.vocab_split import layer_at_tp, vocab_parallel_head
 from autopar.config import expert_dp
-from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share
+from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share, te_weight_cache_bytes
 from autopar.planner.moe_load import moe_token_share
 from autopar.planner.offload_costs import OffloadCosts, OffloadSummary
 from autopar.planner.problem import MODES
@@ -107,7 +107,7 @@ class RankMemory:
 
     logits_bytes: float
     zero3_buffer_bytes: float
-    pipeline_buffer_bytes: float = 0.0  # torch.distributed.pipelining's per-micro-batch buffers (pp > 1)
+    pipeline_buffer_bytes: float = 0.0  # the pipelining runtime's buffers beyond activations (pp > 1)
     capacity_bytes: float  # device memory less the reserve and the three terms above
 
 
@@ -117,14 +117,17 @@ class MemoryCosts:
     def __init__(self, graph: ModelGraph, *, memory_bytes: float, precision: str,
                  memory_reserve_fraction: float = memory.ALLOCATOR_RESERVE_FRACTION, host: HostSpec | None = None,
                  devices_per_node: int = 1, loss_kernel: str | None = None,
-                 host_adam_bytes_per_param: float, pipeline_memory: str = "torch") -> None:
-        """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload)."""
+                 host_adam_bytes_per_param: float, pipeline_memory: str = "autopar", fp8_runtime: str = "torchao"
+                 ) -> None:
+        """host_adam_bytes_per_param: what the optimizer step streams per parameter on the host (offload).
+        fp8_runtime: the framework running FP8 (PlannerOptions.fp8_runtime): what FSDP gathers, which copies live."""
         if pipeline_memory not in memory.PIPELINE_MEMORY:
             raise ValueError(f"pipeline_memory={pipeline_memory!r}; expected one of {memory.PIPELINE_MEMORY}")
         self.graph = graph
         # cost_models.memory.LOSS_KERNELS: what the loss holds of the logits (None: as autopar's runtime runs it)
         self.loss_kernel = loss_kernel or runtime_loss_kernel(graph.loss_mode)
         self.pipeline_memory = pipeline_memory  # cost_models.memory.PIPELINE_MEMORY
+        self.fp8_runtime = fp8_runtime
         self.usable_bytes = memory_bytes * (1.0 - memory_reserve_fraction)
         self.precision: Precision = policy(precision)
         self.elem = self.precision.compute_bytes  # one activation, logit or gathered-weight element
@@ -355,12 +358,13 @@ class MemoryCosts:
                            c.microbatch_group, c.etp)
 
     def fp8_gathered(self, c: Candidate) -> bool:
-        """Whether FSDP gathers the converted weights in float8 (tensorwise scaling under ZeRO-2/3)."""
-        return c.fp8 == "tensorwise" and self.fsdp(c.zero_stage, c.shard_group, c.offload)
+        """Whether FSDP gathers the converted weights in float8 (torchao's tensorwise scaling under ZeRO-2/3)."""
+        return c.fp8 == "tensorwise" and self.fp8_runtime == "torchao" and self.fsdp(c.zero_stage, c.shard_group,
+                                                                                     c.offload)
 
     def pipelined(self, c: Candidate) -> bool:
         """Whether c's stages run under torch.distributed.pipelining's FSDP handling (module docstring)."""
-        return c.pp > 1 and self.pipeline_memory == "torch"
+        return c.pp > 1 and self.pipeline_memory != "megatron"
 
     @staticmethod
     def fsdp(zero_stage: int, dp: int, offload: str) -> bool:
@@ -383,7 +387,8 @@ class MemoryCosts:
         g = self.graph
         zero3_bytes = reduce_bytes = 0.0  # FSDP's buffers; of them, the gradient reduce-scatter's
         if self.fsdp(zero_stage, dp, offload):
-            largest = max(self.gathered_bytes(ri, tp, fp8 == "tensorwise", ep, etp) for ri in range(len(self.runs)))
+            f8 = fp8 == "tensorwise" and self.fp8_runtime == "torchao"  # torchao's float8 all-gather
+            largest = max(self.gathered_bytes(ri, tp, f8, ep, etp) for ri in range(len(self.runs)))
             # FSDP2 reduce-scatters each layer's gradient out of an unsharded buffer (computed in the compute
             # dtype, cast to the reduce dtype when they differ); ZeRO-3 also holds the running and the
             # prefetched layer's gathered weights (ZeRO-2 keeps its weights, counted in the model states)
@@ -393,7 +398,7 @@ class MemoryCosts:
                                                              grad_bytes_ratio=grad_ratio) if zero_stage == 3
                            else largest * grad_ratio)
             reduce_bytes = largest * grad_ratio
-            if pp > 1 and self.pipeline_memory == "torch":
+            if pp > 1 and self.pipeline_memory != "megatron":
                 # gathered weights and accumulated gradients are model states here (module docstring): what
                 # remains is the running layer's 16-bit gradient before it is accumulated
                 zero3_bytes = reduce_bytes = largest
@@ -407,7 +412,7 @@ class MemoryCosts:
             # runtime keeps them: the pipelining runtime's last stage, and a loss over vocab slices under tp
             # (a head whose vocabulary tp does not divide stays whole: full logits, a plain cross-entropy)
             vtp = tp if vocab_parallel_head(g, tp) else 1
-            held = (pp > 1 and self.pipeline_memory == "torch") or vtp > 1
+            held = (pp > 1 and self.pipeline_memory != "megatron") or vtp > 1
             shape = dict(micro_batch=mbs, seq_len=-(-g.seq_len // cp), vocab=g.vocab_size, tp=vtp,
                          dtype_bytes=self.elem, loss_kernel=self.loss_kernel, held=held)
             # the micro-batches in flight beyond the running one keep what their loss saved for backward
@@ -419,7 +424,11 @@ class MemoryCosts:
             last_zero3 = zero3_bytes - reduce_bytes + max(0.0, reduce_bytes + grad_logits - logits)
         else:
             last_zero3 = zero3_bytes
-        if fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
+        if fp8 != "none" and self.fp8_runtime != "torchao":  # TE's FP8 weight copies of the rank's layers, all step
+            copies = sum(len(r) * te_weight_cache_bytes(layer_at_tp(r[0], tp), g, recipe=fp8, tp=tp)
+                         for r in self.runs) / pp
+            zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
+        elif fp8 != "none":  # the FP8 copies of the largest layer's weights, during its passes
             copies = max(fp8_copy_bytes(layer_at_tp(r[0], tp), g, tp) for r in self.runs)
             zero3_bytes, last_zero3 = zero3_bytes + copies, last_zero3 + copies
         # with one stage, a weight two layers share is counted by both layers but held once: give it back
@@ -429,33 +438,52 @@ class MemoryCosts:
         for q in range(pp):
             last = q == pp - 1  # only the last rank holds the logits
             lg, z3 = (logits, last_zero3) if last else (0.0, zero3_bytes)
-            buf = self.pipeline_buffer_bytes(q, pp=pp, v=v, m=m, inflight=inflight[q], mbs=mbs, tp=tp, sp=sp, cp=cp)
+            buf = self.pipeline_buffer_bytes(q, pp=pp, v=v, m=m, inflight=inflight[q], mbs=mbs, tp=tp, sp=sp, cp=cp,
+                                             schedule=schedule)
             out.append(RankMemory(logits_bytes=lg, zero3_buffer_bytes=z3, pipeline_buffer_bytes=buf,
                                   capacity_bytes=self.usable_bytes - lg - z3 - buf + shared))
         return tuple(out)
 
     def pipeline_buffer_bytes(self, q: int, *, pp: int, v: int, m: int, inflight: float, mbs: int, tp: int,
-                              sp: bool, cp: int = 1) -> float:
-        """Bytes pipeline rank q holds in torch.distributed.pipelining's buffers beyond its layers' activations.
+                              sp: bool, cp: int = 1, schedule: str = "1f1b") -> float:
+        """Bytes pipeline rank q holds in autopar's pipelining runtime beyond its layers' activations.
 
-        A PipelineStage allocates, when the schedule starts, one receive buffer per micro-batch for its input
-        (every stage but the first) and one for its output's gradient (every stage but the last), and keeps
-        them for the step (stage.py, _setup_forward_recv_info and _setup_backward_recv_info: a buffer per
-        micro-batch index); it also keeps each in-flight micro-batch's output until that micro-batch's backward
-        (forward_one_chunk's fwd_cache), which no layer of the stage saves. The input buffers of in-flight
-        micro-batches are the inputs the stage's first layer saves, counted with its activations. Megatron-LM
-        frees outputs once sent (deallocate_output_tensor), as Meta's trainer frees stage inputs and outputs
-        (Dubey et al. 2024, §3.3.2); torch's runtime, which autopar runs, does not. `inflight`: micro-batches
-        in flight per stage of the rank (inflight_microbatches); one buffer is a stage boundary's tensor, the
-        largest the graph has (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp.
-        Under pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY)
-        there is nothing beyond the activations."""
+        autopar's stages (codegen/inflight_stage.py, over torch.distributed.pipelining's schedules) allocate a
+        receive buffer when the receive is posted and drop it after that micro-batch's backward: the input
+        buffers are those of the micro-batches in flight, the inputs the stage's first layer saves, counted
+        with its activations; a gradient buffer lives from its receive to its backward, one at the backward
+        that makes the rank's peak. A stage frees each output's data once its send is handed to the schedule
+        (Megatron-LM's deallocate_output_tensor); the send reads an alias that lives while the schedule holds
+        the send: torch's Schedule1F1B keeps the last forward's send and its warm-up's last send work (2);
+        ScheduleGPipe keeps its send works to the end of the forwards and the multi-stage runtime (interleaved)
+        to the end of the step, so there the alias is freed at its micro-batch's backward: the outputs of the
+        sending stages' micro-batches in flight. `inflight`: micro-batches in flight per stage of the rank
+        (inflight_microbatches); one buffer is a stage boundary's tensor, the largest the graph has
+        (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp. torch's own
+        PipelineStage (pipeline_memory="torch", torchtitan's runtime) holds an input and a gradient buffer for
+        every micro-batch index for the whole step, beyond the in-flight inputs the activations count, and every
+        in-flight output until its backward (torch/distributed/pipelining/stage.py: _setup_forward_recv_info and
+        _setup_backward_recv_info, forward_one_chunk's fwd_cache; tests/test_pipeline_memory.py). Under
+        pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY) there is
+        nothing beyond the activations."""
         if pp == 1 or self.pipeline_memory == "megatron":
             return 0.0
         one = self.act_scale * self._largest_boundary_bytes * mbs / (tp if sp else 1) / cp
-        receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
-        sending = v - (1 if q == pp - 1 else 0)  # nor its last
-        return one * (receiving * (m - inflight) + sending * (inflight + m))
+        if self.pipeline_memory == "torch":
+            receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
+            sending = v - (1 if q == pp - 1 else 0)  # nor its last
+            return one * (receiving * (m - inflight) + sending * (inflight + m))
+        sending = v - (1 if q == pp - 1 else 0)  # stages of the rank that are not the model's last
+        if sending == 0:
+            return 0.0
+        if schedule == "1f1b":
+            held = min(2.0, inflight)
+        elif schedule == "gpipe":
+            held = float(m)
+        else:  # the rank's chunks in flight (inflight counts whole-rank micro-batches: chunks / v); at the last
+            # rank's peak they are its sending stages' (the head's chunk runs its backward right after its forward)
+            held = inflight * v
+        return one * (held + 1.0)
 
     @cached_property
     def _largest_boundary_bytes(self) -> int:

@@ -85,9 +85,9 @@ def _fp8_choices(costs: CostModel, options: PlannerOptions) -> tuple[str, ...]:
     """The FP8 recipes to consider: the pinned one (refused on a device without FP8), else every one the
     device runs beside "none" (--fp8 auto)."""
     if options.fp8 is not None:
-        check_fp8_device(costs.device, options.fp8)
+        check_fp8_device(costs.device, options.fp8, options.fp8_runtime)
         return (options.fp8,)
-    return ("none", *fp8_recipes(costs.device))
+    return ("none", *fp8_recipes(costs.device, options.fp8_runtime))
 
 
 def _offload_choices(costs: CostModel, options: PlannerOptions) -> tuple[str, ...]:
@@ -253,7 +253,7 @@ def price(costs: CostModel, config: ParallelConfig, options: PlannerOptions | No
     violations raise InfeasiblePlanError naming the constraint."""
     _check_layout(costs, config)
     notes = _notes(costs, Candidate.of(config), options or PlannerOptions())
-    check_fp8_device(costs.device, config.fp8)
+    check_fp8_device(costs.device, config.fp8, costs.memory.fp8_runtime)
     costs.memory.offload.check(config.offload)
     if config.precision != costs.precision.name:
         raise InfeasiblePlanError(f"layout {config} is in precision {config.precision}, but these costs price "

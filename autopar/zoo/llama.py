@@ -60,6 +60,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_rows(rope_cos: torch.Tensor, rope_sin: torch.Tensor, seq_len: int, position_ids: torch.Tensor | None,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables' rows for a sequence: positions 0..seq_len−1, or each token's `position_ids`
+    ([1 or b, s] → [1 or b, 1 (heads), s, d]; a context-parallel shard's positions are not contiguous)."""
+    if position_ids is None:
+        return rope_cos.narrow(0, 0, seq_len).to(dtype), rope_sin.narrow(0, 0, seq_len).to(dtype)
+    return rope_cos[position_ids].unsqueeze(1).to(dtype), rope_sin[position_ids].unsqueeze(1).to(dtype)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -72,8 +81,10 @@ class LlamaAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, h, bias=False)
         self.attn_impl = cfg.attn_impl
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
+        cos, sin = rope_rows(rope_cos, rope_sin, s, position_ids, x.dtype)
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -108,13 +119,9 @@ class LlamaBlock(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:  # positions 0..s−1
-            s = x.size(1)
-            cos, sin = self.rope_cos.narrow(0, 0, s).to(x.dtype), self.rope_sin.narrow(0, 0, s).to(x.dtype)
-        else:  # the tables' rows at each token's position: [1 or b, 1 (heads), s, d]
-            cos = self.rope_cos[position_ids].unsqueeze(1).to(x.dtype)
-            sin = self.rope_sin[position_ids].unsqueeze(1).to(x.dtype)
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+        # the attention picks the tables' rows for the sequence it sees: under sequence parallelism the block's
+        # x is a shard of the sequence and the attention's input the whole of it (Korthikanti et al. §4.2.2)
+        x = x + self.attention(self.attention_norm(x), self.rope_cos, self.rope_sin, position_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
