@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from parity_models import batches, build_model, excess, graph_of, logits_of, make_plan
-from precision_cases import adamw, memory_case
+from precision_cases import _groups_by_name, _warmup_cosine, adamw, memory_case
 
 from autopar.codegen import lm_cross_entropy, parallelize
 from autopar.codegen.checkpoint import Checkpointer
@@ -34,17 +34,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reference(model: torch.nn.Module, data, *, precision: str, dp: int, m: int, lr: float,
-              max_grad_norm: float | None = None, poison: frozenset[int] = frozenset()
-              ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """(losses, gradient norms, final masters by name) of the module docstring's algorithm; at the steps in
-    `poison` one gradient element is made infinite after unscaling (an fp16 overflow)."""
+              max_grad_norm: float | None = None, poison: frozenset[int] = frozenset(), groups: bool = False
+              ) -> tuple[list[float], list[float], dict[str, torch.Tensor], list[float]]:
+    """(losses, gradient norms, final masters by name, learning rates) of the module docstring's algorithm; at
+    the steps in `poison` one gradient element is made infinite after unscaling (an fp16 overflow); `groups`:
+    parameter groups by name and a warm-up + cosine LR schedule (precision_cases' own)."""
     dtype = DTYPES[precision]
     named = list(model.named_parameters())
     masters = [p.detach().clone() for _, p in named]
     with torch.no_grad():
         for _, p in named:
             p.data = p.data.to(dtype)
-    opt = adamw(lr)(masters)
+    opt = (_groups_by_name([(n, w) for (n, _), w in zip(named, masters, strict=True)]) if groups
+           else adamw(lr)(masters))
+    sched = _warmup_cosine(opt, 2, len(data)) if groups else None
+    lrs: list[float] = []
     scaler = LossScaler() if precision == "fp16" else None
     losses, norms = [], []
     for step, (x, t) in enumerate(data):
@@ -80,20 +84,30 @@ def reference(model: torch.nn.Module, data, *, precision: str, dp: int, m: int, 
             for w, (_, p) in zip(masters, named, strict=True):
                 w.grad = None
                 p.copy_(w)
-    return losses, norms, {n: w for (n, _), w in zip(named, masters, strict=True)}
+        if sched is not None:
+            lrs.append(opt.param_groups[0]["lr"])
+            sched.step()
+    return losses, norms, {n: w for (n, _), w in zip(named, masters, strict=True)}, lrs
 
 
 def parity_case(kind: str, config: dict[str, Any], *, precision: str, lr: float = 1e-3,
-                max_grad_norm: float | None = None, poison: tuple[int, ...] = (), steps: int = 4) -> dict[str, Any]:
-    """The parallel run and the reference: losses, norms, final masters, the dtypes the rank holds, skips."""
+                max_grad_norm: float | None = None, poison: tuple[int, ...] = (), steps: int = 4,
+                groups: bool = False) -> dict[str, Any]:
+    """The parallel run and the reference: losses, norms, final masters, the dtypes the rank holds, skips;
+    `groups`: the user's parameter groups by name and LR schedule on `pm.optimizer` (learning rates, and each
+    name's weight decay, against the reference's)."""
     model = build_model(kind)
     graph = graph_of(kind, model)
     data = batches(steps)
     dp, m = config.get("dp", 1), config.get("num_microbatches", 1)
-    ref_losses, ref_norms, ref_masters = reference(copy.deepcopy(model), data, precision=precision, dp=dp, m=m,
-                                                   lr=lr, max_grad_norm=max_grad_norm, poison=frozenset(poison))
-    pm = parallelize(model, make_plan(graph, precision=precision, **config), graph=graph, optimizer=adamw(lr),
-                     loss_fn=lm_cross_entropy, max_grad_norm=max_grad_norm)
+    ref_losses, ref_norms, ref_masters, ref_lrs = reference(
+        copy.deepcopy(model), data, precision=precision, dp=dp, m=m, lr=lr, max_grad_norm=max_grad_norm,
+        poison=frozenset(poison), groups=groups)
+    pm = parallelize(model, make_plan(graph, precision=precision, **config), graph=graph,
+                     optimizer=_groups_by_name if groups else adamw(lr), loss_fn=lm_cross_entropy,
+                     max_grad_norm=max_grad_norm)
+    sched = _warmup_cosine(pm.optimizer, 2, steps) if groups else None
+    lrs: list[float] = []
     scaler = pm.loss_scaler
     if scaler is not None and poison:
         unscale = scaler.unscale_
@@ -112,14 +126,20 @@ def parity_case(kind: str, config: dict[str, Any], *, precision: str, lr: float 
             now["step"] = step
         losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(t)))
         norms.append(pm.grad_norm)
+        if sched is not None:
+            lrs.append(pm.optimizer.param_groups[0]["lr"])
+            sched.step()
     weight_excess, weight_key = excess(pm.full_state_dict(), ref_masters)
+    decay = {n: g["weight_decay"] for g in pm.optimizer.param_groups for n in g.get("param_names", ())}
     params = [p for part in pm.modules for p in part.parameters()]
     return {"case": f"{kind} {precision} clip={max_grad_norm} poison={poison} {config}", "losses": losses,
             "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms, "weight_excess": weight_excess,
             "weight_key": weight_key, "distributed": isinstance(pm.stepper, DistributedOptimizer),
             "param_dtypes": sorted({str(p.dtype) for p in params}),
             "optimizer_dtypes": sorted({str(p.dtype) for g in pm.optimizer.param_groups for p in g["params"]}),
-            "skipped": scaler.skipped_steps if scaler is not None else 0}
+            "skipped": scaler.skipped_steps if scaler is not None else 0, "lrs": lrs, "ref_lrs": ref_lrs,
+            "decay_ok": not groups or (bool(decay) and all(d == (0.0 if n.endswith(".bias") or "ln" in n or "norm" in n
+                                                                  else 0.1) for n, d in decay.items()))}
 
 
 def _moments(pm) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batc
 from autopar.codegen.clipping import clip_grads_, global_grad_norm
 from autopar.codegen.context_parallel import ContextParallel
 from autopar.codegen.data_parallel import Zero1Partition, average_gradients, grad_of, local
+from autopar.codegen.dist_optimizer import DistributedOptimizer
 from autopar.codegen.experts import ExpertParallel, TokenShardGradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
@@ -53,7 +54,7 @@ class ParallelModel:
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, parts: Sequence[tuple[int, nn.Module]],
                  num_stages: int, schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 optimizer: torch.optim.Optimizer | HostOptimizer, vocab_parallel: bool,
+                 optimizer: torch.optim.Optimizer | HostOptimizer | DistributedOptimizer, vocab_parallel: bool,
                  device: torch.device, feed: MicroBatches, shared_gradients: SharedGradients | None = None,
                  float8_fsdp_scales: bool = False, target_name: str | None = None,
                  context: ContextParallel | None = None, grad_mesh: DeviceMesh | None = None,
@@ -68,9 +69,10 @@ class ParallelModel:
         self.schedule = schedule
         self.loss_fn = loss_fn
         # the user's optimizer (LR schedulers drive it); under offload="optimizer" it steps host masters and
-        # the HostOptimizer around it (`stepper`) moves gradients and weights
-        self.optimizer: torch.optim.Optimizer = (optimizer.optimizer if isinstance(optimizer, HostOptimizer)
-                                                 else optimizer)
+        # the HostOptimizer around it (`stepper`) moves gradients and weights; under ZeRO-1 with a 16-bit policy
+        # it steps the owned fp32 masters, the DistributedOptimizer around it holding them and the main gradients
+        self.optimizer: torch.optim.Optimizer = (optimizer.optimizer if isinstance(
+            optimizer, (HostOptimizer, DistributedOptimizer)) else optimizer)
         self.stepper = optimizer  # what zeroes, steps and checkpoints the optimizer state
         self.vocab_parallel = vocab_parallel
         self.device = device
