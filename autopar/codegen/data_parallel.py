@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 __all__ = ["BUCKET_BYTES", "apply_fsdp", "average_gradients", "reduce_gradients", "Zero1Partition",
-           "split_mixed_groups", "local", "grad_of"]
+           "split_mixed_groups", "local", "grad_of", "as_param_layout"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25 (torch.nn.parallel.DistributedDataParallel)
 
@@ -33,6 +33,13 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25 (torch.nn.parallel.D
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: a DTensor's local shard, else the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def as_param_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient laid out as its parameter (a vocab-parallel head's can come back replicated)."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:

@@ -28,8 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.codegen.data_parallel import Zero1Partition, local
-from autopar.codegen.offload import _as_param
+from autopar.codegen.data_parallel import Zero1Partition, as_param_layout, local
 from cost_models.precision import Precision
 
 __all__ = ["DistributedOptimizer"]
@@ -38,7 +37,7 @@ __all__ = ["DistributedOptimizer"]
 def _accumulate(p: torch.Tensor) -> None:
     """Post-accumulate-grad hook: the 16-bit gradient into the fp32 main gradient, then freed."""
     with torch.no_grad():
-        local(p.main_grad).add_(local(_as_param(p.grad, p)))
+        local(p.main_grad).add_(local(as_param_layout(p.grad, p)))
     p.grad = None
 
 

@@ -19,20 +19,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from autopar.codegen.data_parallel import local
+from autopar.codegen.data_parallel import as_param_layout, local
 
 __all__ = ["HostOptimizer"]
 
 HOST = torch.device("cpu")
-
-
-def _as_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A DTensor gradient laid out as its parameter (a vocab-parallel head's can come back replicated)."""
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
 
 
 def _named(params: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
@@ -77,7 +69,7 @@ class HostOptimizer:
         """Gradients to the host (fp32), the step there, the updated masters back to the device parameters."""
         # gradients cross the link in their own dtype and become fp32 on the host; the masters are cast to the
         # weights' dtype on the host and cross back (autopar.planner.offload_costs prices these copies and casts)
-        grads = [None if p.grad is None else local(_as_param(p.grad, p)).to(HOST, non_blocking=True)
+        grads = [None if p.grad is None else local(as_param_layout(p.grad, p)).to(HOST, non_blocking=True)
                  for p in self.params]
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies have landed before the CPU reads them
