@@ -11,7 +11,8 @@ scaled embedding), the self-written nanoGPT (ModuleDict, tied head, its own `(lo
 transformers' T5 (tests/parity_kinds.py: its own inputs, cut inside its decoder) for 3 steps;
 DeepSeek-V3 under expert parallelism (ep2 × pp2 × edp2, ZeRO-3) for 3 steps; and
 tests/test_precision.py's 3-D cases, checked with its checks: the zoo GPT under the bf16 policy (5 steps
-against one process under autocast, within 2e-2) and a tied-embedding Llama in fp32 with clipping active
+against one process under autocast, within 2e-2; and 3 steps under ZeRO-1, the distributed optimizer of
+autopar/codegen/dist_optimizer.py) and a tied-embedding Llama in fp32 with clipping active
 every step (grad_norm within 1e-5 relative of clip_grad_norm_'s).
 """
 
@@ -46,6 +47,8 @@ CASES = [
     # vocab-parallel, its relative position bias cut by head, the encoder's output carried to the second stage
     ("kinds", "t5", dict(THREE_D, stage_sizes=(6, 3)), 3),
     ("precision", "gpt:bf16", THREE_D, 5),  # the bf16 policy against one process under autocast
+    # ZeRO-1 under bf16: the distributed optimizer (16-bit DTensor parameters, fp32 masters on their owners)
+    ("precision", "gpt:bf16", dict(THREE_D, zero_stage=1), 3),
     ("precision", "llama_tied:clip", THREE_D, 3),  # clipping's global norm with tied embeddings
 ]
 

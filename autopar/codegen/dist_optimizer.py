@@ -43,12 +43,17 @@ def _accumulate(p: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _to_dtype(p: nn.Parameter, dtype: torch.dtype) -> None:
-    """`p` in `dtype`, the same Python object (modules, ties and pipeline stages keep referring to it). A
-    DTensor is swapped whole: `p.data = ...` would change the wrapper's dtype but not its local shard's."""
+    """`p` in `dtype`, the same Python object (modules, ties and pipeline stages keep referring to it). On a
+    DTensor `p.data = ...` changes the wrapper's dtype only, so its local shard and spec are re-pointed too
+    (`torch.utils.swap_tensors` would do it whole, but refuses a tensor that any weak reference names, as the
+    memo of pipelining's shape inference does)."""
+    new = p.detach().to(dtype)
+    p.data = new
     if isinstance(p, DTensor):
-        torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
-    else:
-        p.data = p.data.to(dtype)
+        p._local_tensor, p._spec = new._local_tensor, new._spec
+        if p.to_local().dtype != dtype or p._spec.tensor_meta.dtype != dtype:
+            raise RuntimeError(f"could not hold a DTensor parameter in {dtype} (its local shard is "
+                               f"{p.to_local().dtype}): this torch's DTensor layout is not the one expected")
 
 
 class DistributedOptimizer:
