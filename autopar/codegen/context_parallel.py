@@ -10,10 +10,15 @@ the model hands SDPA, so grouped-query attention exchanges only its kv heads) ar
 group in one collective and put in global order; each of the rank's two query chunks then attends only
 the keys up to its own end, causally (chunk g of c tokens: a c × (g+1)·c block, lower-right aligned), so
 a rank computes c²·(2·cp + 1) scores where the causal triangle holds 2·cp·c² per rank, (1 + 1/(2·cp))×
-its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. Backward returns
+its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. On the CPU both chunks
+run in one custom op (`cp_chunk_attention`, codegen/cp_attention.py) as flash kernels over each chunk's prefix
+and its causal diagonal block, merged by log-sum-exp, so no [c, (g+1)·c] mask exists to be saved; elsewhere
+(a GPU, dropout) SDPA is handed that mask and saves it, c²·(2·cp + 1) elements per layer that the plan does
+not price. Backward returns
 the keys' and values' gradients to their owners by a reduce-scatter. Both collectives are custom ops
 (`gather_kv`, `scatter_kv_grad`) so that torch.compile traces a block's attention around them (compile.py);
-the selective recompute policies keep the gather's output, full recompute runs it again. The all-gather is
+the selective recompute policies keep the gather's output, full recompute runs it again; selective recomputes
+the chunks' attention, op_sac keeps its output (codegen/recompute.py). The all-gather is
 what Llama 3 ran (Dubey et al. 2024, §3.3.2): with GQA the K/V bytes are small next to the queries, and
 an all-gather is one collective per layer where a ring takes cp − 1 steps.
 
