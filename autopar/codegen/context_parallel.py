@@ -275,6 +275,9 @@ class ContextParallel:
         kv = torch.ops.autopar.cp_gather_kv(key, value, attn_mask, unit, self.group_name, cp)
         chunks = [self.shard.rank, 2 * cp - 1 - self.shard.rank]
         if cp_attention.supported(query, dropout_p):  # no [c, n_keys] mask to save (codegen/cp_attention.py)
+            if torch.is_autocast_enabled(query.device.type):  # in autocast's dtype, as it runs SDPA
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, kv = query.to(dtype), kv.to(dtype)
             return torch.ops.autopar.cp_chunk_attention(query, kv, chunks, d_k, scale)[0]
         # elsewhere (a GPU, dropout) SDPA gets each chunk's mask, which it saves: c·n_keys elements of the query dtype
         outs = []
