@@ -1,11 +1,11 @@
-"""One query chunk's causal attention under context parallelism, without a materialized mask.
+"""A context-parallel rank's causal attention over its query chunks, without a materialized mask.
 
 A query chunk of c tokens at global positions n − c .. n − 1 attends keys 0 .. n − 1, causally: every key of
 the prefix 0 .. n − c − 1, and the diagonal block n − c .. n − 1 causally (a square, where SDPA's upper-left
 `is_causal` is the lower-right mask the chunk needs). Handing SDPA that mask instead makes it a [c, n] tensor
-that the kernel saves for backward in the query dtype: c²·(2·cp + 1) elements per rank and layer, as many as
-the layer's other activations at c = 4096 and d_model = 4096, none of them priced
-(autopar.planner.cp_costs). Here the two parts run as two flash kernels and their outputs are merged by
+that the kernel saves for backward in the query dtype: c²·(2·cp + 1) elements per rank and layer (570 MB in
+bf16 at c = 4096 and cp = 8, half of the ~34·2c·d_model bytes a d_model = 4096 layer keeps besides), none of
+it priced (autopar.planner.cp_costs). Here the two parts run as two flash kernels and their outputs are merged by
 their log-sum-exps; backward runs each part's flash backward against the merged output and log-sum-exp,
 whose gradients sum to the whole's (the merge ring attention uses: Liu et al. 2023, "Ring Attention with
 Blockwise Transformers", §3). Saved for backward: the queries, the gathered keys and values (one storage,
@@ -34,8 +34,9 @@ def supported(query: torch.Tensor, dropout_p: float) -> bool:
 
 
 def _parts(kv: torch.Tensor, n_keys: int, c: int, key_dim: int, heads: int) -> list[tuple[torch.Tensor, ...]]:
-    """(keys, values, is_causal) of the prefix (absent for the first chunk) and of the diagonal block, the
-    key/value heads repeated to the queries' (a transient copy under grouped-query attention)."""
+    """(keys, values, is_causal, first key, end key) of the prefix (absent for the first chunk) and of the
+    diagonal block, the key/value heads repeated to the queries' (a transient copy under grouped-query
+    attention)."""
     rep = heads // kv.size(1)
     out = []
     for lo, hi, causal in ((0, n_keys - c, False), (n_keys - c, n_keys, True)):
