@@ -69,9 +69,12 @@ def test_per_token_costs_divide_by_cp(long_llama):
     ri = next(i for i, r in enumerate(one.runs) if r.count > 1)  # the blocks
     layer = long_llama.layers[next(i for i, la in enumerate(long_llama.layers) if la.name == one.runs[ri].name)]
     kv = kv_exchange_bytes(long_llama, layer, tp=1, micro_batch=2, elem=2)
-    # full recompute keeps the layer input only: exactly 1/cp; none also keeps the gathered K/V (1 − 1/cp of it)
+    repeated = kv_exchange_bytes(long_llama, layer, tp=1, micro_batch=2, elem=2, repeated=True)
+    assert repeated == kv * 4  # llama3-8b: 32 query heads, 8 key/value heads
+    # full recompute keeps the layer input only: exactly 1/cp; none keeps the gathered K/V (at the KV heads) in
+    # place of the shard's K/V that capture counts repeated to the query heads; op_sac keeps all it gathers
     assert eight.runs[ri].act_bytes[-1] == pytest.approx(one.runs[ri].act_bytes[-1] / 8)
-    assert eight.runs[ri].act_bytes[0] == pytest.approx(one.runs[ri].act_bytes[0] / 8 + kv * 7 / 8)
+    assert eight.runs[ri].act_bytes[0] == pytest.approx(one.runs[ri].act_bytes[0] / 8 + kv - repeated / 8)
     # the all-gather and reduce-scatter of the K/V over 8 ranks inside a node (ring: (K−1)/K · n / β each)
     link = cluster.intra_node
     ring = 2 * (7 / 8 * kv / link.bandwidth_Bps)

@@ -10,10 +10,15 @@ the model hands SDPA, so grouped-query attention exchanges only its kv heads) ar
 group in one collective and put in global order; each of the rank's two query chunks then attends only
 the keys up to its own end, causally (chunk g of c tokens: a c × (g+1)·c block, lower-right aligned), so
 a rank computes c²·(2·cp + 1) scores where the causal triangle holds 2·cp·c² per rank, (1 + 1/(2·cp))×
-its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. Backward returns
+its share (autopar.planner.cp_costs prices that), not the (2c) × (2·cp·c) rectangle. On the CPU both chunks
+run in one custom op (`cp_chunk_attention`, codegen/cp_attention.py) as flash kernels over each chunk's prefix
+and its causal diagonal block, merged by log-sum-exp, so no [c, (g+1)·c] mask exists to be saved; elsewhere
+(a GPU, dropout) SDPA is handed that mask and saves it, c²·(2·cp + 1) elements per layer that the plan does
+not price. Backward returns
 the keys' and values' gradients to their owners by a reduce-scatter. Both collectives are custom ops
 (`gather_kv`, `scatter_kv_grad`) so that torch.compile traces a block's attention around them (compile.py);
-the selective recompute policies keep the gather's output, full recompute runs it again. The all-gather is
+the selective recompute policies keep the gather's output, full recompute runs it again; selective recomputes
+the chunks' attention, op_sac keeps its output (codegen/recompute.py). The all-gather is
 what Llama 3 ran (Dubey et al. 2024, §3.3.2): with GQA the K/V bytes are small next to the queries, and
 an all-gather is one collective per layer where a ring takes cp − 1 steps.
 
@@ -46,6 +51,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from autopar.capture.graph import ModelGraph
+from autopar.codegen import cp_attention
 from autopar.codegen.loss import IGNORE_INDEX
 from autopar.errors import PlanMismatchError
 
@@ -91,12 +97,14 @@ def _agree(where: str, kv: torch.Tensor, key_dim: int, group: dist.ProcessGroup,
 # eager autograd and the recompute policies see one op too (codegen/recompute.py saves its output under
 # selective and op_sac; full recompute runs it again). Collectives are issued with dispatch modes off.
 @torch.library.custom_op("autopar::cp_gather_kv", mutates_args=())
-def gather_kv(kv: torch.Tensor, mask: torch.Tensor | None, unit: torch.Tensor, key_dim: int, group_name: str,
+def gather_kv(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, unit: torch.Tensor, group_name: str,
               cp: int) -> torch.Tensor:
-    """Keys and values of this rank's shard ([b, kv_heads, s, d_k + d_v]) → those of the whole sequence in
-    global order ([b, kv_heads, cp·s, d_k + d_v]). `mask` (the model's mask over its shard, or None) is checked
-    here, on the values, to be causal inside each chunk (`unit`: the index of the module's name, for errors)."""
-    s, where = kv.size(2), _UNIT_NAMES[int(unit)]
+    """Keys and values of this rank's shard ([b, kv_heads, s, d_k], [b, kv_heads, s, d_v]) → those of the whole
+    sequence in global order, side by side ([b, kv_heads, cp·s, d_k + d_v]). They are joined here, inside the op,
+    so no recompute policy keeps a joined copy of the shard's. `mask` (the model's mask over its shard, or None)
+    is checked here, on the values, to be causal inside each chunk (`unit`: the index of the module's name,
+    for errors)."""
+    s, where = key.size(2), _UNIT_NAMES[int(unit)]
     if mask is not None and not _is_shard_causal(mask, s):
         raise PlanMismatchError(
             f"{where}: its attention mask is not causal over the sequence (a padding mask, a sliding window "
@@ -104,17 +112,20 @@ def gather_kv(kv: torch.Tensor, mask: torch.Tensor | None, unit: torch.Tensor, k
             "cp=1, or drop the mask")
     group = _resolve_process_group(group_name)
     with _disable_current_modes():
-        _agree(where, kv, key_dim, group, group_name)
+        kv = torch.cat([key, value], dim=-1)
+        _agree(where, kv, key.size(-1), group, group_name)
         out = kv.new_empty((cp * kv.size(0), *kv.shape[1:]))  # ranks' tensors stacked along dim 0
-        dist.all_gather_single(out, kv.contiguous(), group=group)
+        dist.all_gather_single(out, kv, group=group)
+        del kv
         ranked = torch.cat(out.chunk(cp, dim=0), dim=2)
+        del out
         # rank order → global order: position p sits at index order[p] of the gathered sequence
-        return ranked.index_select(2, torch.argsort(_rank_order(s, cp)).to(kv.device))
+        return ranked.index_select(2, torch.argsort(_rank_order(s, cp)).to(key.device))
 
 
 @gather_kv.register_fake
-def _(kv, mask, unit, key_dim, group_name, cp):
-    return kv.new_empty((*kv.shape[:2], cp * kv.size(2), kv.size(3)))
+def _(key, value, mask, unit, group_name, cp):
+    return key.new_empty((*key.shape[:2], cp * key.size(2), key.size(3) + value.size(3)))
 
 
 @torch.library.custom_op("autopar::cp_scatter_kv_grad", mutates_args=())
@@ -136,11 +147,12 @@ def _(grad, group_name, cp):
 
 
 def _gather_setup(ctx, inputs, output) -> None:
-    ctx.group_name, ctx.cp = inputs[4], inputs[5]
+    ctx.key_dim, ctx.group_name, ctx.cp = inputs[0].size(-1), inputs[4], inputs[5]
 
 
 def _gather_backward(ctx, grad: torch.Tensor):
-    return torch.ops.autopar.cp_scatter_kv_grad(grad, ctx.group_name, ctx.cp), None, None, None, None, None
+    mine = torch.ops.autopar.cp_scatter_kv_grad(grad, ctx.group_name, ctx.cp)
+    return mine[..., :ctx.key_dim], mine[..., ctx.key_dim:], None, None, None, None
 
 
 gather_kv.register_autograd(_gather_backward, setup_context=_gather_setup)
@@ -260,10 +272,16 @@ class ContextParallel:
                 "here shards causal attention only (padding would be attended). Use cp=1 for this model")
         cp, c = self.shard.cp, s // 2
         d_k = key.size(-1)
-        kv = torch.ops.autopar.cp_gather_kv(torch.cat([key, value], dim=-1), attn_mask, unit, d_k, self.group_name,
-                                            cp)
+        kv = torch.ops.autopar.cp_gather_kv(key, value, attn_mask, unit, self.group_name, cp)
+        chunks = [self.shard.rank, 2 * cp - 1 - self.shard.rank]
+        if cp_attention.supported(query, dropout_p):  # no [c, n_keys] mask to save (codegen/cp_attention.py)
+            if torch.is_autocast_enabled(query.device.type):  # in autocast's dtype, as it runs SDPA
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, kv = query.to(dtype), kv.to(dtype)
+            return torch.ops.autopar.cp_chunk_attention(query, kv, chunks, d_k, scale)[0]
+        # elsewhere (a GPU, dropout) SDPA gets each chunk's mask, which it saves: c·n_keys elements of the query dtype
         outs = []
-        for half, chunk in enumerate((self.shard.rank, 2 * cp - 1 - self.shard.rank)):
+        for half, chunk in enumerate(chunks):
             # this query chunk (global chunk `chunk`) sees keys 0 .. (chunk + 1)·c − 1: causal, lower-right aligned
             n_keys = (chunk + 1) * c
             q = query[..., half * c:(half + 1) * c, :]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv)
+import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv, cp_chunk_attention)
 from autopar.capture.kernels import OP_SAC_MATMUL_OPS, op_sac_saves
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
@@ -40,12 +40,15 @@ ATTENTION_CORE_OPS = frozenset(
         _aten.bmm.default,
         _aten._softmax.default,
         _aten.native_dropout.default,
+        torch.ops.autopar.cp_chunk_attention.default,  # context parallelism's flash attention (cp_attention.py)
     ) if op is not None
 )
 _CORE_PACKETS = frozenset(getattr(op, "overloadpacket", op) for op in ATTENTION_CORE_OPS)
 # context parallelism's K/V all-gather: kept by both selective policies (a collective is not rerun to save
 # memory the attention's saved inputs hold anyway); full recompute runs it again
 _CP_GATHER = torch.ops.autopar.cp_gather_kv
+# its chunks' attention: a fused kernel's output, which op_sac keeps as it keeps SDPA's (capture.kernels.SDPA_OPS)
+_CP_ATTENTION = torch.ops.autopar.cp_chunk_attention
 
 
 def _attention_core_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -64,7 +67,7 @@ def _op_sac_context():
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         packet = getattr(op, "overloadpacket", op)
-        if packet is _CP_GATHER:
+        if packet is _CP_GATHER or packet is _CP_ATTENTION:
             return CheckpointPolicy.MUST_SAVE
         if packet in OP_SAC_MATMUL_OPS:
             counts[ctx.is_recompute] += 1

@@ -260,7 +260,7 @@ class CostModel:
             m = c.num_microbatches
             compute_s += self.compute.grad_accumulation_s(ri, c.tp, c.ep, c.etp) * (m - 1) / m
         saved = mem.activation_bytes(ri, c.tp, self._run_sp(ri, sp, c.tp), c.micro_batch_size, c.compile, c.ep, c.etp)
-        acts = tuple(a / c.cp + (cp.saved_kv_bytes if k != "full" else 0.0)  # a sample's activations ÷ cp
+        acts = tuple(a / c.cp + cp.saved_bytes(k)  # a sample's activations ÷ cp, and the gathered K/V
                      for a, k in zip(saved, MODES, strict=True))
         local = mem.run_local_params(ri, c.tp, c.ep, c.etp)
         grad_bytes = mem.grad_bytes(local)

@@ -25,9 +25,15 @@ chunks, is 1/cp of the layer's too. On top of that, per layer with attention and
                  unequal work, 0.651 of the forward where the computed half is ~0.5). Priced at the flash
                  kernel's rate, as a kernel that skips masked tiles runs the rectangles (Llama 3's); codegen
                  hands SDPA the lower-right mask explicitly, which it may run on its memory-efficient kernel.
-  memory         the gathered K/V stay saved for backward: (1 − 1/cp) of the full-sequence K/V beyond what
-                 the layer's own SDPA saves at the shard's length, in every mode that keeps the attention's
-                 inputs (none; full recompute keeps only the layer input).
+  memory         the gathered K/V stay saved for backward, at the key/value heads the model hands SDPA
+                 (codegen/cp_attention.py, as flash saves its inputs), in place of the K/V the layer's own SDPA
+                 saves at the shard's length, which capture counts with each KV head repeated to the query
+                 heads (capture.kernels._sdpa): under none and selective, the gathered K/V less those
+                 (`CPLayerCosts.saved_bytes`); under op_sac, whose policy keeps the gather's output but not
+                 SDPA's inputs, all of the gathered K/V; full recompute keeps only the layer input. Nothing
+                 of the causal mask: the chunks run as flash kernels without one (codegen/cp_attention.py).
+                 Measured per rank and mode on a 16k-token sequence: benchmarks/cp_memory.py,
+                 tests/test_cp_memory.py.
 """
 
 from __future__ import annotations
@@ -39,14 +45,17 @@ from autopar.capture.graph import LayerSpec, ModelGraph
 __all__ = ["CPLayerCosts", "kv_exchange_bytes", "cp_ranks_per_node", "cp_layer_costs"]
 
 
-def kv_exchange_bytes(graph: ModelGraph, layer: LayerSpec, *, tp: int, micro_batch: float, elem: int) -> float:
+def kv_exchange_bytes(graph: ModelGraph, layer: LayerSpec, *, tp: int, micro_batch: float, elem: int,
+                      repeated: bool = False) -> float:
     """Bytes of a layer's keys and values over the whole sequence on one tensor-parallel rank (what the
-    all-gather returns), for `micro_batch` samples."""
+    all-gather returns), for `micro_batch` samples; `repeated`: with each KV head repeated to the query heads
+    (as capture counts what the layer's SDPA saves)."""
     total = 0.0
     for p in layer.tp_patterns:
         if p.kind == "attention" and graph.seq_len:
             head_dim = p.head_dim or (graph.hidden_size or 0) // p.num_heads
-            total += 2.0 * micro_batch * graph.seq_len * (p.num_kv_heads or p.num_heads) / tp * head_dim * elem
+            heads = p.num_heads if repeated else (p.num_kv_heads or p.num_heads)
+            total += 2.0 * micro_batch * graph.seq_len * heads / tp * head_dim * elem
     return total
 
 
@@ -63,11 +72,18 @@ class CPLayerCosts:
     backward_s: float  # the reduce-scatter of their gradients
     attention_extra_forward_s: float  # the rectangles' price less the layer's causal kernels' (negative: cheaper)
     attention_extra_backward_s: float
-    saved_kv_bytes: float  # gathered K/V kept for backward (modes that keep the attention's inputs)
+    gathered_kv_bytes: float = 0.0  # the gathered K/V the attention saves for backward
+    shard_kv_bytes: float = 0.0  # the K/V the layer's SDPA saves at the shard, as capture counts them (repeated)
 
     @property
     def attention_extra_s(self) -> float:
         return self.attention_extra_forward_s + self.attention_extra_backward_s
+
+    def saved_bytes(self, mode: str) -> float:
+        """Bytes the layer keeps under cp beyond 1/cp of what it keeps whole, per recompute mode (docstring)."""
+        if mode == "full":
+            return 0.0
+        return self.gathered_kv_bytes - (self.shard_kv_bytes if mode in ("none", "selective") else 0.0)
 
 
 def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, micro_batch: int, elem: int,
@@ -78,7 +94,7 @@ def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, mic
     `collective_s(op, n_bytes, group_size, ranks_per_node)` prices one collective."""
     if cp == 1:
         return CPLayerCosts(forward_s=0.0, backward_s=0.0, attention_extra_forward_s=0.0,
-                            attention_extra_backward_s=0.0, saved_kv_bytes=0.0)
+                            attention_extra_backward_s=0.0)
     n = kv_exchange_bytes(graph, layer, tp=tp, micro_batch=micro_batch, elem=elem)
     full = attention_s if attention_full_s is None else attention_full_s
     rpn = cp_ranks_per_node(tp=tp, cp=cp, devices_per_node=devices_per_node)
@@ -86,4 +102,5 @@ def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, mic
                         backward_s=collective_s("reduce_scatter", n, cp, rpn),
                         attention_extra_forward_s=full[0] * (2 * cp + 1) / (4 * cp) - attention_s[0],
                         attention_extra_backward_s=full[1] * (2 * cp + 1) / (4 * cp) - attention_s[1],
-                        saved_kv_bytes=n * (1 - 1 / cp))
+                        gathered_kv_bytes=n, shard_kv_bytes=kv_exchange_bytes(
+                            graph, layer, tp=tp, micro_batch=micro_batch, elem=elem, repeated=True) / cp)
