@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from autopar.zoo.llama import apply_rope
+from autopar.zoo.llama import apply_rope, rope_rows
 
 __all__ = ["build"]
 
@@ -100,8 +100,10 @@ class _FusedRMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
-def _attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _attention_forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
     b, s, _ = x.shape
+    cos, sin = rope_rows(rope_cos, rope_sin, s, position_ids, x.dtype)
     q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
     k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
     v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)

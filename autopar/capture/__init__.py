@@ -194,10 +194,10 @@ def _capture(model: nn.Module, inputs: tuple, forward_kwargs: dict[str, Any]) ->
             layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
             param_units = frozenset(u.name for u in units
                                     if any(True for _ in model.get_submodule(u.name).parameters()))
-            input_bytes, boundary_bytes = liveness(flow, layer_of, len(groups), param_units)
+            boundary_bytes = liveness(flow, layer_of, len(groups), param_units)
             return assemble(
                 model=model, model_name=getattr(model, "zoo_name", None) or type(model).__name__,
-                groups=groups, rec=rec, stats=stats, input_bytes=input_bytes, boundary_bytes=boundary_bytes,
+                groups=groups, rec=rec, stats=stats, boundary_bytes=boundary_bytes,
                 batch=batch, seq_len=_sequence_length(first, rec, units), method=traced.method,
                 seconds=time.perf_counter() - start,
                 metadata={"distinct_calls_measured": len(stats), "unit_calls": len(rec.calls),

@@ -19,7 +19,7 @@ from autopar.capture.graph import (
     TPPattern,
     merge_kernels,
 )
-from autopar.capture.layers import LayerGroup
+from autopar.capture.layers import LayerGroup, retained_inputs
 from autopar.capture.moe import DEFAULT_LOAD_IMBALANCE, find_moe
 from autopar.capture.moe_spec import MoESpec
 from autopar.capture.probe import CallStats
@@ -247,7 +247,7 @@ def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
 
 
 def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec: Recording,
-             stats: dict[str, CallStats], input_bytes: list[int], boundary_bytes: list[int], batch: int,
+             stats: dict[str, CallStats], boundary_bytes: list[int], batch: int,
              seq_len: int | None, method: str, seconds: float, metadata: dict[str, Any]) -> ModelGraph:
     layer_of = {u: i for i, g in enumerate(groups) for u in g.units}
     embedding_names = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
@@ -344,12 +344,16 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
     def per_sample(x: float) -> int:
         return int(round(x / batch))
 
+    kinds = [_kind(model, g, list(s.patterns.values()), bool(params[i]), embedding_names)
+             for i, (g, s) in enumerate(zip(groups, sums, strict=True))]
+    input_bytes = retained_inputs(((c.unit, c.inputs, c.outputs) for c in rec.calls), layer_of,
+                                  frozenset(i for i, k in enumerate(kinds) if k == "block"), len(groups))
     layers = []
     for i, (g, s) in enumerate(zip(groups, sums, strict=True)):
         patterns = list(s.patterns.values())
         sig = hashlib.sha1("|".join([*s.signatures, str(sum(p.numel() for p in params[i]))]).encode())
         layers.append(LayerSpec(
-            name=g.name, kind=_kind(model, g, patterns, bool(params[i]), embedding_names),
+            name=g.name, kind=kinds[i],
             signature=sig.hexdigest()[:16],
             modules=g.units, num_params=sum(p.numel() for p in params[i]),
             param_bytes=sum(p.numel() * p.element_size() for p in params[i]),

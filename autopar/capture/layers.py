@@ -19,13 +19,17 @@ across every boundary i..j-1. Pipeline stages run the model's own code, so what 
 outputs of the units that later units read (directly or through top-level glue, which each stage
 recomputes; values computed from the inputs alone — positions, masks, rotary tables — are never
 sent): those bytes are the boundary bytes, exactly what codegen sends (`autopar/codegen/dataflow.py`).
-The values a layer reads from earlier layers are its input bytes, what full recompute keeps
-(Korthikanti et al. 2022, §5: "2sbh", the layer input, per transformer layer); a value that several
-layers read (rotary tables, a mask, an encoder's output) is one tensor, charged to the first of them.
+A layer's input bytes are what full recompute keeps of it (Korthikanti et al. 2022, §5: "2sbh", the layer
+input, per transformer layer): the storages of the tensors its units' calls were handed as the model's own
+forward ran (`retained_inputs`, from the recording pass, not the trace: torch.export's trace of a model may
+build tensors the eager forward never does, such as the [s, s] causal mask transformers leaves to SDPA's
+is_causal); a storage that several layers are handed (rotary tables, a mask, an encoder's output) is one
+tensor, charged to the first of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -33,7 +37,7 @@ from torch import nn
 from autopar.capture.trace import FlowNode
 from autopar.capture.units import Unit
 
-__all__ = ["LayerGroup", "group_layers", "liveness"]
+__all__ = ["LayerGroup", "group_layers", "liveness", "retained_inputs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,9 +162,35 @@ def _unit_sources(flow: list[FlowNode], param_units: frozenset[str], num_layers:
     return boundary
 
 
+def retained_inputs(calls: Iterable[tuple[str, tuple[tuple[int, int], ...], tuple[int, ...]]],
+                    layer_of_unit: dict[str, int], checkpointed: frozenset[int], num_layers: int) -> list[int]:
+    """Input bytes per layer, whole example batch (module docstring). `calls`: each top-level unit call's unit,
+    the (storage key, bytes) of the tensors it was handed and the storage keys it returned, in call order. A
+    storage is charged to the first layer handed it other than the one that made it, a checkpointed one
+    (`checkpointed`: the blocks codegen recomputes) first: what a layer that is not checkpointed is handed it
+    need not keep (a rotary-table module handed the hidden states for their dtype)."""
+    made: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    size: dict[int, int] = {}
+    for unit, handed, returned in calls:
+        layer = layer_of_unit.get(unit)
+        if layer is None:
+            continue
+        for key, nbytes in handed:
+            if made.get(key) != layer:
+                readers.setdefault(key, []).append(layer)
+                size[key] = nbytes
+        for key in returned:
+            made.setdefault(key, layer)
+    inputs = [0] * num_layers
+    for key, layers in readers.items():
+        inputs[next((la for la in layers if la in checkpointed), layers[0])] += size[key]
+    return inputs
+
+
 def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: int,
-             param_units: frozenset[str] | None = None) -> tuple[list[int], list[int]]:
-    """(input_bytes, boundary_bytes) per layer, whole example batch; see the module docstring.
+             param_units: frozenset[str] | None = None) -> list[int]:
+    """Boundary bytes per layer, whole example batch; see the module docstring.
 
     `param_units`: units holding parameters; when given, boundary bytes are the unit outputs that
     codegen sends (see `_unit_sources`), else every live value.
@@ -177,19 +207,14 @@ def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: in
             level.append(current)
         else:
             level.append(current)
-    inputs = [0] * num_layers
     diff = [0] * (num_layers + 1)
     for i, node in enumerate(flow):
         if not node.nbytes or not node.users:
             continue
-        user_levels = {level[u] for u in node.users}
-        last = max(user_levels)
+        last = max(level[u] for u in node.users)
         if last > level[i]:
             diff[max(level[i], 0)] += node.nbytes
             diff[min(last, num_layers)] -= node.nbytes
-        readers = [lv for lv in user_levels if level[i] < lv < num_layers]
-        if readers:  # one tensor read by several layers (a mask, rotary tables, an encoder's output) is kept once
-            inputs[min(readers)] += node.nbytes
     boundary = []
     running = 0
     for i in range(num_layers):
@@ -197,4 +222,4 @@ def liveness(flow: list[FlowNode], layer_of_unit: dict[str, int], num_layers: in
         boundary.append(running)
     if param_units is not None:
         boundary = _unit_sources(flow, param_units, num_layers, layer_of_unit)
-    return inputs, boundary
+    return boundary

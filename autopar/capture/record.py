@@ -36,6 +36,10 @@ class Call:
     # the activation-checkpointing region the call ran in (torch.utils.checkpoint in the model's own forward:
     # its saved-tensor hooks were the innermost), numbered in order of appearance; None outside any
     region: int | None = None
+    # the tensors it was handed (args and kwargs, model state excluded) as (storage key, storage bytes): what
+    # full recompute's checkpoint keeps of the call (capture.layers.retained_inputs)
+    inputs: tuple[tuple[int, int], ...] = ()
+    outputs: tuple[int, ...] = ()  # the storage keys of the tensors it returned
 
 
 @dataclass
@@ -54,6 +58,8 @@ class Recording:
     first_inputs: dict[str, tuple[str, tuple, dict]] = field(default_factory=dict)  # signature → (unit, args, kw)
     top_level: dict[str | None, TopLevelCost] = field(default_factory=dict)  # key: the unit that ran last
     node_bytes: dict[str, int] = field(default_factory=dict)  # fx path: bytes of each top-level node
+    # every tensor a call was handed, held for the pass so no storage key in Call.inputs is reused (meta: no bytes)
+    held: list[torch.Tensor] = field(default_factory=list)
 
 
 class _TopLevelProbe(TorchDispatchMode):
@@ -129,6 +135,16 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
     regions = CheckpointRegions(own=probe.pack)
     recorder = _Recorder(runner, rec.node_bytes) if isinstance(runner, fx.GraphModule) else None
 
+    def handed(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t not in state]
+        rec.held.extend(tensors)
+        return tuple(dict.fromkeys((storage_key(t), t.untyped_storage().nbytes()) for t in tensors))
+
+    def returned(out: Any) -> tuple[int, ...]:
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        rec.held.extend(tensors)
+        return tuple(dict.fromkeys(storage_key(t) for t in tensors))
+
     def region() -> int | None:
         """The checkpointing region this call runs in: as traced (the graph module runs no checkpoint), or as
         the model's own forward runs it."""
@@ -142,13 +158,15 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
                 return forward(*args, **kwargs)
             sig = call_signature(structures[unit.name], args, kwargs)
             if sig in outputs:
-                rec.calls.append(Call(unit=unit.name, signature=sig, ran=False, region=region()))
                 probe.last_unit = unit.name
                 probe.depth += 1  # building the stand-in output is not top-level work
                 try:
-                    return _rebuild(*outputs[sig])
+                    out = _rebuild(*outputs[sig])
                 finally:
                     probe.depth -= 1
+                rec.calls.append(Call(unit=unit.name, signature=sig, ran=False, region=region(),
+                                      inputs=handed(args, kwargs), outputs=returned(out)))
+                return out
             probe.depth += 1
             try:
                 out = forward(*args, **kwargs)
@@ -164,7 +182,8 @@ def record(model: nn.Module, runner: Callable[..., Any] | fx.GraphModule, units:
             finally:
                 probe.depth -= 1
             outputs[sig] = _shape_spec(out)
-            rec.calls.append(Call(unit=unit.name, signature=sig, ran=True, region=region()))
+            rec.calls.append(Call(unit=unit.name, signature=sig, ran=True, region=region(),
+                                  inputs=handed(args, kwargs), outputs=returned(out)))
             rec.first_inputs[sig] = (unit.name, args, kwargs)
             probe.last_unit = unit.name
             return out

@@ -244,6 +244,8 @@ class ComputeCosts:
             sac = 0.0 if layer.kind != "block" else fwd
         again = {"none": (0.0, False), "selective": (sel, False), "op_sac": (sac, layer.kind == "block"),
                  "full": (fwd, True)}
+        if layer.kind != "block":  # codegen recomputes blocks only (parallelize → codegen.recompute)
+            again = dict.fromkeys(again, (0.0, False))
         s = self.straggler
         return RunCompute(forward_s=fwd * s, backward_s=bwd * s, host_s=host,
                           recompute_s=tuple(again[k][0] * s for k in MODES),

@@ -328,6 +328,10 @@ class MemoryCosts:
         sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
         expert = layer.saved_activation_bytes_expert
         expert_share = self.expert_bank_share(layer, tp, sp, ep, etp) / expert if expert else 0.0
+        # full recompute keeps each layer's inputs; the tensors the run's layers share (rotary tables, positions)
+        # are charged to its first layer (capture.layers.retained_inputs): the run's mean counts them once
+        run = self.runs[ri]
+        input_bytes = sum(la.input_bytes for la in run) / len(run)
 
         def acts_of(k: str) -> float:
             saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
@@ -342,10 +346,11 @@ class MemoryCosts:
             return self.act_scale * (memory.layer_activation_bytes(
                 saved_bytes=saved - banks, tp_sharded_bytes=sharded,
                 attention_core_bytes=min(layer.saved_activation_bytes_attention_core, sharded),
-                input_bytes=layer.input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp,
+                input_bytes=input_bytes, micro_batch=mbs, tp=tp, sequence_parallel=sp,
                 recompute=mode) + mbs * banks * expert_share)
 
-        return tuple(acts_of(k) if k != "op_sac" or layer.kind == "block" else acts_of("none") for k in MODES)
+        # codegen recomputes blocks only (parallelize → codegen.recompute): any other layer keeps what none keeps
+        return tuple(acts_of(k) if layer.kind == "block" else acts_of("none") for k in MODES)
 
     # ---- per pipeline rank ----
     def inflight(self, c: Candidate) -> tuple[float, ...]:
