@@ -2,7 +2,8 @@
 
 A step takes this data-parallel rank's share of the global batch (`local_batch`), runs its
 micro-batches (through the pipeline schedule when pp > 1), averages gradients over the
-data-parallel group (ZeRO-0/1; FSDP does it for ZeRO-2/3), unscales them (fp16), takes the global
+data-parallel group (ZeRO-0/1: by bucket during the last micro-batch's backward, autopar.codegen.grad_overlap;
+FSDP does it for ZeRO-2/3), unscales them (fp16), takes the global
 gradient norm and clips by it (`max_grad_norm`), steps the user's optimizer (ZeRO-1: on the
 parameters this rank owns, then broadcasts them) and returns the global mean loss — identical on
 every rank and equal to the single-device mean loss.
