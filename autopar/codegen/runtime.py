@@ -101,9 +101,10 @@ class ParallelModel:
         self._counts: list[torch.Tensor] = []  # tokens each micro-batch's loss averaged over, in order
         # ZeRO-0/1: the dense gradients' all-reduce, by bucket, overlapped with the last micro-batch's backward
         # (autopar.codegen.grad_overlap; `grad_reduce.overlap = False` reduces after backward instead). Built
-        # after the optimizer, so its hooks run after the distributed optimizer's main-gradient hook.
+        # after the optimizer, so its hooks run after the distributed optimizer's main-gradient hook. One rank
+        # (dp·cp = 1) averages nothing.
         self.grad_reduce: OverlappedGradReduce | None = None
-        if config.zero_stage < 2 or config.dp * config.cp == 1:
+        if config.zero_stage < 2 and self.grad_mesh.size() > 1:
             expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
             uses: dict[int, int] = {}
             for m in self.modules:
