@@ -172,3 +172,46 @@ def test_fsdp_host_overheads_are_charged_on_cpu_per_unit_outside_the_tail():
         assert cpu.layer_s(5e6) == gpu.layer_s(5e6)  # the tail holds communication only
     plain = DPTail(zero_stage=0, host_floor_s=2e-6, **kw)
     assert plain.hooks_s == plain.optimizer_host_s == 0.0
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero01_all_reduce_hides_behind_the_last_micro_batchs_backward(zero):
+    """The dense tail's all-reduce runs in the last micro-batch's backward (autopar.codegen.grad_overlap): a layer
+    hides its bytes' share of it behind its backward, less NCCL's interference; the per-bucket latency, the
+    packing passes and ZeRO-1's broadcast stay exposed, and a tail reduced after backward hides nothing."""
+    m, dp, p, f = 3, 4, 5e6, 0.2
+    t = DPTail(zero_stage=zero, dp=dp, world=8, microbatches=m, rank_grad_bytes=64e6, collective_s=coll,
+               memory_s=lambda n: n / MEM, interference=f, reduce_in_backward=True)
+    share = 2 * (dp - 1) / dp * p / BETA  # the ring all-reduce's time per byte, times the layer's bytes
+    assert t.overlapped_s(p) == (0.0, 0.0, pytest.approx(share, rel=1e-9))
+    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx((1 - f) * share, rel=1e-9)  # once, not m
+    assert t.hidden_s(p, forward_s=1.0, backward_s=share / 3) == pytest.approx(share / 3, rel=1e-12)
+    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) < t.layer_s(p) - 6 * p / MEM
+    assert tail(zero).hidden_s(p, forward_s=1.0, backward_s=1.0) == 0.0  # the experts': after backward
+
+
+def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backward_hides():
+    """A ZeRO-1 layout on an NCCL cluster against the same layout with nothing overlapped (the cluster on gloo:
+    its collectives priced alike on GPUs): every run's exposed data-parallel time (grad_sync_s − backward_s) is
+    lower by hidden_beside_s(its dense all-reduce share, its backward of one micro-batch, the interference)."""
+    import dataclasses
+
+    from cost_models.fleet import hidden_beside_s, overlap_interference
+
+    model, x = autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2, device="meta")
+    graph = autopar.capture(model, x)
+    nccl = Cluster.preset("dgx-h100", nodes=1)
+    c = Candidate(tp=1, pp=1, dp=8, zero_stage=1, micro_batch_size=2, num_microbatches=2, schedule="1f1b",
+                  virtual_stages=1, sequence_parallel=False)
+    on = CostModel.for_cluster(graph, nccl)
+    off = CostModel.for_cluster(graph, dataclasses.replace(nccl, backend="gloo"))
+    tail, f = on.comm.dp_tail(c), overlap_interference(nccl.device)
+    checked = 0
+    for ri, (a, b) in enumerate(zip(on.problem(c).runs, off.problem(c).runs, strict=True)):
+        assert a.grad_sync_s == pytest.approx(b.grad_sync_s, rel=1e-12) and b.backward_s == 0.0
+        grad_bytes = on.memory.grad_bytes(on.memory.run_local_params(ri, 1, 1, 1))
+        passes = on._passes(ri, 1, False, 2, 1, False, 1, 1, "none", False, 1)[0]
+        want = hidden_beside_s(tail.overlapped_s(grad_bytes)[2], passes.backward_s, f)
+        assert (b.grad_sync_s - b.backward_s) - (a.grad_sync_s - a.backward_s) == pytest.approx(want, rel=1e-9)
+        checked += want > 0
+    assert checked >= 2

@@ -1,6 +1,7 @@
 """Data parallelism and ZeRO stages 0–3 over the mesh's "dp" axis (Rajbhandari et al. 2020).
 
-- ZeRO-0: every rank keeps everything; gradients are averaged by bucketed all-reduce after backward.
+- ZeRO-0: every rank keeps everything; gradients are averaged by bucketed all-reduce, launched during the
+  last micro-batch's backward (autopar.codegen.grad_overlap; `average_gradients` is the after-backward path).
 - ZeRO-1: gradients are averaged the same way; each rank keeps optimizer state for, and updates,
   only the parameters it owns (a greedy size-balanced partition), then broadcasts them, packed into
   one flat buffer per owner. The optimizer stays the user's own object over every parameter.

@@ -2,7 +2,8 @@
 
 A step takes this data-parallel rank's share of the global batch (`local_batch`), runs its
 micro-batches (through the pipeline schedule when pp > 1), averages gradients over the
-data-parallel group (ZeRO-0/1; FSDP does it for ZeRO-2/3), unscales them (fp16), takes the global
+data-parallel group (ZeRO-0/1: by bucket during the last micro-batch's backward, autopar.codegen.grad_overlap;
+FSDP does it for ZeRO-2/3), unscales them (fp16), takes the global
 gradient norm and clips by it (`max_grad_norm`), steps the user's optimizer (ZeRO-1: on the
 parameters this rank owns, then broadcasts them) and returns the global mean loss — identical on
 every rank and equal to the single-device mean loss.
@@ -27,11 +28,12 @@ from autopar.codegen import state as state_io
 from autopar.codegen.batch import MicroBatches, as_call, slice_batch, split_batch
 from autopar.codegen.clipping import clip_grads_, global_grad_norm
 from autopar.codegen.context_parallel import ContextParallel
-from autopar.codegen.data_parallel import Zero1Partition, average_gradients, grad_of, local
+from autopar.codegen.data_parallel import Zero1Partition, grad_of, local
 from autopar.codegen.dist_optimizer import DistributedOptimizer
 from autopar.codegen.experts import ExpertParallel, TokenShardGradients
 from autopar.codegen.failures import named_failures
 from autopar.codegen.float8 import precompute_fsdp_scales
+from autopar.codegen.grad_overlap import OverlappedGradReduce
 from autopar.codegen.loss import gather_vocab
 from autopar.codegen.model_loss import LossWatch
 from autopar.codegen.offload import HostOptimizer
@@ -97,6 +99,20 @@ class ParallelModel:
         self.target_name = target_name
         self._watch = LossWatch() if target_name else None
         self._counts: list[torch.Tensor] = []  # tokens each micro-batch's loss averaged over, in order
+        # ZeRO-0/1: the dense gradients' all-reduce, by bucket, overlapped with the last micro-batch's backward
+        # (autopar.codegen.grad_overlap; `grad_reduce.overlap = False` reduces after backward instead). Built
+        # after the optimizer, so its hooks run after the distributed optimizer's main-gradient hook. One rank
+        # (dp·cp = 1) averages nothing.
+        self.grad_reduce: OverlappedGradReduce | None = None
+        if config.zero_stage < 2 and self.grad_mesh.size() > 1:
+            expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+            uses: dict[int, int] = {}
+            for m in self.modules:
+                for p in {id(q): q for q in m.parameters()}.values():
+                    uses[id(p)] = uses.get(id(p), 0) + 1
+            self.grad_reduce = OverlappedGradReduce(
+                [p for p in self._parameters() if id(p) not in expert_ids], uses, self.grad_mesh,
+                micro_batches=config.num_microbatches)
 
     # ---- where this rank sits ----
     @property
@@ -293,14 +309,15 @@ class ParallelModel:
         inputs, targets = self._batch(inputs, targets, "train_step")
         with named_failures("train_step"), timer.step() if timer else nullcontext():
             self.stepper.zero_grad(set_to_none=True)
+            if self.grad_reduce is not None:
+                self.grad_reduce.start()
             with timer.phase("forward_backward") if timer else nullcontext():
                 local_loss = self._run(inputs, targets, backward=True)
             with timer.phase("grad_sync") if timer else nullcontext():
                 if self.config.tp > 1:
                     align_grad_placements(self._parameters())
-                expert_ids = {id(p) for p in self.experts.parameters()} if self.experts is not None else set()
-                if self.config.zero_stage < 2 or self.config.dp * self.config.cp == 1:
-                    average_gradients([p for p in self._parameters() if id(p) not in expert_ids], self.grad_mesh)
+                if self.grad_reduce is not None:  # ZeRO-0/1: what backward did not launch, then wait for all
+                    self.grad_reduce.finish()
                 if self.experts is not None:
                     self.experts.sync_gradients()
                 if self.token_shard_gradients is not None:

@@ -282,7 +282,8 @@ class CommCosts:
         grad_bytes = mem.grad_bytes(sum(len(g) * mem.local_dense_params(g[0], tp)
                                         for g in mem.runs)) / pp
 
-        return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1, offload=offload)
+        return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1, offload=offload,
+                          reduce_in_backward=True)
 
     def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
                          sp: bool, etp: int = 1, offload: str = "none") -> DPTail:
@@ -294,11 +295,13 @@ class CommCosts:
                           offload=offload)
 
     def _tail(self, zero_stage: int, size: int, per_node: int, m: int, grad_bytes: float,
-              loss_and_norm: bool = True, pipelined: bool = False, offload: str = "none") -> DPTail:
+              loss_and_norm: bool = True, pipelined: bool = False, offload: str = "none",
+              reduce_in_backward: bool = False) -> DPTail:
         """The DPTail of `grad_bytes` of gradients per rank reduced over a group of `size` ranks, `per_node` of
         them on one node (`loss_and_norm`: the group also reduces the loss and the gradient norm; `pipelined`:
-        in pipeline stages, DPTail's reduce-scatter once per step). ZeRO-1's broadcast moves the parameters in
-        their dtype: 16-bit under a mixed policy (autopar.codegen.dist_optimizer), fp32 under
+        in pipeline stages, DPTail's reduce-scatter once per step; `reduce_in_backward`: ZeRO-0/1's all-reduce
+        runs in backward, the dense gradients' as autopar.codegen.grad_overlap issues it). ZeRO-1's broadcast
+        moves the parameters in their dtype: 16-bit under a mixed policy (autopar.codegen.dist_optimizer), fp32 under
         offload="optimizer", whose host steps fp32 parameters."""
         mem = self.memory
         pol = mem.precision
@@ -312,7 +315,8 @@ class CommCosts:
                       memory_s=lambda n: self.compute.op_time_s(0.0, n, mem.precision.compute_dtype),
                       host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
                       gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm,
-                      pipelined=pipelined, broadcast_ratio=weights / mem.grad_bytes(1.0))
+                      pipelined=pipelined, broadcast_ratio=weights / mem.grad_bytes(1.0),
+                      reduce_in_backward=reduce_in_backward)
 
     def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool, etp: int = 1) -> tuple[int, int]:
         """(size, most ranks on one node) of the group holding rank 0's experts."""

@@ -19,10 +19,12 @@ activation and model-state bytes, gradient-sync, optimizer and p2p time) and eac
 its in-flight micro-batches and memory capacity. Data-parallel collectives overlap compute only where
 communication runs beside it (NCCL on its own CUDA stream) and the runtime issues them during the
 passes: FSDP2 (ZeRO-2/3) prefetches all-gathers during forward and reduce-scatters during backward, so
-one micro-batch's forward and backward (β) hide them; autopar's ZeRO-0/1 reduce after backward; gloo
-shares the CPU cores. Under sequence parallelism a layer that must see the whole sequence
-(capture.sequence.full_sequence_reason: attention TP keeps whole) has its kernels, activations and expert
-tokens priced at the full sequence; comm_costs prices the gather and split around it.
+one micro-batch's forward and backward (β) hide them; autopar's ZeRO-0/1 all-reduce the dense gradients
+by bucket during the last micro-batch's backward (autopar.codegen.grad_overlap), which hides each layer's
+share behind that layer's backward; gloo shares the CPU cores. Under sequence parallelism a layer that
+must see the whole sequence (capture.sequence.full_sequence_reason: attention TP keeps whole) has its
+kernels, activations and expert tokens priced at the full sequence; comm_costs prices the gather and split
+around it.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ class CostModel:
         tail, expert_tail = comm.dp_tail(c), comm.expert_tail(c)  # dense gradients over dp·cp, experts' apart
         group_size = c.shard_group  # ranks averaging gradients and sharding ZeRO states: dp·cp
         shards = group_size if c.zero_stage >= 1 else 1
-        overlaps = self.backend == "nccl" and c.zero_stage >= 2 and group_size > 1  # module docstring: what hides
+        overlaps = self.backend == "nccl" and group_size > 1  # module docstring: what hides
         sp, mbs = c.sequence_parallel, c.tokens_share  # each rank runs 1/cp of every sequence
         gathered = mem.fp8_gathered(c)
         group = mem.runs[ri]
@@ -288,7 +290,8 @@ class CostModel:
             recompute_s=rec, tp_comm_s=(tp_fwd + tp_bwd,) * len(MODES),
             act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload,
                                                          mem.pipelined(c), c.etp),
-            # FSDP2 issues each micro-batch's gathers in that micro-batch's passes (DPTail.hidden_s)
+            # FSDP2 issues each micro-batch's gathers in that micro-batch's passes, ZeRO-0/1 its all-reduce in the
+            # last micro-batch's backward (DPTail.hidden_s)
             backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
                                  t.backward_s + cp.attention_extra_backward_s)
             if overlaps else 0.0,

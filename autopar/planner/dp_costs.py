@@ -5,8 +5,10 @@ a step's data-parallel time is a count of collectives times their latency plus b
 not one collective of the whole gradient. Per step on one rank, with dp ranks, m micro-batches, the
 rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_parallel.py, runtime.py):
 
-  ZeRO-0  ⌈G / 25 MiB⌉ all-reduces of G in flat buckets (DDP's bucket size), after backward; the
-          bucket is packed, divided and unpacked: 6·G bytes of memory traffic (read + write, 3 passes)
+  ZeRO-0  ⌈G / 25 MiB⌉ all-reduces of G in flat buckets (DDP's bucket size), each launched in the
+          last micro-batch's backward once its parameters have their gradients (autopar.codegen.grad_overlap;
+          the experts' after backward); the bucket is packed, divided and unpacked: 6·G bytes of memory
+          traffic (read + write, 3 passes)
   ZeRO-1  the same, then one broadcast per owner of its ≈ G/dp updated parameters packed flat
           (2·G more bytes: the owner packs its share, the others unpack theirs), in the parameters' dtype
           (`broadcast_ratio` = their bytes ÷ reduce bytes: ½ under bf16, whose ZeRO-1 holds 16-bit
@@ -37,11 +39,18 @@ optimizer step (`optimizer_host_s`) — not in γ, and not on GPUs, where the ho
 
 ZeRO-0/1 collectives span the rank's whole gradient, so they are linearised around the average
 rank's G (γ per byte plus a fixed γ0, exact where the measured time is affine in size); FSDP2's are
-per layer and priced exactly per layer. On gloo nothing here overlaps compute (ProcessGroupGloo runs
-on the same cores, and autopar issues ZeRO-0/1 after backward), so all of it is exposed. On NCCL, FSDP2's
-collectives run beside compute: each micro-batch's passes hide as much of that micro-batch's gathers as
-they last (`hidden_s`, the planner's β), less the compute NCCL's CTAs take from the passes while they run
-(cost_models.fleet: the SMs an overlapped collective occupies).
+per layer and priced exactly per layer. On gloo nothing here overlaps compute: ProcessGroupGloo's threads
+run on the cores the passes use, so a collective issued in backward takes its time from them; all of it is
+exposed. On NCCL the collectives run beside compute, less the compute NCCL's CTAs take from the passes
+while they run (cost_models.fleet: the SMs an overlapped collective occupies), and hide as follows
+(`hidden_s`, the planner's β):
+
+  ZeRO-0/1  each layer's share of the dense all-reduce (its bytes at the all-reduce's per-byte time) behind
+            that layer's backward of the last micro-batch (each stage's last, under a pipeline), as the
+            runtime launches the buckets while backward runs; the per-bucket latency (γ0), the packing and
+            unpacking, the experts' all-reduce and ZeRO-1's broadcast after the step stay exposed
+  ZeRO-2/3  each micro-batch's passes hide as much of that micro-batch's gathers and reduce-scatter as
+            they last
 """
 
 from __future__ import annotations
@@ -74,14 +83,17 @@ class DPTail:
     def __init__(self, *, zero_stage: int, dp: int, world: int, microbatches: int, rank_grad_bytes: float,
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
                  host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0,
-                 loss_and_norm: bool = True, pipelined: bool = False, broadcast_ratio: float = 1.0) -> None:
+                 loss_and_norm: bool = True, pipelined: bool = False, broadcast_ratio: float = 1.0,
+                 reduce_in_backward: bool = False) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
         where they are not charged. interference: the share of compute an overlapped collective takes
         (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte.
         loss_and_norm: False for a tail over part of the gradients (the experts' over the ranks holding
         them), the step's loss and norm all-reduces being counted in the dense tail. pipelined: the layers run in
         pipeline stages (pp > 1), whose FSDP reduce-scatters once per step rather than every micro-batch.
-        broadcast_ratio: bytes ZeRO-1's broadcast moves per gradient byte."""
+        broadcast_ratio: bytes ZeRO-1's broadcast moves per gradient byte. reduce_in_backward: ZeRO-0/1's
+        all-reduce runs in the last micro-batch's backward (the dense gradients, autopar.codegen.grad_overlap;
+        the experts' reduce after backward), so NCCL can hide it (`hidden_s`)."""
         self.interference = interference
         self.pipelined = pipelined
         self.gather_ratio = gather_ratio
@@ -95,12 +107,14 @@ class DPTail:
                         if world > 1 else 0.0)  # the loss and the gradient norm
         self.fixed_s += memory_s(g / dp if zero_stage >= 2 else g) if g > 0 else 0.0  # the norm reads them once
         self.per_byte_s = 0.0
+        self._reduce_per_byte_s = 0.0  # ZeRO-0/1's all-reduce per byte, where it runs inside backward
         self.flat_collectives = 2 if world > 1 else 0  # the loss and the gradient-norm all-reduces
         if dp == 1 or zero_stage >= 2 or g <= 0:
             return
         buckets = max(1, math.ceil(g / BUCKET_BYTES))
         slope, lat = affine(lambda n: collective_s("all_reduce", n, dp), min(g, BUCKET_BYTES))
         self.per_byte_s = slope + FLAT_PASSES_ZERO0 * self._mem_per_byte
+        self._reduce_per_byte_s = slope if reduce_in_backward else 0.0
         self.fixed_s += buckets * lat
         self.flat_collectives += buckets
         if zero_stage == 1:
@@ -158,8 +172,10 @@ class DPTail:
         path, exposed in the tail).
         While a collective runs beside a pass, NCCL's CTAs slow the pass by `interference` of the collective's
         time (cost_models.fleet.hidden_beside_s), so even a fully hidden collective costs that much."""
-        if grad_bytes <= 0 or self.gathers_per_step == 0:
+        if grad_bytes <= 0:
             return 0.0
+        if self.gathers_per_step == 0:  # ZeRO-0/1: the all-reduce beside the last micro-batch's backward
+            return hidden_beside_s(self.overlapped_s(grad_bytes)[2], backward_s, self.interference)
         m, f = self.microbatches, self.interference
         ag, ag_b, rs = self.overlapped_s(grad_bytes, gather_bytes, host_copy_s)
         r = self.reduce_scatters_per_step  # the last r micro-batches' backwards each run a reduce-scatter
@@ -168,10 +184,14 @@ class DPTail:
 
     def overlapped_s(self, grad_bytes: float, gather_bytes: float | None = None,
                      host_copy_s: float = 0.0) -> tuple[float, float, float]:
-        """FSDP2's collectives of one layer that run beside its passes: (the forward all-gather, the backward
-        all-gather (ZeRO-3, else 0), the reduce-scatter), each with its host copy; zeros without FSDP."""
-        if grad_bytes <= 0 or self.gathers_per_step == 0:
+        """The collectives of one layer that run beside its passes: (the forward all-gather, the backward
+        all-gather (ZeRO-3, else 0), the reduce-scatter), each with its host copy, under FSDP2; under ZeRO-0/1
+        (0, 0, the layer's share of the bucketed all-reduce: its bytes at the all-reduce's per-byte time) where
+        it runs in backward (`reduce_in_backward`), else zeros."""
+        if grad_bytes <= 0:
             return 0.0, 0.0, 0.0
+        if self.gathers_per_step == 0:
+            return 0.0, 0.0, self._reduce_per_byte_s * grad_bytes
         ag = self._coll("all_gather", grad_bytes * self.gather_ratio if gather_bytes is None else gather_bytes,
                         self.dp)
         rs = self._coll("reduce_scatter", grad_bytes, self.dp)
