@@ -64,6 +64,6 @@ def test_fused_unpriced_and_unpipelined_add_nothing(gpt_graph):
 
 def test_runtime_refuses_unknown_accumulation():
     assert {n: r.accumulation for n, r in PIPELINE_RUNTIMES.items()} == {
-        "torch": "not_priced", "megatron": "fused", "deepspeed": "autograd_16bit"}
+        "autopar": "not_priced", "torch": "not_priced", "megatron": "fused", "deepspeed": "autograd_16bit"}
     with pytest.raises(ValueError, match="accumulation"):
         PipelineRuntime(p2p="batched", memory="torch", accumulation="fp32_hooks")
