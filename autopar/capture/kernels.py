@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "op_sac_saves"]
+__all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "SELECTIVE_RECOMPUTED_OPS", "op_sac_saves", "selective_saves"]
 
 aten = torch.ops.aten
 
@@ -49,6 +49,19 @@ OP_SAC_MATMUL_OPS = frozenset({aten.mm, aten.addmm})
 _OP_SAC_ALWAYS_SAVED = SDPA_OPS | frozenset(
     op for op in (getattr(getattr(torch.ops, "_c10d_functional", None), "reduce_scatter_tensor", None),)
     if op is not None)
+
+
+# Selective recompute ("selective", Korthikanti et al. 2022 §4.2): the attention core runs again in backward,
+# fused SDPA kernels and the eager path's batched matmuls (q·kᵀ, probs·v: projections are mm/addmm on 2-D
+# views), softmax and dropout; every other op's output is cached (torch's selective-checkpoint MUST_SAVE),
+# whether or not backward reads it, views included (a cached view keeps its base's storage alive).
+SELECTIVE_RECOMPUTED_OPS = SDPA_OPS | frozenset({aten.bmm, aten._softmax, aten.native_dropout})
+
+
+def selective_saves(packet: Any) -> bool:
+    """Whether selective recompute's policy (autopar.codegen.recompute) caches an op's (overload packet's)
+    outputs: every op outside the attention core."""
+    return packet not in SELECTIVE_RECOMPUTED_OPS
 
 
 def op_sac_saves(packet: Any, matmul_index: int) -> bool:
