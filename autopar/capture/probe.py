@@ -33,7 +33,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capture.fusion import Step, StepLog, fused_kernels, unread_save_bytes
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.head_tables import HeadTables
-from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves, selective_saves
+from autopar.capture.kernels import (
+    OP_SAC_MATMUL_OPS,
+    SDPA_OPS,
+    gpu_kernels,
+    inside_fused_kernel,
+    op_sac_saves,
+    selective_saves,
+)
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups, record_bank_calls, record_bank_saves
 from autopar.capture.tensors import ModelState, storage_key, tensor_bytes
 from autopar.capture.tp_pairs import Tag, merge_sources, tensor_parallel_pairs
@@ -375,7 +382,7 @@ class _Tracker(TorchDispatchMode):
         """Storages selective recompute's policy first keeps alive with this op's outputs: torch's
         selective-checkpoint cache holds a detached alias of each output (its whole storage) of the ops the
         policy saves; ops the cache ignores (detach) and parameters' views keep nothing new."""
-        if func in SAC_IGNORED_OPS or not selective_saves(func.overloadpacket):
+        if func in SAC_IGNORED_OPS or not selective_saves(func.overloadpacket) or inside_fused_kernel():
             return ()
         new = []
         for t in outs:
