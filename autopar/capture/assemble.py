@@ -46,6 +46,9 @@ class _Sums:
     saved_op_sac: int = 0
     saved_op_sac_tp_sharded: int = 0
     saved_op_sac_unread: int = 0
+    saved_selective: int = 0
+    saved_selective_tp_sharded: int = 0
+    saved_selective_unread: int = 0
     kernels_forward: KernelMix = field(default_factory=KernelMix)
     kernels_backward: KernelMix = field(default_factory=KernelMix)
     signatures: list[str] = field(default_factory=list)
@@ -282,6 +285,9 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.saved_op_sac += st.saved_bytes_op_sac
         s.saved_op_sac_tp_sharded += st.saved_bytes_op_sac_tp_sharded
         s.saved_op_sac_unread += st.saved_bytes_op_sac_unread
+        s.saved_selective += st.saved_bytes_selective
+        s.saved_selective_tp_sharded += st.saved_bytes_selective_tp_sharded
+        s.saved_selective_unread += st.saved_bytes_selective_unread
         s.signatures.append(call.signature)
         vocab_patterns = _vocab_patterns(call.unit, st, vocab_modules, vocab)
         vocab_names = {c for p in vocab_patterns for c in p.column}
@@ -312,6 +318,7 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
         s.bytes_written += cost.bytes_written
         s.saved += cost.saved_bytes
         s.saved_op_sac += cost.saved_bytes  # top-level glue is never checkpointed
+        s.saved_selective += cost.saved_bytes
         moved = float(cost.bytes_read + cost.bytes_written)
         gemm = [Kernel(kind="gemm", count=1, work=cost.forward_flops)] if cost.forward_flops > 0 else []
         top = KernelMix(gemm_flops=cost.forward_flops, gemm_count=len(gemm), memory_bytes=moved, memory_count=1,
@@ -368,6 +375,9 @@ def assemble(*, model: nn.Module, model_name: str, groups: list[LayerGroup], rec
             saved_activation_bytes_op_sac=per_sample(s.saved_op_sac),
             saved_activation_bytes_op_sac_tp_sharded=per_sample(s.saved_op_sac_tp_sharded),
             saved_activation_bytes_op_sac_unread=per_sample(s.saved_op_sac_unread),
+            saved_activation_bytes_selective=per_sample(s.saved_selective),
+            saved_activation_bytes_selective_tp_sharded=per_sample(s.saved_selective_tp_sharded),
+            saved_activation_bytes_selective_unread=per_sample(s.saved_selective_unread),
             boundary_bytes=per_sample(boundary_bytes[i]),
             tp_patterns=tuple(dataclasses.replace(p, allreduce_bytes_per_sample=per_sample(
                 p.allreduce_bytes_per_sample), head_table_bytes_per_sample=per_sample(p.head_table_bytes_per_sample))

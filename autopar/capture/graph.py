@@ -247,6 +247,12 @@ class LayerSpec:
     # Of saved_activation_bytes_op_sac, the outputs the policy saves that no backward reads (not even to
     # recompute what it does read): a compiled block does not keep them (capture.fusion.unread_save_bytes).
     saved_activation_bytes_op_sac_unread: int = 0
+    # The same for selective recompute, whose policy caches every op's output outside the attention core, read by
+    # backward or not (autopar.capture.kernels.selective_saves). None in graphs captured before it: the planner
+    # then prices selective as saved_activation_bytes less the attention core.
+    saved_activation_bytes_selective: int | None = None
+    saved_activation_bytes_selective_tp_sharded: int | None = None
+    saved_activation_bytes_selective_unread: int = 0
     # The layer's mixture-of-experts block, if any (its experts' parameters are part of num_params).
     moe: MoESpec | None = None
     # Of saved_activation_bytes (outside its TP-sharded part), what the expert banks keep: their token rows

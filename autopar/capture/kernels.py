@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "op_sac_saves"]
+__all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "SELECTIVE_RECOMPUTED_OPS", "op_sac_saves",
+           "selective_saves", "inside_fused_kernel"]
 
 aten = torch.ops.aten
 
@@ -51,6 +52,29 @@ _OP_SAC_ALWAYS_SAVED = SDPA_OPS | frozenset(
     if op is not None)
 
 
+# Selective recompute ("selective", Korthikanti et al. 2022 §4.2): the attention core runs again in backward,
+# fused SDPA kernels and the eager path's batched matmuls (q·kᵀ, probs·v: projections are mm/addmm on 2-D
+# views), softmax and dropout; every other op's output is cached (torch's selective-checkpoint MUST_SAVE),
+# whether or not backward reads it, views included (a cached view keeps its base's storage alive).
+SELECTIVE_RECOMPUTED_OPS = SDPA_OPS | frozenset({aten.bmm, aten._softmax, aten.native_dropout})
+
+
+# > 0 while `_sdpa` repeats K/V heads for grouped-query attention: the fused kernels (flash, cuDNN) index the
+# shared heads themselves, so a checkpoint policy never sees those copies (they are the attention core's)
+_KERNEL_INTERNAL = [0]
+
+
+def inside_fused_kernel() -> bool:
+    """Whether the ops now dispatched model the inside of a fused attention kernel (no policy sees them)."""
+    return _KERNEL_INTERNAL[0] > 0
+
+
+def selective_saves(packet: Any) -> bool:
+    """Whether selective recompute's policy (autopar.codegen.recompute) caches an op's (overload packet's)
+    outputs: every op outside the attention core."""
+    return packet not in SELECTIVE_RECOMPUTED_OPS
+
+
 def op_sac_saves(packet: Any, matmul_index: int) -> bool:
     """Whether op_sac keeps the output of an op (overload packet); `matmul_index` counts the block's
     OP_SAC_MATMUL_OPS from 1 up to and including this op (in forward, and again from 1 in recompute)."""
@@ -67,8 +91,12 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
                                               enable_gqa=enable_gqa)
     heads, kv_heads = query.shape[-3], key.shape[-3]
     if kv_heads != heads:  # grouped-query attention: the kernel sees each KV head repeated
-        key = key.repeat_interleave(heads // kv_heads, dim=-3)
-        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+        _KERNEL_INTERNAL[0] += 1
+        try:
+            key = key.repeat_interleave(heads // kv_heads, dim=-3)
+            value = value.repeat_interleave(heads // kv_heads, dim=-3)
+        finally:
+            _KERNEL_INTERNAL[0] -= 1
     if attn_mask is None and value.shape[-1] == query.shape[-1]:
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
                                                         scale=scale)[0]

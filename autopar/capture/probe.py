@@ -27,12 +27,20 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture.fusion import Step, StepLog, fused_kernels, unread_save_bytes
 from autopar.capture.graph import Kernel, KernelMix, merge_kernels
 from autopar.capture.head_tables import HeadTables
-from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, gpu_kernels, op_sac_saves
+from autopar.capture.kernels import (
+    OP_SAC_MATMUL_OPS,
+    SDPA_OPS,
+    gpu_kernels,
+    inside_fused_kernel,
+    op_sac_saves,
+    selective_saves,
+)
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups, record_bank_calls, record_bank_saves
 from autopar.capture.tensors import ModelState, storage_key, tensor_bytes
 from autopar.capture.tp_pairs import Tag, merge_sources, tensor_parallel_pairs
@@ -95,6 +103,12 @@ class CallStats:
     saved_bytes_op_sac: int = 0
     saved_bytes_op_sac_tp_sharded: int = 0
     saved_bytes_op_sac_unread: int = 0  # of saved_bytes_op_sac, outputs no backward reads (fusion.unread_saves)
+    # what selective recompute keeps (autopar.capture.kernels.selective_saves), alike: the call's inputs and the
+    # storages of every output its policy caches (a view's base), less the call's own outputs (charged to the
+    # layer that reads them)
+    saved_bytes_selective: int = 0
+    saved_bytes_selective_tp_sharded: int = 0
+    saved_bytes_selective_unread: int = 0
     # (k, width, rows) of each top-k selection over a tensor's last dimension, rows the selections it makes
     # (the other dimensions' product): a router choosing k of `width` experts for each of `rows` tokens, or
     # k of `width` expert groups (autopar.capture.moe.find_moe)
@@ -112,6 +126,7 @@ class _Op:
     record: OpRecord | None = None  # shape, layout, memory class and largest tensor (cost_models.optrace)
     core: bool = False  # in the attention core (Kernel.attention_core)
     sac_saved_bytes: int = 0  # output bytes op_sac keeps (0: op_sac runs the op again in backward)
+    selective_saved: tuple[int, ...] = ()  # storage keys selective's policy first caches here
     groups: int = 0  # > 0: a grouped GEMM over this many experts (Kernel.groups, Kernel.expert)
 
 
@@ -283,6 +298,7 @@ class _Tracker(TorchDispatchMode):
         # constants (position tables, a position-bias MLP over fixed coordinates)
         self.from_call: set[int] = set()
         self.heads = HeadTables()
+        self.selective: dict[int, int] = {}  # storage key → bytes selective's policy keeps alive
 
     def mark_from_call(self, t: torch.Tensor) -> None:
         self.from_call.add(storage_key(t))
@@ -357,9 +373,25 @@ class _Tracker(TorchDispatchMode):
         sac = tensor_bytes(outs) if op_sac_saves(packet, self.matmuls) else 0
         self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
                             bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
-                            sac_saved_bytes=sac, groups=groups))
+                            sac_saved_bytes=sac, groups=groups, selective_saved=self._selective_cache(func, outs)))
         self.steps.record(kind, _storages(ins), _storages(outs))
         return out
+
+
+    def _selective_cache(self, func: Any, outs: list[torch.Tensor]) -> tuple[int, ...]:
+        """Storages selective recompute's policy first keeps alive with this op's outputs: torch's
+        selective-checkpoint cache holds a detached alias of each output (its whole storage) of the ops the
+        policy saves; ops the cache ignores (detach) and parameters' views keep nothing new."""
+        if func in SAC_IGNORED_OPS or not selective_saves(func.overloadpacket) or inside_fused_kernel():
+            return ()
+        new = []
+        for t in outs:
+            key = storage_key(t)
+            if t not in self.state and key not in self.selective:
+                self.selective[key] = t.untyped_storage().nbytes()
+                self.keep.append(t)
+                new.append(key)
+        return tuple(new)
 
 
 def _storages(tensors: Any) -> list[tuple[int, int]]:
@@ -386,6 +418,10 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         if isinstance(t, torch.Tensor):
             tracker.set_tag(t, _REPLICATED if t.requires_grad else _CONSTANT)
             tracker.mark_from_call(t)
+            if t not in state:  # counted as inputs (tensor bytes), as under op_sac
+                tracker.selective[storage_key(t)] = 0
+    for t in (*module.parameters(), *module.buffers()):  # cached views of them (a weight's transpose) add nothing
+        tracker.selective[storage_key(t)] = 0
     candidates: list[tuple[str, frozenset[str]]] = []
     io: dict[str, tuple[int, int]] = {}
     linears = {name: m for name, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -473,6 +509,10 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
     inputs = tensor_bytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t not in state])
+    out_keys = {storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    selective = [sum(tracker.selective[k] for k in op.selective_saved if k not in out_keys) for op in tracker.ops]
+    selective_sharded = sum(n for k, n in tracker.selective.items()
+                            if k not in out_keys and sharded(tracker.tags.get(k, _CONSTANT)[0]))
     sac_sharded = sum(op.sac_saved_bytes for op in tracker.ops if op.linear not in tp_linears and sharded(op.src)
                       or op.linear in tp_linears and op.linear not in {row for row, _ in pairs})
     return CallStats(
@@ -496,5 +536,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         saved_bytes_op_sac=inputs + sum(op.sac_saved_bytes for op in tracker.ops),
         saved_bytes_op_sac_tp_sharded=sac_sharded, saved_bytes_op_sac_unread=unread_save_bytes(
             tracker.steps.steps, tracker.saved_ids, [op.sac_saved_bytes for op in tracker.ops]),
+        saved_bytes_selective=inputs + sum(selective), saved_bytes_selective_tp_sharded=selective_sharded,
+        saved_bytes_selective_unread=unread_save_bytes(tracker.steps.steps, tracker.saved_ids, selective),
         topks=tuple(tracker.topks),
     )

@@ -59,9 +59,11 @@ def layer_at_tp(layer: LayerSpec, tp: int) -> LayerSpec:
     if kept:
         return dataclasses.replace(layer, tp_patterns=kept)
     sac = layer.saved_activation_bytes_op_sac_tp_sharded
+    sel = layer.saved_activation_bytes_selective_tp_sharded
     return dataclasses.replace(layer, tp_patterns=(), forward_flops_tp_sharded=0.0,
                                saved_activation_bytes_tp_sharded=0,
                                saved_activation_bytes_op_sac_tp_sharded=None if sac is None else 0,
+                               saved_activation_bytes_selective_tp_sharded=None if sel is None else 0,
                                kernels_forward=_whole(layer.kernels_forward),
                                kernels_backward=_whole(layer.kernels_backward))
 

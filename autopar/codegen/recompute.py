@@ -3,7 +3,9 @@
 The modes (cost_models.memory.RECOMPUTE_MODES, the one vocabulary):
 - "none": autograd keeps what each op saves.
 - "selective": only the attention core (scores, softmax, attention-weighted sum: the s²-sized tensors) is
-  recomputed; every other op's output is saved (Korthikanti et al. 2022, §4.2).
+  recomputed; every other op's output is saved (Korthikanti et al. 2022, §4.2), read by backward or not
+  (autopar.capture.kernels.selective_saves, which capture prices with the same rule: with fused attention
+  this keeps more than none does).
 - "op_sac": op-level selective checkpointing as torchtitan runs it: the outputs of fused attention,
   reduce-scatters and every odd-numbered matmul are saved, every second matmul and every other op
   (pointwise ops, norms) runs again in backward (autopar.capture.kernels.op_sac_saves, which capture
@@ -22,28 +24,15 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv, cp_chunk_attention)
-from autopar.capture.kernels import OP_SAC_MATMUL_OPS, op_sac_saves
+from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SELECTIVE_RECOMPUTED_OPS, op_sac_saves, selective_saves
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
 
 __all__ = ["ATTENTION_CORE_OPS", "apply_recompute"]
 
-_aten = torch.ops.aten
-# The attention core: fused SDPA kernels, and the eager path's batched matmuls and softmax
-# (projections are mm/addmm on 2-D views, so bmm only appears in q·kᵀ and probs·v).
-ATTENTION_CORE_OPS = frozenset(
-    op for op in (
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
-        _aten.bmm.default,
-        _aten._softmax.default,
-        _aten.native_dropout.default,
-        torch.ops.autopar.cp_chunk_attention.default,  # context parallelism's flash attention (cp_attention.py)
-    ) if op is not None
-)
-_CORE_PACKETS = frozenset(getattr(op, "overloadpacket", op) for op in ATTENTION_CORE_OPS)
+# The attention core selective recompute runs again (capture.kernels.SELECTIVE_RECOMPUTED_OPS, which capture
+# prices with the same rule), and context parallelism's flash attention (cp_attention.py)
+ATTENTION_CORE_OPS = SELECTIVE_RECOMPUTED_OPS | {torch.ops.autopar.cp_chunk_attention}
 # context parallelism's K/V all-gather: kept by both selective policies (a collective is not rerun to save
 # memory the attention's saved inputs hold anyway); full recompute runs it again
 _CP_GATHER = torch.ops.autopar.cp_gather_kv
@@ -52,8 +41,9 @@ _CP_ATTENTION = torch.ops.autopar.cp_chunk_attention
 
 
 def _attention_core_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    core = getattr(op, "overloadpacket", op) in _CORE_PACKETS
-    return CheckpointPolicy.PREFER_RECOMPUTE if core else CheckpointPolicy.MUST_SAVE
+    packet = getattr(op, "overloadpacket", op)
+    saved = selective_saves(packet) and packet is not _CP_ATTENTION
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

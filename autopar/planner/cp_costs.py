@@ -74,6 +74,9 @@ class CPLayerCosts:
     attention_extra_backward_s: float
     gathered_kv_bytes: float = 0.0  # the gathered K/V the attention saves for backward
     shard_kv_bytes: float = 0.0  # the K/V the layer's SDPA saves at the shard, as capture counts them (repeated)
+    # selective priced from its policy's cache (LayerSpec.saved_activation_bytes_selective), which holds the
+    # shard's K/V once (the fused kernel's head repeat is not cached) and no SDPA saves: nothing to take off
+    selective_measured: bool = False
 
     @property
     def attention_extra_s(self) -> float:
@@ -83,7 +86,8 @@ class CPLayerCosts:
         """Bytes the layer keeps under cp beyond 1/cp of what it keeps whole, per recompute mode (docstring)."""
         if mode == "full":
             return 0.0
-        return self.gathered_kv_bytes - (self.shard_kv_bytes if mode in ("none", "selective") else 0.0)
+        repeated = mode == "none" or mode == "selective" and not self.selective_measured
+        return self.gathered_kv_bytes - (self.shard_kv_bytes if repeated else 0.0)
 
 
 def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, micro_batch: int, elem: int,
@@ -103,4 +107,5 @@ def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, mic
                         attention_extra_forward_s=full[0] * (2 * cp + 1) / (4 * cp) - attention_s[0],
                         attention_extra_backward_s=full[1] * (2 * cp + 1) / (4 * cp) - attention_s[1],
                         gathered_kv_bytes=n, shard_kv_bytes=kv_exchange_bytes(
-                            graph, layer, tp=tp, micro_batch=micro_batch, elem=elem, repeated=True) / cp)
+                            graph, layer, tp=tp, micro_batch=micro_batch, elem=elem, repeated=True) / cp,
+                        selective_measured=layer.saved_activation_bytes_selective is not None)

@@ -300,10 +300,11 @@ class MemoryCosts:
     def activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
                          etp: int = 1) -> tuple[float, ...]:
         """Saved activation bytes of one layer of run `ri` per micro-batch in flight, per recompute mode
-        (MODES). op_sac is priced from the bytes its policy keeps where capture measured them (blocks; other
-        layers are not checkpointed by codegen and keep everything), else as none; a `compiled` block under
-        op_sac keeps only what its backward reads (LayerSpec.saved_activation_bytes_op_sac_unread goes, its
-        TP-sharded share taken as the policy's). What the expert banks keep (LayerSpec.
+        (MODES). op_sac and selective are priced from the bytes their policies keep where capture measured
+        them (blocks; other layers are not checkpointed by codegen and keep everything), else op_sac as none and
+        selective as none less the attention core; a `compiled` block under either keeps only what its backward
+        reads (LayerSpec.saved_activation_bytes_op_sac_unread / _selective_unread go, its TP-sharded share taken
+        as the policy's). What the expert banks keep (LayerSpec.
         saved_activation_bytes_expert) is priced by `expert_bank_share`."""
         return self._acts(ri, tp, sp, mbs, compiled, ep, etp)
 
@@ -325,7 +326,13 @@ class MemoryCosts:
     def _activation_bytes(self, ri: int, tp: int, sp: bool, mbs: int, compiled: bool = False, ep: int = 1,
                           etp: int = 1) -> tuple[float, ...]:
         layer = self.run_layer(ri, tp)
-        sac_known = layer.kind == "block" and layer.saved_activation_bytes_op_sac is not None
+        block = layer.kind == "block"
+        # the bytes each checkpoint policy keeps, where capture measured them (blocks): (saved, TP-sharded, unread)
+        policy = {"op_sac": (layer.saved_activation_bytes_op_sac, layer.saved_activation_bytes_op_sac_tp_sharded,
+                             layer.saved_activation_bytes_op_sac_unread),
+                  "selective": (layer.saved_activation_bytes_selective,
+                                layer.saved_activation_bytes_selective_tp_sharded,
+                                layer.saved_activation_bytes_selective_unread)}
         expert = layer.saved_activation_bytes_expert
         expert_share = self.expert_bank_share(layer, tp, sp, ep, etp) / expert if expert else 0.0
         # full recompute keeps each layer's inputs; the tensors the run's layers share (rotary tables, positions)
@@ -335,14 +342,16 @@ class MemoryCosts:
 
         def acts_of(k: str) -> float:
             saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
-            if k == "op_sac" and sac_known:
-                saved = layer.saved_activation_bytes_op_sac
-                sharded = layer.saved_activation_bytes_op_sac_tp_sharded
-                if compiled and layer.saved_activation_bytes_op_sac_unread and saved > 0:
-                    kept = saved - layer.saved_activation_bytes_op_sac_unread
+            measured = block and k in policy and policy[k][0] is not None
+            if measured:
+                saved, sharded, unread = policy[k]
+                if compiled and unread and saved > 0:
+                    kept = saved - unread
                     saved, sharded = kept, sharded * kept / saved
-            mode = k if sac_known or k != "op_sac" else "none"
-            banks = expert if mode in ("none", "selective") else 0.0  # op_sac's policy bytes are not split apart
+            # measured policies keep exactly `saved`; graphs captured before op_sac price it as none, before
+            # selective's policy bytes as none less the attention core
+            mode = "op_sac" if measured else "none" if k == "op_sac" else k
+            banks = expert if not measured and mode in ("none", "selective") else 0.0  # policies' are not split
             return self.act_scale * (memory.layer_activation_bytes(
                 saved_bytes=saved - banks, tp_sharded_bytes=sharded,
                 attention_core_bytes=min(layer.saved_activation_bytes_attention_core, sharded),
