@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capture.fusion import Step, StepLog, fused_kernels, unread_save_bytes
-from autopar.capture.graph import Kernel, KernelMix, merge_kernels
+from autopar.capture.fusion import StepLog, fused_kernels, unread_save_bytes
+from autopar.capture.graph import Kernel, KernelMix
 from autopar.capture.head_tables import HeadTables
 from autopar.capture.kernels import (
     OP_SAC_MATMUL_OPS,
@@ -42,25 +42,24 @@ from autopar.capture.kernels import (
     selective_saves,
 )
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups, record_bank_calls, record_bank_saves
+from autopar.capture.probe_kernels import (
+    MATMUL_OPS,
+    SDPA_BACKWARD_OPS,
+    Op,
+    backward_mix,
+    forward_mix,
+    kernel_of,
+    op_kind,
+    storages,
+)
 from autopar.capture.tensors import ModelState, storage_key, tensor_bytes
 from autopar.capture.tp_pairs import Tag, merge_sources, tensor_parallel_pairs
 from autopar.capture.units import common_parent, is_norm
-from cost_models.optrace import OpRecord, describe_op
+from cost_models.optrace import describe_op
 
 __all__ = ["CallStats", "ModelState", "PairSpec", "measure_call", "storage_key", "tensor_bytes"]
 
 aten = torch.ops.aten
-_MATMUL_OPS = frozenset({aten.mm, aten.bmm, aten.baddbmm, aten.addmm, aten.addbmm, aten.matmul}) | GROUPED_MM_OPS
-_SDPA_BACKWARD_OPS = frozenset(
-    getattr(aten, name) for name in (
-        "_scaled_dot_product_flash_attention_backward",
-        "_scaled_dot_product_efficient_attention_backward",
-        "_scaled_dot_product_cudnn_attention_backward",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_fused_attention_overrideable_backward",
-    ) if hasattr(aten, name)
-)
-
 _REPLICATED: Tag = (None, False)
 _CONSTANT: Tag = (frozenset(), False)
 
@@ -115,51 +114,6 @@ class CallStats:
     topks: tuple[tuple[int, int, int], ...] = ()
 
 
-@dataclass
-class _Op:
-    flops: float
-    src: frozenset[str] | None
-    linear: str | None
-    head_dim: int | None
-    kind: str = "memory"  # "gemm" | "attention" | "memory" | "view" (see KernelMix)
-    bytes_moved: int = 0
-    record: OpRecord | None = None  # shape, layout, memory class and largest tensor (cost_models.optrace)
-    core: bool = False  # in the attention core (Kernel.attention_core)
-    sac_saved_bytes: int = 0  # output bytes op_sac keeps (0: op_sac runs the op again in backward)
-    selective_saved: tuple[int, ...] = ()  # storage keys selective's policy first caches here
-    groups: int = 0  # > 0: a grouped GEMM over this many experts (Kernel.groups, Kernel.expert)
-
-
-def _op_kind(packet: Any, rec: OpRecord, n_active: int) -> str:
-    """What bounds a kernel: a matmul with a weight is a GEMM, one between two activations (or a fused
-    attention kernel) is attention, a view (an alias of an input) launches nothing, everything else
-    streams memory."""
-    if rec.is_view:
-        return "view"
-    if packet in SDPA_OPS or packet in _SDPA_BACKWARD_OPS:
-        return "attention"
-    if packet in _MATMUL_OPS:
-        return "attention" if n_active >= 2 else "gemm"
-    return "memory"
-
-
-def _kernel(kind: str, work: float, rec: OpRecord, tp_sharded: bool, core: bool = False,
-            sac_saved: bool = False, groups: int = 0) -> Kernel:
-    """One kernel as the planner prices it: a memory-bound op in its measured class at its largest
-    tensor's size, a GEMM with its layout, a batched attention matmul with its per-matrix shape, a grouped
-    GEMM (an expert bank's) with its number of groups."""
-    if kind == "memory":
-        return Kernel(kind=rec.kind, count=1, work=work, tensor_bytes=rec.tensor_bytes, tp_sharded=tp_sharded,
-                      attention_core=core, op_sac_saved=sac_saved)
-    if groups:
-        return Kernel(kind="gemm", count=1, work=work, tp_sharded=tp_sharded, op_sac_saved=sac_saved,
-                      groups=groups, expert=True)
-    batched = rec.gemm_mnk is not None and rec.gemm_batch > 1
-    return Kernel(kind=kind, count=1, work=work, layout=rec.gemm_layout, tp_sharded=tp_sharded,
-                  mnk=rec.gemm_mnk if kind == "attention" and batched else None, attention_core=core,
-                  op_sac_saved=sac_saved, causal=kind == "attention" and rec.is_causal)
-
-
 class _OpLog(TorchDispatchMode):
     """Records each op a backward pass runs: (kind, FLOPs, bytes) and its `Kernel`; FLOPs from a running
     FlopCounterMode. An op is TP-sharded when it reads a forward tensor inside a pattern, a gradient
@@ -191,8 +145,8 @@ class _OpLog(TorchDispatchMode):
         flops = float(self.counter.get_total_flops() - before)
         packet = func.overloadpacket
         rec = describe_op(func, args, kwargs, out, flops)
-        kind = "view" if rec.is_view else "matmul" if packet in _MATMUL_OPS else \
-            "attention" if packet in _SDPA_BACKWARD_OPS else "memory"
+        kind = "view" if rec.is_view else "matmul" if packet in MATMUL_OPS else \
+            "attention" if packet in SDPA_BACKWARD_OPS else "memory"
         moved = 0 if rec.is_view else rec.bytes_moved
         self.ops.append((kind, flops, moved))
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -207,73 +161,12 @@ class _OpLog(TorchDispatchMode):
             kind == "matmul" and rec.gemm_batch > 1) else "gemm" if kind == "matmul" else "memory"
         groups = grouped_mm_groups(args, kwargs) if packet in GROUPED_MM_OPS else 0
         k = "gemm" if groups else k
-        kernel = None if k == "view" else _kernel(k, flops if k != "memory" else float(moved), rec, sharded,
+        kernel = None if k == "view" else kernel_of(k, flops if k != "memory" else float(moved), rec, sharded,
                                                   groups=groups)
         if kernel is not None:
             self.kernels.append(kernel)
-        self.steps.record(k, _storages(ins), _storages(tree_leaves(out)), kernel)
+        self.steps.record(k, storages(ins), storages(tree_leaves(out)), kernel)
         return out
-
-
-def _kernel_mix(ops: list[_Op], sharded: Any, tp_linears: set[str], steps: list[Step],
-                saved_ids: set[int]) -> KernelMix:
-    """Forward kernels by kind; an op inside a TP pattern (its linear, or data from column linears) is sharded.
-    `steps` (one per op) give the chains TorchInductor fuses (KernelMix.fused). Under op_sac an op runs
-    again in backward unless its output is saved or it follows the last op whose output backward needs
-    (non-reentrant checkpointing stops recomputing there: torch.utils.checkpoint's early stop)."""
-    sums: dict[str, float] = {}
-    kernels = []
-    steps = list(steps)
-    last_needed = max((i for i, (op, st) in enumerate(zip(ops, steps, strict=True))
-                       if not op.sac_saved_bytes and any(w in saved_ids for w, _ in st.writes)), default=-1)
-    for i, op in enumerate(ops):
-        if op.kind == "view":
-            continue
-        work = float(op.bytes_moved) if op.kind == "memory" else op.flops
-        key = {"gemm": "gemm_flops", "attention": "attention_flops", "memory": "memory_bytes"}[op.kind]
-        sums[key] = sums.get(key, 0.0) + work
-        count_key = key.split("_")[0] + "_count"
-        sums[count_key] = sums.get(count_key, 0) + 1
-        in_tp = op.linear in tp_linears or sharded(op.src)
-        if in_tp:
-            sums[key + "_tp_sharded"] = sums.get(key + "_tp_sharded", 0.0) + work
-        if op.record is not None:
-            kernels.append(_kernel(op.kind, work, op.record, in_tp, op.core, op.sac_saved_bytes > 0 or i > last_needed,
-                                   groups=op.groups))
-            steps[i] = dataclasses.replace(steps[i], kernel=kernels[-1])
-    return KernelMix(**{k: (int(v) if k.endswith("count") else v) for k, v in sums.items()},
-                     kernels=merge_kernels(kernels), fused=fused_kernels(steps, frozenset(saved_ids)))
-
-
-def _backward_mix(log: list[tuple[str, float, int]], forward: KernelMix, kernels: list[Kernel]) -> KernelMix:
-    """Backward kernels; matmul FLOPs split between GEMM and attention as in forward (each forward
-    matmul has two backward matmuls of its size: Narayanan et al. 2021, eq. 3), and the TP-sharded
-    shares of each kind taken from forward (a backward op runs on its forward op's shards). `kernels`,
-    the same ops one by one from _OpLog, is kept as the pass's kernel list."""
-    mm = [f for k, f, _ in log if k == "matmul"]
-    fused = [f for k, f, _ in log if k == "attention"]
-    mem = [b for k, _, b in log if k == "memory"]
-    # With a fused attention kernel its backward is fused too and every backward matmul is a GEMM;
-    # with eager attention the backward matmuls split as the forward ones do.
-    fwd_mm = forward.gemm_flops + forward.attention_flops
-    attn_share = forward.attention_flops / fwd_mm if fwd_mm and not fused else 0.0
-    n_attn_mm = 0 if fused else round(
-        len(mm) * forward.attention_count / max(1, forward.gemm_count + forward.attention_count))
-
-    def share(part: float, whole: float) -> float:
-        return part / whole if whole else 0.0
-
-    gemm = sum(mm) * (1 - attn_share)
-    attention = sum(mm) * attn_share + sum(fused)
-    return KernelMix(
-        kernels=merge_kernels(kernels),
-        gemm_flops=gemm, gemm_count=len(mm) - n_attn_mm,
-        attention_flops=attention, attention_count=n_attn_mm + len(fused),
-        memory_bytes=float(sum(mem)), memory_count=len(mem),
-        gemm_flops_tp_sharded=gemm * share(forward.gemm_flops_tp_sharded, forward.gemm_flops),
-        attention_flops_tp_sharded=attention * share(forward.attention_flops_tp_sharded, forward.attention_flops),
-        memory_bytes_tp_sharded=sum(mem) * share(forward.memory_bytes_tp_sharded, forward.memory_bytes),
-    )
 
 
 class _Tracker(TorchDispatchMode):
@@ -285,7 +178,7 @@ class _Tracker(TorchDispatchMode):
         self.state = state
         self.tags: dict[int, Tag] = {}
         self.keep: list[torch.Tensor] = []  # keeps storages alive so that keys are never reused
-        self.ops: list[_Op] = []
+        self.ops: list[Op] = []
         self.linear_stack: list[str] = []
         self.saved: dict[int, int] = {}
         self.bytes_read = 0
@@ -347,7 +240,7 @@ class _Tracker(TorchDispatchMode):
             head_dim = ins[0].shape[-1]
             out_tags = [(src, False)] + [(src, True)] * (len(outs) - 1)
         else:
-            attention = packet in _MATMUL_OPS and packet not in GROUPED_MM_OPS and len(active) >= 2
+            attention = packet in MATMUL_OPS and packet not in GROUPED_MM_OPS and len(active) >= 2
             if attention and not any_core:  # q·kᵀ: its output starts the attention core
                 head_dim = active[0].shape[-1]
             core = (not any_core) if attention else any_core
@@ -360,7 +253,7 @@ class _Tracker(TorchDispatchMode):
             for t in outs:
                 self.mark_from_call(t)
         linear = self.linear_stack[-1] if self.linear_stack else None
-        kind = _op_kind(packet, rec, len(active))
+        kind = op_kind(packet, rec, len(active))
         groups = grouped_mm_groups(args, kwargs) if packet in GROUPED_MM_OPS else 0
         kind = "gemm" if groups else kind
         if packet is aten.topk:
@@ -371,10 +264,10 @@ class _Tracker(TorchDispatchMode):
         in_core = kind == "attention" or any(core for _, core in out_tags)
         self.matmuls += packet in OP_SAC_MATMUL_OPS
         sac = tensor_bytes(outs) if op_sac_saves(packet, self.matmuls) else 0
-        self.ops.append(_Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
+        self.ops.append(Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
                             bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
                             sac_saved_bytes=sac, groups=groups, selective_saved=self._selective_cache(func, outs)))
-        self.steps.record(kind, _storages(ins), _storages(outs))
+        self.steps.record(kind, storages(ins), storages(outs))
         return out
 
 
@@ -392,11 +285,6 @@ class _Tracker(TorchDispatchMode):
                 self.keep.append(t)
                 new.append(key)
         return tuple(new)
-
-
-def _storages(tensors: Any) -> list[tuple[int, int]]:
-    """(storage key, bytes) of each tensor: what a fused kernel would read or write."""
-    return [(storage_key(t), t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _fresh(x: Any) -> Any:
@@ -505,7 +393,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
                                                           linears[row].in_features // head_dims[0])
             if head_dims else (0, 0),
         ))
-    kernels_forward = _kernel_mix(tracker.ops, sharded, tp_linears, tracker.steps.steps, tracker.saved_ids)
+    kernels_forward = forward_mix(tracker.ops, sharded, tp_linears, tracker.steps.steps, tracker.saved_ids)
     saved_sharded = sum(n for key, n in tracker.saved.items() if sharded(tracker.tags.get(key, _CONSTANT)[0]))
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
     inputs = tensor_bytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t not in state])
@@ -531,7 +419,7 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
         linear_io=tuple((name, i, o, sum(op.flops for op in tracker.ops if op.linear == name))
                         for name, (i, o) in io.items()),
         kernels_forward=kernels_forward,
-        kernels_backward=dataclasses.replace(_backward_mix(op_log.ops, kernels_forward, op_log.kernels),
+        kernels_backward=dataclasses.replace(backward_mix(op_log.ops, kernels_forward, op_log.kernels),
                                              fused=fused_kernels(op_log.steps.steps)),
         saved_bytes_op_sac=inputs + sum(op.sac_saved_bytes for op in tracker.ops),
         saved_bytes_op_sac_tp_sharded=sac_sharded, saved_bytes_op_sac_unread=unread_save_bytes(
