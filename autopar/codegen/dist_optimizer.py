@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.codegen.data_parallel import Zero1Partition, as_param_layout, local
+from autopar.codegen.master_optimizer import MasterOptimizer
 from cost_models.precision import Precision
 
 __all__ = ["DistributedOptimizer"]
@@ -56,7 +57,7 @@ def _to_dtype(p: nn.Parameter, dtype: torch.dtype) -> None:
                                f"{p.to_local().dtype}): this torch's DTensor layout is not the one expected")
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(MasterOptimizer):
     """The user's optimizer stepping fp32 masters of the parameters this rank owns; the parameters in 16 bits
     with fp32 main gradients (module docstring). Built after every sharding (DTensor parameters stay
     DTensors, their masters and main gradients too) and before the first forward.
@@ -79,18 +80,6 @@ class DistributedOptimizer:
                 p.main_grad = torch.zeros_like(p, dtype=reduce)
                 p.register_post_accumulate_grad_hook(_accumulate)
         self.optimizer = make_optimizer([(n, m) for (n, _), m in zip(owned, self.masters, strict=True)])
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def master_names(self, names: dict[int, list[str]]) -> dict[int, list[str]]:
-        """`names` (id of a model parameter → its names) re-keyed by the id of its master."""
-        return {id(m): names[id(p)] for p, m in zip(self.params, self.masters, strict=True) if id(p) in names}
 
     def master_of(self) -> dict[int, torch.Tensor]:
         """id of an owned parameter → its fp32 master."""

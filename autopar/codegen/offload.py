@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from autopar.codegen.data_parallel import as_param_layout, local
+from autopar.codegen.master_optimizer import MasterOptimizer
 
 __all__ = ["HostOptimizer"]
 
@@ -31,7 +32,7 @@ def _named(params: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Par
     return [(n, p) for n, p in params if p.requires_grad]
 
 
-class HostOptimizer:
+class HostOptimizer(MasterOptimizer):
     """The user's optimizer stepping fp32 host copies of this rank's (local shards of) parameters; it is
     given the masters under their parameters' names, as `(name, master)` pairs."""
 
@@ -45,18 +46,6 @@ class HostOptimizer:
             master = local(p).detach().to(HOST, torch.float32, copy=True)
             self.masters.append(master.pin_memory() if pin else master)
         self.optimizer = make_optimizer([(n, m) for (n, _), m in zip(named, self.masters, strict=True)])
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def master_names(self, names: dict[int, list[str]]) -> dict[int, list[str]]:
-        """`names` (id of a model parameter → its names) re-keyed by the id of its host master."""
-        return {id(m): names[id(p)] for p, m in zip(self.params, self.masters, strict=True) if id(p) in names}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
