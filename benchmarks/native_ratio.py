@@ -139,8 +139,10 @@ def native_stepper(layout: str, model: nn.Module, args: argparse.Namespace):
             if layout == "tp2-sp":
                 plan[f"layers.{i}.attention_norm"] = SequenceParallel()
                 plan[f"layers.{i}.ffn_norm"] = SequenceParallel()
-                plan[f"layers.{i}.attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                                   desired_input_layouts=(Replicate(), None, None))
+                # (x, rope_cos, rope_sin, position_ids): only the hidden states are a sequence shard
+                plan[f"layers.{i}.attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                                   desired_input_layouts=(Replicate(), None, None,
+                                                                                          None))
                 plan[f"layers.{i}.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                                       desired_input_layouts=(Replicate(),))
         parallelize_module(model, mesh, plan)

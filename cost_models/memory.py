@@ -25,6 +25,7 @@ __all__ = [
     "korthikanti_activation_bytes",
     "layer_activation_bytes",
     "inflight_microbatches",
+    "pipeline_buffers",
     "interleaved_round",
     "zero3_gathered_param_bytes",
     "logits_bytes",
@@ -229,6 +230,47 @@ def inflight_microbatches(schedule: str, pp: int, num_microbatches: int, stage: 
     warmup = (pp - stage - 1) * 2 + (v - 1) * interleaved_round(pp, m)
     chunks = min(warmup + 1, m * v)
     return chunks / v
+
+
+def pipeline_buffers(pipeline_memory: str, *, q: int, pp: int, v: int, m: int, inflight: float,
+                     schedule: str = "1f1b") -> float:
+    """Stage-boundary tensors pipeline rank q holds in its pipelining runtime beyond its layers' activations.
+
+    autopar's stages (codegen/inflight_stage.py, over torch.distributed.pipelining's schedules) allocate a
+    receive buffer when the receive is posted and drop it after that micro-batch's backward: the input
+    buffers are those of the micro-batches in flight, the inputs the stage's first layer saves, counted
+    with its activations; a gradient buffer lives from its receive to its backward, one at the backward
+    that makes the rank's peak. A stage frees each output's data once its send is handed to the schedule
+    (Megatron-LM's deallocate_output_tensor); the send reads an alias that lives while the schedule holds
+    the send: torch's Schedule1F1B keeps the last forward's send and its warm-up's last send work (2);
+    ScheduleGPipe keeps its send works to the end of the forwards and the multi-stage runtime (interleaved)
+    to the end of the step, so there the alias is freed at its micro-batch's backward: the outputs of the
+    sending stages' micro-batches in flight. `inflight`: micro-batches in flight per stage of the rank
+    (inflight_microbatches). torch's own PipelineStage (pipeline_memory="torch", torchtitan's runtime) holds
+    an input and a gradient buffer for
+    every micro-batch index for the whole step, beyond the in-flight inputs the activations count, and every
+    in-flight output until its backward (torch/distributed/pipelining/stage.py: _setup_forward_recv_info and
+    _setup_backward_recv_info, forward_one_chunk's fwd_cache; tests/test_pipeline_memory.py). Under
+    pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY) there is
+    nothing beyond the activations (PIPELINE_MEMORY)."""
+    if pipeline_memory not in PIPELINE_MEMORY:
+        raise ValueError(f"pipeline_memory={pipeline_memory!r}; expected one of {PIPELINE_MEMORY}")
+    if pp == 1 or pipeline_memory == "megatron":
+        return 0.0
+    sending = v - (1 if q == pp - 1 else 0)  # stages of the rank that are not the model's last
+    if pipeline_memory == "torch":
+        receiving = v - (1 if q == 0 else 0)  # nor its first
+        return receiving * (m - inflight) + sending * (inflight + m)
+    if sending == 0:
+        return 0.0
+    if schedule == "1f1b":
+        held = min(2.0, inflight)
+    elif schedule == "gpipe":
+        held = float(m)
+    else:  # the rank's chunks in flight (inflight counts whole-rank micro-batches: chunks / v); at the last
+        # rank's peak they are its sending stages' (the head's chunk runs its backward right after its forward)
+        held = inflight * v
+    return held + 1.0
 
 
 def zero3_gathered_param_bytes(*, largest_layer_param_bytes: float, prefetch_layers: int = 1,

@@ -460,44 +460,12 @@ class MemoryCosts:
 
     def pipeline_buffer_bytes(self, q: int, *, pp: int, v: int, m: int, inflight: float, mbs: int, tp: int,
                               sp: bool, cp: int = 1, schedule: str = "1f1b") -> float:
-        """Bytes pipeline rank q holds in autopar's pipelining runtime beyond its layers' activations.
-
-        autopar's stages (codegen/inflight_stage.py, over torch.distributed.pipelining's schedules) allocate a
-        receive buffer when the receive is posted and drop it after that micro-batch's backward: the input
-        buffers are those of the micro-batches in flight, the inputs the stage's first layer saves, counted
-        with its activations; a gradient buffer lives from its receive to its backward, one at the backward
-        that makes the rank's peak. A stage frees each output's data once its send is handed to the schedule
-        (Megatron-LM's deallocate_output_tensor); the send reads an alias that lives while the schedule holds
-        the send: torch's Schedule1F1B keeps the last forward's send and its warm-up's last send work (2);
-        ScheduleGPipe keeps its send works to the end of the forwards and the multi-stage runtime (interleaved)
-        to the end of the step, so there the alias is freed at its micro-batch's backward: the outputs of the
-        sending stages' micro-batches in flight. `inflight`: micro-batches in flight per stage of the rank
-        (inflight_microbatches); one buffer is a stage boundary's tensor, the largest the graph has
-        (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp. torch's own
-        PipelineStage (pipeline_memory="torch", torchtitan's runtime) holds an input and a gradient buffer for
-        every micro-batch index for the whole step, beyond the in-flight inputs the activations count, and every
-        in-flight output until its backward (torch/distributed/pipelining/stage.py: _setup_forward_recv_info and
-        _setup_backward_recv_info, forward_one_chunk's fwd_cache; tests/test_pipeline_memory.py). Under
-        pipeline_memory="megatron" (another framework's runtime, cost_models.memory.PIPELINE_MEMORY) there is
-        nothing beyond the activations."""
-        if pp == 1 or self.pipeline_memory == "megatron":
-            return 0.0
+        """Bytes pipeline rank q holds in its pipelining runtime beyond its layers' activations
+        (cost_models.memory.pipeline_buffers, in stage-boundary tensors): one is the largest boundary tensor
+        the graph has (LayerSpec.boundary_bytes), sharded over tp under sequence parallelism and cp."""
         one = self.act_scale * self._largest_boundary_bytes * mbs / (tp if sp else 1) / cp
-        if self.pipeline_memory == "torch":
-            receiving = v - (1 if q == 0 else 0)  # stages of the rank that are not the model's first
-            sending = v - (1 if q == pp - 1 else 0)  # nor its last
-            return one * (receiving * (m - inflight) + sending * (inflight + m))
-        sending = v - (1 if q == pp - 1 else 0)  # stages of the rank that are not the model's last
-        if sending == 0:
-            return 0.0
-        if schedule == "1f1b":
-            held = min(2.0, inflight)
-        elif schedule == "gpipe":
-            held = float(m)
-        else:  # the rank's chunks in flight (inflight counts whole-rank micro-batches: chunks / v); at the last
-            # rank's peak they are its sending stages' (the head's chunk runs its backward right after its forward)
-            held = inflight * v
-        return one * (held + 1.0)
+        return one * memory.pipeline_buffers(self.pipeline_memory, q=q, pp=pp, v=v, m=m, inflight=inflight,
+                                             schedule=schedule)
 
     @cached_property
     def _largest_boundary_bytes(self) -> int:
