@@ -330,7 +330,7 @@ class PlannerOptions:
     objective: str = "fastest"  # OBJECTIVES
     # how the training code computes the loss (cost_models.memory.LOSS_KERNELS). None: as autopar's runtime
     # does, "chunked" for a loss_fn of the logits (lm_cross_entropy) and "fp32_logits" for a model's own loss
-    # (autopar.planner.memory_costs.runtime_loss_kernel); "fp32_logits" for a loss_fn that upcasts all the
+    # (autopar.capture.loss_mode.runtime_loss_kernel); "fp32_logits" for a loss_fn that upcasts all the
     # logits (F.cross_entropy(logits.float(), ...)), or to price another framework's run; "fused" for a fused kernel
     loss_kernel: str | None = None
     # the router's load imbalance the MoE layers are priced at (busiest expert-parallel rank's routed tokens ÷

@@ -8,7 +8,7 @@ as <arg> and returns the loss it computes. The layout and its cuts do not depend
 
 from __future__ import annotations
 
-__all__ = ["LOSS_FN", "loss_mode", "own_loss_target", "describe_loss_mode"]
+__all__ = ["LOSS_FN", "loss_mode", "own_loss_target", "describe_loss_mode", "runtime_loss_kernel"]
 
 LOSS_FN = "loss_fn"
 _OWN = "own:"
@@ -31,3 +31,11 @@ def describe_loss_mode(mode: str) -> str:
     if (name := own_loss_target(mode)) is not None:
         return f"its own loss ({name or 'its targets'}= given to its forward, no loss_fn)"
     return "an unrecorded loss (a plan written before plans recorded it)"
+
+
+def runtime_loss_kernel(loss_mode: str) -> str:
+    """What autopar's runtime holds of the logits for the loss (cost_models.memory.LOSS_KERNELS): "chunked"
+    for a loss_fn of the logits (lm_cross_entropy, autopar/codegen/loss.py; a loss_fn that upcasts all the
+    logits is priced with PlannerOptions(loss_kernel="fp32_logits")); "fp32_logits" for a model's own loss,
+    whose code is the model's (typically F.cross_entropy over the upcast logits)."""
+    return "fp32_logits" if own_loss_target(loss_mode) is not None else "chunked"

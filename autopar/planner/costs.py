@@ -219,7 +219,8 @@ class CostModel:
                                                 for b in (False, True)) if cp > 1 else (0.0, 0.0),
                               attention_full_s=tuple(self.compute.attention_s(ri, tp, sp, share, False, b)
                                                      for b in (False, True)) if cp > 1 else (0.0, 0.0),
-                              collective_s=self.comm.collective_s, devices_per_node=self.devices_per_node)
+                              collective_s=self.comm.collective_s, devices_per_node=self.devices_per_node,
+                              selective_cache=self.memory.selective_cache)
         return t, tp_s, ep_s, cp_s
 
     def _run_sp(self, ri: int, sp: bool, tp: int) -> bool:

@@ -92,10 +92,12 @@ class CPLayerCosts:
 
 def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, micro_batch: int, elem: int,
                    attention_s: tuple[float, float], collective_s, devices_per_node: int,
-                   attention_full_s: tuple[float, float] | None = None) -> CPLayerCosts:
+                   attention_full_s: tuple[float, float] | None = None, selective_cache: bool = True
+                   ) -> CPLayerCosts:
     """`attention_s`: the layer's attention kernels (forward, backward) at the shard's share of tokens, as the
     layer prices them; `attention_full_s`: the same kernels computing every tile (default `attention_s`);
-    `collective_s(op, n_bytes, group_size, ranks_per_node)` prices one collective."""
+    `collective_s(op, n_bytes, group_size, ranks_per_node)` prices one collective; `selective_cache`: selective
+    recompute keeps torch's checkpoint cache (MemoryCosts.selective_cache)."""
     if cp == 1:
         return CPLayerCosts(forward_s=0.0, backward_s=0.0, attention_extra_forward_s=0.0,
                             attention_extra_backward_s=0.0)
@@ -108,4 +110,4 @@ def cp_layer_costs(graph: ModelGraph, layer: LayerSpec, *, tp: int, cp: int, mic
                         attention_extra_backward_s=full[1] * (2 * cp + 1) / (4 * cp) - attention_s[1],
                         gathered_kv_bytes=n, shard_kv_bytes=kv_exchange_bytes(
                             graph, layer, tp=tp, micro_batch=micro_batch, elem=elem, repeated=True) / cp,
-                        selective_measured=layer.saved_activation_bytes_selective is not None)
+                        selective_measured=selective_cache and layer.saved_activation_bytes_selective is not None)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from autopar.capture.graph import LayerSpec, ModelGraph
-from autopar.capture.loss_mode import own_loss_target
+from autopar.capture.loss_mode import runtime_loss_kernel
 from autopar.capture.vocab_split import layer_at_tp, vocab_parallel_head
 from autopar.config import expert_dp
 from autopar.planner.fp8_costs import fp8_copy_bytes, fp8_param_share, te_weight_cache_bytes
@@ -91,14 +91,6 @@ def expert_forward_flops(layer: LayerSpec) -> float:
     if layer.moe is None:
         return 0.0
     return sum(k.work * k.count for k in layer.kernels_forward.kernels if k.expert)
-
-
-def runtime_loss_kernel(loss_mode: str) -> str:
-    """What autopar's runtime holds of the logits for the loss (cost_models.memory.LOSS_KERNELS): "chunked"
-    for a loss_fn of the logits (lm_cross_entropy, autopar/codegen/loss.py; a loss_fn that upcasts all the
-    logits is priced with PlannerOptions(loss_kernel="fp32_logits")); "fp32_logits" for a model's own loss,
-    whose code is the model's (typically F.cross_entropy over the upcast logits)."""
-    return "fp32_logits" if own_loss_target(loss_mode) is not None else "chunked"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,6 +300,12 @@ class MemoryCosts:
         saved_activation_bytes_expert) is priced by `expert_bank_share`."""
         return self._acts(ri, tp, sp, mbs, compiled, ep, etp)
 
+    @property
+    def selective_cache(self) -> bool:
+        """Selective recompute keeps torch's checkpoint cache (autopar's runtime: every non-core op's output),
+        not Megatron-LM's and DeepSpeed's none-less-the-core (pipeline_memory="megatron"; Korthikanti §5)."""
+        return self.pipeline_memory != "megatron"
+
     @staticmethod
     def expert_bank_share(layer: LayerSpec, tp: int, sp: bool, ep: int, etp: int = 1) -> float:
         """Of the bytes the layer's expert banks keep per sample (LayerSpec.saved_activation_bytes_expert), those
@@ -342,7 +340,8 @@ class MemoryCosts:
 
         def acts_of(k: str) -> float:
             saved, sharded = layer.saved_activation_bytes, layer.saved_activation_bytes_tp_sharded
-            measured = block and k in policy and policy[k][0] is not None
+            measured = (block and k in policy and policy[k][0] is not None
+                        and (k != "selective" or self.selective_cache))
             if measured:
                 saved, sharded, unread = policy[k]
                 if compiled and unread and saved > 0:
