@@ -82,3 +82,24 @@ def test_selective_cache_hand_count() -> None:
     inputs = 4 * seq * (H + 2 * 16) + 8 * seq  # hidden states, cos and sin (head_dim 16), int64 positions
     assert stats.saved_bytes_selective == inputs + 4 * seq * (15.5 * H + 6.5 * KV + 6 + 4 * F)
     assert stats.saved_bytes_selective > stats.saved_bytes  # fused attention: more than none keeps
+
+
+def test_megatron_runtime_prices_selective_as_none_less_the_core() -> None:
+    # autopar's runtime keeps torch's selective-checkpoint cache (the captured figure); Megatron-LM's selective
+    # recompute checkpoints the attention core alone: none's bytes less the core (Korthikanti et al. 2022 §5)
+    import autopar
+    from autopar.planner.costs import CostModel
+    from autopar.planner.problem import MODES
+
+    graph = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=64, attn_impl="eager"))
+    cluster = autopar.Cluster.preset("dgx-a100-80gb", nodes=1)
+    ours = CostModel.for_cluster(graph, cluster).memory
+    megatron = CostModel.for_cluster(graph, cluster, pipeline_runtime="megatron").memory
+    ri = next(i for i, run in enumerate(ours.runs) if run[0].kind == "block")
+    layer = ours.runs[ri][0]
+    assert layer.saved_activation_bytes_selective is not None
+    sel, none = MODES.index("selective"), MODES.index("none")
+    theirs = megatron.activation_bytes(ri, 1, False, 1)
+    assert theirs[sel] == pytest.approx(theirs[none] - megatron.act_scale * layer.saved_activation_bytes_attention_core)
+    kept = ours.act_scale * layer.saved_activation_bytes_selective
+    assert ours.activation_bytes(ri, 1, False, 1)[sel] == pytest.approx(kept)
