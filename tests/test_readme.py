@@ -212,12 +212,19 @@ def _workdir(tmp: Path) -> dict[str, str]:
 
 
 def _run(block: Block, what: str, argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    try:
-        done = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"{block.where} `{block.first_line}`: {what} ran past {COMMAND_TIMEOUT_S} s\n{out[-3000:]}")
+    """Run one command; again on a fresh port when torchrun's rendezvous found its port taken (free_port's
+    port can be bound by a parallel test between the probe and torchrun's bind: EADDRINUSE before any rank
+    ran, so nothing of the command happened)."""
+    for _ in range(3):
+        try:
+            done = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=COMMAND_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            pytest.fail(f"{block.where} `{block.first_line}`: {what} ran past {COMMAND_TIMEOUT_S} s\n{out[-3000:]}")
+        if done.returncode == 0 or "EADDRINUSE" not in done.stdout:
+            break
+        env = {**env, "PET_MASTER_PORT": str(free_port())}
     return done.returncode, done.stdout
 
 
