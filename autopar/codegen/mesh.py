@@ -10,7 +10,6 @@ the flattened ("dp", "cp") axis "dp_cp": cp ranks hold the same weights and see 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -28,12 +27,6 @@ MESH_AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # the flattened ("dp", "cp") axis gradients are averaged and ZeRO shards over
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s: float = 600.0) -> None:
     """Initialise the default process group (unless the user already has) and check its size.
 
@@ -42,17 +35,22 @@ def init_distributed(config: ParallelConfig, device: torch.device, *, timeout_s:
     """
     if not dist.is_initialized():
         if "RANK" not in os.environ and config.world_size == 1:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+            # one process needs no rendezvous: an in-memory store, no port to find free (a port probed free
+            # can be taken by another process's connection before the store binds it: EADDRINUSE)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
         elif "RANK" not in os.environ:
             raise PlanMismatchError(
                 f"the plan needs {config.world_size} processes (tp·cp·pp·dp = {config.tp}·{config.cp}·{config.pp}·"
                 f"{config.dp}) but this is not a distributed launch; run "
                 f"`torchrun --nproc_per_node {config.world_size} your_script.py`"
             )
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))  # restart-safe under torchrun
+        else:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))  # restart-safe (torchrun)
     world = dist.get_world_size()
     if world != config.world_size:
         raise PlanMismatchError(

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import math
 import queue as queue_mod
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,12 +67,6 @@ def collective_plan(nproc: int, quick: bool) -> list[tuple[str, int]]:
         if not quick:
             plan += [("broadcast", nproc), ("all_to_all", nproc)]
     return plan
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _op_fn(op: str, n_bytes: int, g: int, rank: int, group: dist.ProcessGroup,
@@ -193,14 +187,15 @@ def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torc
     return {n: statistics.fmean(ts) / (2.0 if op == "p2p" else 1.0) for n, ts in times.items()}
 
 
-def _worker(rank: int, nproc: int, port: int, backend: str, plan: list[tuple[str, int]], sizes: list[int],
+def _worker(rank: int, nproc: int, store_path: str, backend: str, plan: list[tuple[str, int]], sizes: list[int],
             trials: int, trial_s: float, threads: int, deadline: float, mix_dtype: str | None,
             step: Callable[[], object] | None, results: mp.Queue) -> None:
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
+    # a file store: no port to probe free (another process can take a probed port before it is bound)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=nproc)
     groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan} | set(group_sizes(nproc)))}
     try:
         mix = None
@@ -266,7 +261,8 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
     # the workers stop measuring TEARDOWN_S early: the parent then collects them (join, else terminate)
     deadline = start + (budget_s - TEARDOWN_S if math.isfinite(budget_s) else 3600.0)
     # small messages are cheap and the noisiest (OS scheduling of oversubscribed ranks): 7-9 trials
-    args = (nproc, _free_port(), backend, plan, sizes, 7 if quick else 9, 0.02 if quick else 0.05, threads,
+    store_dir = tempfile.TemporaryDirectory(prefix="autopar-profile-")
+    args = (nproc, f"{store_dir.name}/store", backend, plan, sizes, 7 if quick else 9, 0.02 if quick else 0.05, threads,
             deadline, mix_dtype, step, results)
     procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(nproc)]
     for p in procs:
@@ -308,6 +304,7 @@ def measure_collectives(nproc: int, *, backend: str, quick: bool, progress: Call
             p.join(timeout=TEARDOWN_S)
             if p.is_alive():
                 p.terminate()
+        store_dir.cleanup()
     return CollectiveSweep(samples=samples + _extrapolate(samples, plan, sizes, progress), mix_s=mix_s)
 
 
