@@ -172,7 +172,7 @@ def test_planner_keeps_experts_whole_when_memory_allows(moe) -> None:
 def test_cli_etp_flag_show_explain_diff(tmp_path, capsys) -> None:
     """`autopar plan --etp 2`, and etp printed by show, explain (etp=1, the EP pair then folded over tp, priced
     beside it) and diff."""
-    from test_moe_planner import _mixtral_factory
+    from test_moe_cli import _mixtral_factory
 
     from autopar.cli.main import main
 
