@@ -164,3 +164,23 @@ def test_profile_command_writes_a_profile(monkeypatch, tmp_path, capsys):
     assert summary["cpu"] and summary["optimizer"]["adamw_implementation"] == "for-loop"
     assert summary["optimizer"]["adamw_per_tensor_us"] > 0
     assert Profile.load(tmp_path / "p.json").device_kind == "cpu"
+
+
+@pytest.mark.multiproc
+def test_collectives_profile_in_a_process_that_holds_a_process_group():
+    """A process that ran a one-process `parallelize` holds a default group; the profiler's forked workers
+    inherit it and must start their own (they failed with "trying to initialize the default process group
+    twice", which the suite met depending on which tests its worker had run)."""
+    import torch.distributed as dist
+
+    from cost_models.profiler.collectives import measure_collectives
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sweep = measure_collectives(2, backend="gloo", quick=True, progress=lambda _m: None, sizes=[1024, 4096],
+                                    plan=[("all_reduce", 2)], budget_s=10.0)
+        assert [s.n_bytes for s in sweep.samples if not s.extrapolated] == [1024, 4096]
+        assert dist.get_world_size() == 1  # the parent's group untouched
+    finally:
+        dist.destroy_process_group()

@@ -187,6 +187,9 @@ def _sweep_op(op: str, g: int, rank: int, group: dist.ProcessGroup, device: torc
     return {n: statistics.fmean(ts) / (2.0 if op == "p2p" else 1.0) for n, ts in times.items()}
 
 
+_INHERITED: list[object] = []  # process-group state a forked worker inherited and set aside (_worker)
+
+
 def _worker(rank: int, nproc: int, store_path: str, backend: str, plan: list[tuple[str, int]], sizes: list[int],
             trials: int, trial_s: float, threads: int, deadline: float, mix_dtype: str | None,
             step: Callable[[], object] | None, results: mp.Queue) -> None:
@@ -194,6 +197,12 @@ def _worker(rank: int, nproc: int, store_path: str, backend: str, plan: list[tup
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if dist.is_initialized():
+        # forked from a process holding a process group (a one-process `parallelize` before the profile): the
+        # child inherits its Python objects but not the threads behind them. Set them aside, never destroyed
+        # (a forked multiprocessing child ends with os._exit), and start this job's group afresh.
+        _INHERITED.append(dist.distributed_c10d._world)  # held: destroying them joins threads this process lacks
+        dist.distributed_c10d._world = dist.distributed_c10d._World()
     # a file store: no port to probe free (another process can take a probed port before it is bound)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=nproc)
     groups = {g: dist.new_group(list(range(g))) for g in sorted({g for _, g in plan} | set(group_sizes(nproc)))}
