@@ -175,12 +175,16 @@ def test_collectives_profile_in_a_process_that_holds_a_process_group():
 
     from cost_models.profiler.collectives import measure_collectives
 
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # An earlier test on this pytest worker may already have left a one-process group; hold one either way.
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world_size = dist.get_world_size()
     try:
         sweep = measure_collectives(2, backend="gloo", quick=True, progress=lambda _m: None, sizes=[1024, 4096],
                                     plan=[("all_reduce", 2)], budget_s=10.0)
         assert [s.n_bytes for s in sweep.samples if not s.extrapolated] == [1024, 4096]
-        assert dist.get_world_size() == 1  # the parent's group untouched
+        assert dist.is_initialized() and dist.get_world_size() == world_size  # the parent's group untouched
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
