@@ -208,8 +208,21 @@ def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
                              virtual_stages=run.get("v", 1), recompute=run["recompute"],
                              sequence_parallel=run["sp"], **_run_options(run, runtime))
         est = autopar.estimate(graph, cluster, cfg, options=_options(run, runtime))
-        return est, cfg, not est.fits
-    pins = {"micro_batch_size": run["mbs"]} if "mbs" in run else {}
+        if est.fits or runtime != "autopar" or cfg.schedule != "interleaved_1f1b":
+            return est, cfg, not est.fits
+        # The interleaving group N is not a published field: autopar's planner chooses it (from pp/2 to pp,
+        # PlannerOptions.microbatch_group) with every published field pinned, paying the bubble a group
+        # below pp costs (cost_models/pipeline_order.py) where N = pp does not fit.
+        try:
+            plan = autopar.plan(graph, cluster, global_batch_size=gb, options=_options(
+                run, runtime, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                schedule=cfg.schedule, virtual_stages=cfg.virtual_stages))
+        except InfeasiblePlanError:
+            return est, cfg, True
+        return plan.estimate, plan.config, False
+    # a published micro-batch fixes the count too (global batch ÷ dp ÷ micro-batch), which lets the planner
+    # choose an unpublished interleaving group (PlannerOptions.microbatch_group)
+    pins = {"micro_batch_size": run["mbs"], "num_microbatches": gb // (dp * run["mbs"])} if "mbs" in run else {}
     if "schedule" in run:
         pins["schedule"] = run["schedule"]
     if "v" in run:

@@ -103,3 +103,17 @@ def test_megatron_runtime_prices_selective_as_none_less_the_core() -> None:
     assert theirs[sel] == pytest.approx(theirs[none] - megatron.act_scale * layer.saved_activation_bytes_attention_core)
     kept = ours.act_scale * layer.saved_activation_bytes_selective
     assert ours.activation_bytes(ri, 1, False, 1)[sel] == pytest.approx(kept)
+
+
+def test_eager_selective_keeps_no_score_sized_tensor() -> None:
+    # the eager core's scaled, masked and viewed scores are the core too (AttentionCore follows the data): what
+    # selective keeps grows linearly in the sequence (the s² causal mask is the call's input, not kept by it)
+    # and is less than none keeps, at runtime as priced; keyed by op type, the cache kept the scores' views and
+    # the masked sum (s² each), more than none
+    kept = {}
+    for seq in (256, 512):
+        layer, args, kwargs = _block("eager", seq, "meta")
+        stats = measure_call(layer, args, kwargs, ModelState(layer))
+        kept[seq] = stats.saved_bytes_selective - 4 * seq * seq
+    assert kept[512] == 2 * kept[256]
+    assert _measured_selective_bytes("eager", 512) == stats.saved_bytes_selective < stats.saved_bytes

@@ -248,7 +248,7 @@ class LayerSpec:
     # recompute what it does read): a compiled block does not keep them (capture.fusion.unread_save_bytes).
     saved_activation_bytes_op_sac_unread: int = 0
     # The same for selective recompute, whose policy caches every op's output outside the attention core, read by
-    # backward or not (autopar.capture.kernels.selective_saves). None in graphs captured before it: the planner
+    # backward or not (autopar.capture.kernels.AttentionCore). None in graphs captured before it: the planner
     # then prices selective as saved_activation_bytes less the attention core.
     saved_activation_bytes_selective: int | None = None
     saved_activation_bytes_selective_tp_sharded: int | None = None

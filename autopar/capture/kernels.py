@@ -23,9 +23,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "SELECTIVE_RECOMPUTED_OPS", "op_sac_saves",
-           "selective_saves", "inside_fused_kernel"]
+           "AttentionCore", "inside_fused_kernel"]
 
 aten = torch.ops.aten
 
@@ -52,11 +54,58 @@ _OP_SAC_ALWAYS_SAVED = SDPA_OPS | frozenset(
     if op is not None)
 
 
-# Selective recompute ("selective", Korthikanti et al. 2022 §4.2): the attention core runs again in backward,
-# fused SDPA kernels and the eager path's batched matmuls (q·kᵀ, probs·v: projections are mm/addmm on 2-D
-# views), softmax and dropout; every other op's output is cached (torch's selective-checkpoint MUST_SAVE),
-# whether or not backward reads it, views included (a cached view keeps its base's storage alive).
-SELECTIVE_RECOMPUTED_OPS = SDPA_OPS | frozenset({aten.bmm, aten._softmax, aten.native_dropout})
+# Selective recompute ("selective", Korthikanti et al. 2022 §4.2) runs the attention core again in backward:
+# fused SDPA kernels whole, and on the eager path everything from the score matmul to the probability-weighted
+# sum (`AttentionCore`); softmax and dropout anywhere else run again too. Every other op's output is cached
+# (torch's selective-checkpoint MUST_SAVE), whether or not backward reads it, views included (a cached view
+# keeps its base's storage alive).
+SELECTIVE_RECOMPUTED_OPS = SDPA_OPS | frozenset({aten.bmm, aten.baddbmm, aten._softmax, aten.native_dropout})
+# the batched matmuls that start the eager core (q·kᵀ, with an additive bias: baddbmm) and end it (probs·v);
+# projections dispatch mm/addmm on 2-D views, so a batched matmul inside a block is attention's (or an
+# expert's, which recomputing keeps correct)
+_CORE_MATMULS = frozenset({aten.bmm, aten.baddbmm})
+
+
+class AttentionCore:
+    """Which ops of one block's forward selective recompute runs again, by following the attention core.
+
+    A batched matmul reading no core tensor (q·kᵀ) starts the core; every op reading a core tensor (the
+    scale, the mask and what builds it from the scores, softmax, dropout, the views between them) is in it;
+    a batched matmul reading one core tensor beside another tensor (probs·v) ends it: its output is outside.
+    Fused attention (`fused`: SDPA and the like) is the core whole, its output outside. Keying by op type
+    alone cached the scaled, masked and viewed s²-sized scores (an eager GPT block kept more than without
+    recompute); following the data keeps exactly what Megatron-LM's selective recompute keeps.
+
+    One instance follows one forward (the runtime's policy and its recompute each have their own, so both
+    see the same decisions): `recomputes` decides from the inputs, `observe` marks the outputs."""
+
+    def __init__(self, fused: frozenset = SDPA_OPS) -> None:
+        self._fused = fused
+        self._core = WeakTensorKeyDictionary()
+
+    def _classify(self, packet: Any, args: Any) -> tuple[bool, bool]:
+        """(recomputed, outputs in the core)."""
+        core_args = sum(1 for a in tree_leaves(args)
+                        if isinstance(a, torch.Tensor) and a in self._core)
+        if packet in self._fused:
+            return True, False
+        if packet in _CORE_MATMULS:
+            return True, core_args != 1
+        if core_args:
+            return True, True
+        return packet in SELECTIVE_RECOMPUTED_OPS, False
+
+    def recomputes(self, packet: Any, args: Any) -> bool:
+        return self._classify(packet, args)[0]
+
+    def observe(self, packet: Any, args: Any, outs: Any) -> bool:
+        """Mark `outs` (the op's outputs) core or not; returns whether the op is recomputed."""
+        recomputed, core = self._classify(packet, args)
+        if core:
+            for t in tree_leaves(outs):
+                if isinstance(t, torch.Tensor):
+                    self._core[t] = True
+        return recomputed
 
 
 # > 0 while `_sdpa` repeats K/V heads for grouped-query attention: the fused kernels (flash, cuDNN) index the
@@ -67,12 +116,6 @@ _KERNEL_INTERNAL = [0]
 def inside_fused_kernel() -> bool:
     """Whether the ops now dispatched model the inside of a fused attention kernel (no policy sees them)."""
     return _KERNEL_INTERNAL[0] > 0
-
-
-def selective_saves(packet: Any) -> bool:
-    """Whether selective recompute's policy (autopar.codegen.recompute) caches an op's (overload packet's)
-    outputs: every op outside the attention core."""
-    return packet not in SELECTIVE_RECOMPUTED_OPS
 
 
 def op_sac_saves(packet: Any, matmul_index: int) -> bool:

@@ -36,10 +36,10 @@ from autopar.capture.head_tables import HeadTables
 from autopar.capture.kernels import (
     OP_SAC_MATMUL_OPS,
     SDPA_OPS,
+    AttentionCore,
     gpu_kernels,
     inside_fused_kernel,
     op_sac_saves,
-    selective_saves,
 )
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups, record_bank_calls, record_bank_saves
 from autopar.capture.probe_kernels import (
@@ -102,7 +102,7 @@ class CallStats:
     saved_bytes_op_sac: int = 0
     saved_bytes_op_sac_tp_sharded: int = 0
     saved_bytes_op_sac_unread: int = 0  # of saved_bytes_op_sac, outputs no backward reads (fusion.unread_saves)
-    # what selective recompute keeps (autopar.capture.kernels.selective_saves), alike: the call's inputs and the
+    # what selective recompute keeps (autopar.capture.kernels.AttentionCore), alike: the call's inputs and the
     # storages of every output its policy caches (a view's base), less the call's own outputs (charged to the
     # layer that reads them)
     saved_bytes_selective: int = 0
@@ -192,6 +192,7 @@ class _Tracker(TorchDispatchMode):
         self.from_call: set[int] = set()
         self.heads = HeadTables()
         self.selective: dict[int, int] = {}  # storage key → bytes selective's policy keeps alive
+        self.core = AttentionCore()  # what selective recompute runs again
 
     def mark_from_call(self, t: torch.Tensor) -> None:
         self.from_call.add(storage_key(t))
@@ -266,16 +267,19 @@ class _Tracker(TorchDispatchMode):
         sac = tensor_bytes(outs) if op_sac_saves(packet, self.matmuls) else 0
         self.ops.append(Op(flops=flops, src=src, linear=linear, head_dim=head_dim, kind=kind,
                             bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
-                            sac_saved_bytes=sac, groups=groups, selective_saved=self._selective_cache(func, outs)))
+                            sac_saved_bytes=sac, groups=groups,
+                            selective_saved=self._selective_cache(func, outs, func in SAC_IGNORED_OPS
+                                                                  or self.core.observe(packet, (args, kwargs), out))))
         self.steps.record(kind, storages(ins), storages(outs))
         return out
 
 
-    def _selective_cache(self, func: Any, outs: list[torch.Tensor]) -> tuple[int, ...]:
+    def _selective_cache(self, func: Any, outs: list[torch.Tensor], recomputed: bool) -> tuple[int, ...]:
         """Storages selective recompute's policy first keeps alive with this op's outputs: torch's
         selective-checkpoint cache holds a detached alias of each output (its whole storage) of the ops the
-        policy saves; ops the cache ignores (detach) and parameters' views keep nothing new."""
-        if func in SAC_IGNORED_OPS or not selective_saves(func.overloadpacket) or inside_fused_kernel():
+        policy saves (`recomputed` False: AttentionCore); ops the cache ignores (detach) and parameters'
+        views keep nothing new."""
+        if func in SAC_IGNORED_OPS or recomputed or inside_fused_kernel():
             return ()
         new = []
         for t in outs:

@@ -2,10 +2,11 @@
 
 The modes (cost_models.memory.RECOMPUTE_MODES, the one vocabulary):
 - "none": autograd keeps what each op saves.
-- "selective": only the attention core (scores, softmax, attention-weighted sum: the s²-sized tensors) is
-  recomputed; every other op's output is saved (Korthikanti et al. 2022, §4.2), read by backward or not
-  (autopar.capture.kernels.selective_saves, which capture prices with the same rule: with fused attention
-  this keeps more than none does).
+- "selective": only the attention core (scores, their scale and mask, softmax, dropout, attention-weighted
+  sum: the s²-sized tensors; fused attention whole) is recomputed; every other op's output is saved
+  (Korthikanti et al. 2022, §4.2), read by backward or not (autopar.capture.kernels.AttentionCore follows
+  the core through the data, and capture prices with the same rule: with fused attention this keeps more
+  than none does).
 - "op_sac": op-level selective checkpointing as torchtitan runs it: the outputs of fused attention,
   reduce-scatters and every odd-numbered matmul are saved, every second matmul and every other op
   (pointwise ops, norms) runs again in backward (autopar.capture.kernels.op_sac_saves, which capture
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv, cp_chunk_attention)
-from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SELECTIVE_RECOMPUTED_OPS, op_sac_saves, selective_saves
+from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, SELECTIVE_RECOMPUTED_OPS, AttentionCore, op_sac_saves
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
 
@@ -33,6 +34,8 @@ __all__ = ["ATTENTION_CORE_OPS", "apply_recompute"]
 # The attention core selective recompute runs again (capture.kernels.SELECTIVE_RECOMPUTED_OPS, which capture
 # prices with the same rule), and context parallelism's flash attention (cp_attention.py)
 ATTENTION_CORE_OPS = SELECTIVE_RECOMPUTED_OPS | {torch.ops.autopar.cp_chunk_attention}
+# the fused attention kernels the core holds whole (their outputs outside it)
+_FUSED_ATTENTION = SDPA_OPS | {torch.ops.autopar.cp_chunk_attention}
 # context parallelism's K/V all-gather: kept by both selective policies (a collective is not rerun to save
 # memory the attention's saved inputs hold anyway); full recompute runs it again
 _CP_GATHER = torch.ops.autopar.cp_gather_kv
@@ -40,14 +43,17 @@ _CP_GATHER = torch.ops.autopar.cp_gather_kv
 _CP_ATTENTION = torch.ops.autopar.cp_chunk_attention
 
 
-def _attention_core_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    packet = getattr(op, "overloadpacket", op)
-    saved = selective_saves(packet) and packet is not _CP_ATTENTION
-    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _selective_context():
-    return create_selective_checkpoint_contexts(_attention_core_policy)
+    """Torch's selective-checkpoint modes under a policy that follows one forward's attention core: torch
+    asks the policy after each op runs (`ctx.op_output`), so AttentionCore marks the outputs as it decides;
+    the recompute replays the forward's decisions from its cache."""
+    core = AttentionCore(_FUSED_ATTENTION)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        recomputed = core.observe(getattr(op, "overloadpacket", op), (args, kwargs), ctx.op_output)
+        return CheckpointPolicy.PREFER_RECOMPUTE if recomputed else CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _op_sac_context():
