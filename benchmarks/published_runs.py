@@ -286,7 +286,7 @@ def write_bands(rows: list[loso.Row], path: Path = error_band.BANDS_FILE) -> Non
             band = loso.Band(lo=lo, hi=hi, runs=len(rows), basis="all")
         elif hw == error_band.ANY:  # the kind on any hardware: derive_band's fallback without the hardware step
             same = [r for r in rows if r.kind == kind]
-            pool = same if len(same) >= loso.BAND_MIN_RUNS else list(rows)
+            pool = same if loso.enough_sources(same) else list(rows)
             lo, hi = loso._spread(pool)
             band = loso.Band(lo=lo, hi=hi, runs=len(pool), basis="kind" if pool is same else "all")
         else:

@@ -81,12 +81,15 @@ def test_loso_derives_without_the_held_out_source():
 
 
 def test_band_falls_back_from_hardware_to_kind_to_all():
-    rows = ([_row(f"f{i}", "s", 1.0 + 0.1 * i, 1.0, kind="fsdp", hw="a100") for i in range(3)]
-            + [_row("p0", "s", 2.0, 1.0, kind="pipeline", hw="h100")])
+    # a basis needs runs of BAND_MIN_SOURCES sources: many runs of one source do not show the next source's error
+    n = loso.BAND_MIN_SOURCES
+    rows = ([_row(f"f{i}", f"s{i}", 1.0 + 0.1 * i, 1.0, kind="fsdp", hw="a100") for i in range(n)]
+            + [_row(f"g{i}", "s0", 1.0, 1.0, kind="fsdp", hw="h100") for i in range(n)]
+            + [_row("p0", "s0", 2.0, 1.0, kind="pipeline", hw="h100")])
     assert loso.derive_band(rows, kind="fsdp", hardware="a100").basis == "kind+hardware"
-    assert loso.derive_band(rows, kind="fsdp", hardware="h100").basis == "kind"
+    assert loso.derive_band(rows, kind="fsdp", hardware="h100").basis == "kind"  # n runs, but of one source
     b = loso.derive_band(rows, kind="pipeline", hardware="h100")
-    assert (b.basis, b.runs, b.lo, b.hi) == ("all", 4, pytest.approx(0.0), pytest.approx(1.0))
+    assert (b.basis, b.runs, b.lo, b.hi) == ("all", 2 * n + 1, pytest.approx(0.0), pytest.approx(1.0))
 
 
 def test_estimates_carry_the_band_of_their_kind():
