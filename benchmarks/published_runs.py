@@ -252,6 +252,21 @@ def loso_rows(rows: list[Priced]) -> list[loso.Row]:
             for r in rows]
 
 
+def own_loso_rows(rows: list[Priced], runs: list[dict], cache: dict) -> list[loso.Row]:
+    """`loso_rows` of the rows as autopar's own runtime prices them: a row priced alike under both runtimes
+    (same layout, same step time) keeps its curve; the others are priced on loso's grid again."""
+    by_name = {r["name"]: r for r in runs}
+    out = []
+    for r in rows:
+        curve = r.curve
+        if r.curve and (r.own_config != r.config or not math.isclose(r.own_predicted_s, r.predicted_s, rel_tol=1e-9)):
+            run = by_name[r.name]
+            curve = tuple((g, price(run, _graph(run, cache), _cluster(run, g), runtime="autopar")[0].step_time_s)
+                          for g, _ in r.curve)
+        out.append(dataclasses.replace(r, predicted_s=r.own_predicted_s, curve=curve))
+    return loso_rows(out)
+
+
 def write_fitted(sustained: float, rows: int, sources: int, path: Path = compute.FITTED_FILE) -> None:
     """The cost model's fitted quantity (cost_models.compute.sustained_fraction) as TOML."""
     path.write_text("\n".join([
@@ -442,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if not r.own_fits:
             print(f"  {r.name}: {r.own_GiB:.1f} GiB under autopar's runtime ({r.own_config})")
     lrows = loso_rows(rows)
+    own_lrows = own_loso_rows(rows, runs, cache)
     print_apart(rows, loso_errors(lrows) if len({r.source_id for r in lrows}) >= 2 else {})
     print_memory_notes(runs, rows)
     print_speedups(runs, rows)
@@ -456,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         model_all, base_all = loso.overall(results)
         print(f"  {'all':<20} {len(lrows):>4} {model_all:>8.1%} {base_all:>8.1%}         "
               f"{sum(s.inside_band for s in results):>3}/{len(lrows):<3}")
+        own = loso.leave_one_source_out(own_lrows)
+        own_model, own_base = loso.overall(own)
+        print(f"  as autopar's own runtime runs them (published fields pinned): LOSO MAPE {own_model:.1%} against "
+              f"{own_base:.1%} for one MFU; {sum(s.model_mape < s.baseline_mape for s in own)} of {len(own)} sources "
+              f"below their baseline; {sum(s.inside_band for s in own)} of {len(own_lrows)} runs inside the band")
         by_kind = {}
         for r in lrows:
             by_kind.setdefault((r.kind, r.hardware), []).append(r.error)

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "SELECTIVE_RECOMPUTED_OPS", "op_sac_saves",
-           "AttentionCore", "inside_fused_kernel"]
+           "AttentionCore", "inside_fused_kernel", "fused_dropout"]
 
 aten = torch.ops.aten
 
@@ -156,7 +156,8 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
                                                         scale=scale)[0]
 
 
-def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+def fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """`F.dropout` as the one op CUDA runs it (`aten.native_dropout`), on any device."""
     if training and 0.0 < p < 1.0 and input.numel() > 0:
         out = aten.native_dropout(input, p, True)[0]
         return input.copy_(out) if inplace else out
@@ -171,5 +172,5 @@ class gpu_kernels(TorchFunctionMode):  # noqa: N801  (used as a context manager,
         if func is F.scaled_dot_product_attention:
             return _sdpa(*args, **kwargs)
         if func is F.dropout:
-            return _dropout(*args, **kwargs)
+            return fused_dropout(*args, **kwargs)
         return func(*args, **kwargs)

@@ -19,13 +19,23 @@ with tensor parallelism, `torch.compile` of the block and `fully_shard`, which h
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv, cp_chunk_attention)
-from autopar.capture.kernels import OP_SAC_MATMUL_OPS, SDPA_OPS, SELECTIVE_RECOMPUTED_OPS, AttentionCore, op_sac_saves
+from autopar.capture.kernels import (
+    OP_SAC_MATMUL_OPS,
+    SDPA_OPS,
+    SELECTIVE_RECOMPUTED_OPS,
+    AttentionCore,
+    fused_dropout,
+    op_sac_saves,
+)
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
 
@@ -76,6 +86,18 @@ def _op_sac_context():
 _CONTEXTS = {"selective": _selective_context, "op_sac": _op_sac_context}
 
 
+class _OneOpDropout(TorchFunctionMode):
+    """`F.dropout` as `aten.native_dropout`, as CUDA runs it. On the CPU torch's dropout fills a fresh mask in
+    place (empty_like, bernoulli_, div_), and torch's selective-checkpoint cache refuses a cached tensor that
+    is mutated afterwards; one op has nothing to mutate, and is what selective recompute runs again."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return fused_dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 def apply_recompute(module: nn.Module, mode: str) -> None:
     """Wrap `module.forward` so its activations are recomputed in backward per `mode`."""
     if mode not in RECOMPUTE_MODES:
@@ -84,6 +106,14 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
         return
     inner = module.forward
     kwargs = {"context_fn": _CONTEXTS[mode]} if mode in _CONTEXTS else {}
+
+    if mode == "selective":
+        body = inner
+
+        @functools.wraps(body)
+        def inner(*args, **kw):
+            with _OneOpDropout():
+                return body(*args, **kw)
 
     @functools.wraps(inner)
     def forward(*args, **kw):
