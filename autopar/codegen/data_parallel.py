@@ -3,10 +3,8 @@
 - ZeRO-0: every rank keeps everything; gradients are averaged by bucketed all-reduce, launched during the
   last micro-batch's backward (autopar.codegen.grad_overlap; `average_gradients` is the after-backward path).
 - ZeRO-1: gradients are averaged the same way; each rank keeps optimizer state for, and updates,
-  only the parameters it owns (a size-balanced split into contiguous runs in registration order), then
-  broadcasts them, packed flat, by bucket in forward order (autopar.codegen.param_prefetch; contiguous runs
-  give each bucket one owner, two where a run ends inside it, so a step issues about buckets + dp − 1
-  broadcasts rather than buckets × dp). The optimizer stays the user's own object over every parameter.
+  only the parameters it owns (a greedy size-balanced partition), then broadcasts them, packed into
+  one flat buffer per owner. The optimizer stays the user's own object over every parameter.
   Written here rather than with `ZeroRedundancyOptimizer` because that one flattens parameters
   into buckets and cannot hold DTensor (tensor-parallel) parameters.
 - ZeRO-2 / ZeRO-3: `fully_shard` (FSDP2) per layer, reshard_after_forward False / True; gradients
@@ -150,7 +148,8 @@ class Zero1Partition:
             if expert_mesh is None:
                 raise ValueError("Zero1Partition: expert_params need their expert_mesh")
             parts.append(([p for p in self.params if id(p) in experts], expert_mesh))
-        # (parameters, mesh, owner of each) per partition; every rank of the mesh computes the same owners
+        # (parameters, mesh, owner of each) per partition; owners in a deterministic order every rank of the
+        # mesh agrees on (largest first, ties to lowest rank)
         self.partitions = [(ps, mesh, self._owners(ps, mesh.size())) for ps, mesh in parts]
         self.owned = [p for ps, mesh, owners in self.partitions for p, r in zip(ps, owners, strict=True)
                       if r == mesh.get_local_rank()]
@@ -158,16 +157,13 @@ class Zero1Partition:
 
     @staticmethod
     def _owners(params: Sequence[nn.Parameter], size: int) -> list[int]:
-        """Contiguous runs of `params` (registration order), rank r owning the parameters whose middle element
-        falls in the r-th 1/size of the elements: each rank within half the largest parameter of an even share,
-        and a forward-order bucket of the broadcast spanning few owners (module docstring)."""
-        numels = [local(p).numel() for p in params]
-        total = sum(numels)
-        owners, before = [], 0
-        for n in numels:
-            owners.append(min(size - 1, (2 * before + n) * size // (2 * total)) if total else 0)
-            before += n
-        return owners
+        load = [0] * size
+        owner_of: dict[int, int] = {}
+        for i in sorted(range(len(params)), key=lambda i: (-local(params[i]).numel(), i)):
+            r = min(range(size), key=lambda k: (load[k], k))
+            load[r] += local(params[i]).numel()
+            owner_of[i] = r
+        return [owner_of[i] for i in range(len(params))]
 
     def owns(self, p: nn.Parameter) -> bool:
         return id(p) in self._owned_ids
