@@ -29,10 +29,13 @@ def _train(model, graph, config: dict[str, Any], *, overlap: bool, steps: int, m
     pm = parallelize(model, make_plan(graph, **config), graph=graph, optimizer=adamw(1e-2),
                      loss_fn=lm_cross_entropy, max_grad_norm=max_grad_norm)
     pm.param_prefetch.overlap = overlap
+    broadcasts: list[int] = []  # issued by each step (torch.distributed.broadcast calls)
+    count = _count_broadcasts(broadcasts)
     names = {id(p): n for part in pm.modules for n, p in part.named_parameters()}
     losses, grads, waits, in_flight = [], [], [], []
     for step, (x, t) in enumerate(batches(steps), start=1):
-        losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(t)))
+        with count:
+            losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(t)))
         in_flight.append(pm.param_prefetch.pending)
         grads.append({names[id(p)]: local(g).detach().clone() for p in pm.zero1.params
                       if (g := grad_of(p)) is not None})
@@ -40,7 +43,46 @@ def _train(model, graph, config: dict[str, Any], *, overlap: bool, steps: int, m
         if step == SAVE_AFTER:
             pm.save(root)
     return {"losses": losses, "grads": grads, "weights": pm.state_dict(), "waits": waits, "in_flight": in_flight,
-            "buckets": pm.param_prefetch.buckets}
+            "buckets": pm.param_prefetch.buckets, "broadcasts": broadcasts[1:] if overlap else [],
+            "owner_buckets": _owner_buckets(pm.zero1, data_parallel.BUCKET_BYTES) if overlap else (0, 0)}
+
+
+class _count_broadcasts:
+    """Within `with`: torch.distributed.broadcast counted; each exit appends the count to `into`."""
+
+    def __init__(self, into: list[int]) -> None:
+        self.into, self.real = into, dist.broadcast
+
+    def __enter__(self) -> None:
+        self.into.append(0)
+
+        def counted(*args, **kwargs):
+            self.into[-1] += 1
+            return self.real(*args, **kwargs)
+        dist.broadcast = counted
+
+    def __exit__(self, *exc) -> None:
+        dist.broadcast = self.real
+
+
+def _owner_buckets(zero1, bucket_bytes: int) -> tuple[int, int]:
+    """(Σ_owner its parameters' buckets, ⌈B / bucket_bytes⌉ + dp) over the partitions that broadcast, by hand:
+    one bucket closed each time an owner's bytes since the last reach bucket_bytes, in forward order."""
+    want = bound = 0
+    for params, mesh, owners in zero1.partitions:
+        if mesh.size() == 1:
+            continue
+        nbytes = [local(p).numel() * p.dtype.itemsize for p in params]
+        bound += -(-sum(nbytes) // bucket_bytes) + mesh.size()
+        for r in range(mesh.size()):
+            open_ = 0
+            for n, owner in zip(nbytes, owners, strict=True):
+                if owner == r:
+                    open_ += n
+                    if open_ >= bucket_bytes:
+                        want, open_ = want + 1, 0
+            want += open_ > 0
+    return want, bound
 
 
 def _same(a: Any, b: Any, path: str = "") -> list[str]:
@@ -91,7 +133,7 @@ def case(kind: str, config: dict[str, Any], root: str, *, steps: int = 4, max_gr
             "grads_compared": sum(len(g) for g in new["grads"]), "losses": (old["losses"], new["losses"]),
             "checkpoint_differs": _checkpoints_differ(os.path.join(root, "old"), os.path.join(root, "new")),
             "waits": new["waits"], "old_waits": old["waits"], "in_flight": (old["in_flight"], new["in_flight"]),
-            "buckets": new["buckets"]}
+            "buckets": new["buckets"], "broadcasts": new["broadcasts"], "owner_buckets": new["owner_buckets"]}
 
 
 def job(root: str, cases: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:

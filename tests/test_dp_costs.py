@@ -41,18 +41,21 @@ def tail(zero: int, *, dp: int = 4, world: int = 8, m: int = 3, grad: float = 64
                   memory_s=lambda n: n / MEM, pipelined=pipelined)
 
 
+@pytest.mark.parametrize("g", [64e6, 256e6], ids=["one-bucket-per-owner", "three-buckets-per-owner"])
 @pytest.mark.parametrize("zero", [0, 1])
-def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero):
-    g, dp, world = 64e6, 4, 8
+def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero, g):
+    dp, world = 4, 8
     t = tail(zero, dp=dp, world=world, grad=g)
-    buckets = math.ceil(g / BUCKET_BYTES)  # 3 buckets of ≤ 25 MiB
+    buckets = math.ceil(g / BUCKET_BYTES)  # 3 (10) buckets of ≤ 25 MiB
     # the buckets' all-reduces, the loss all-reduce over all ranks, and the memory passes, by hand
     expected = (buckets * coll("all_reduce", g / buckets, dp) + coll("all_reduce", 4, world) + 6 * g / MEM
                 + norm_s(world, g))
     count = buckets + 2
-    if zero == 1:  # per bucket of parameters, one broadcast per owner of its share (autopar.codegen.param_prefetch)
-        expected += buckets * dp * coll("broadcast", g / (buckets * dp), dp) + 2 * g / MEM
-        count += buckets * dp
+    if zero == 1:  # each owner's g/dp share in buckets of its own, one broadcast each (autopar.codegen.param_prefetch)
+        broadcasts = dp * math.ceil(g / dp / BUCKET_BYTES)  # 4 (12), not 3·4 (10·4) of buckets across owners
+        assert broadcasts <= buckets + dp
+        expected += broadcasts * coll("broadcast", g / broadcasts, dp) + 2 * g / MEM
+        count += broadcasts
     # ZeRO-0/1 price the rank's gradient as γ per byte plus γ0: exact here, the collectives are affine in n
     assert t.layer_s(g) + t.fixed_s == pytest.approx(expected, rel=1e-9)
     assert t.layer_s(g / 2) + t.layer_s(g / 2) == pytest.approx(t.layer_s(g), rel=1e-12)
@@ -223,18 +226,19 @@ def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backwar
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
 def test_zero1_broadcast_hides_behind_the_next_forward_but_its_first_buckets_latency(ratio):
     """ZeRO-1's parameter broadcast, issued after the step and waited for bucket by bucket in the next forward
-    (autopar.codegen.param_prefetch), against a hand computation: B = ratio·G bytes in ⌈B / 25 MiB⌉ buckets of dp
-    broadcasts each; a layer's share (its bytes at the broadcast's per-byte time, plus its bytes' share of every
-    bucket's latencies but the first's) hides behind one micro-batch's forward, less NCCL's interference; the
-    first bucket's dp latencies and the packing passes stay exposed; gloo (no interference priced, nothing
-    hidden by costs.CostModel) leaves it all exposed."""
-    g, dp, m, p, f = 64e6, 4, 3, 5e6, 0.2
+    (autopar.codegen.param_prefetch), against a hand computation: B = ratio·G bytes, each owner's B/dp share in
+    ⌈B / (dp·25 MiB)⌉ buckets of its own, one broadcast each; a layer's share (its bytes at the broadcast's
+    per-byte time, plus its bytes' share of every broadcast's latency but the first's) hides behind one
+    micro-batch's forward, less NCCL's interference; the first broadcast's latency and the packing passes stay
+    exposed; gloo (no interference priced, nothing hidden by costs.CostModel) leaves it all exposed."""
+    g, dp, m, p, f = 256e6, 4, 3, 5e6, 0.2
     t = DPTail(zero_stage=1, dp=dp, world=8, microbatches=m, rank_grad_bytes=g, collective_s=coll,
                memory_s=lambda n: n / MEM, interference=f, reduce_in_backward=True, broadcast_in_forward=True,
                broadcast_ratio=ratio)
-    buckets = math.ceil(ratio * g / BUCKET_BYTES)  # 3 of fp32 parameters, 2 of 16-bit ones
+    broadcasts = dp * math.ceil(ratio * g / dp / BUCKET_BYTES)  # 4·3 of fp32 parameters, 4·2 of 16-bit ones
+    assert broadcasts == {1.0: 12, 0.5: 8}[ratio]
     lat, per_byte = (dp - 1) * ALPHA, (dp - 1) / dp / BETA  # the synthetic ring broadcast: lat + n·per_byte
-    share = ratio * p * per_byte + p / g * (buckets - 1) * dp * lat
+    share = ratio * p * per_byte + p / g * (broadcasts - 1) * lat
     reduce = 2 * (dp - 1) / dp * p / BETA
     assert t.overlapped_s(p) == (pytest.approx(share, rel=1e-9), 0.0, pytest.approx(reduce, rel=1e-9))
     # long passes: the broadcast share behind the forward, the all-reduce share behind the backward, once each
@@ -242,13 +246,13 @@ def test_zero1_broadcast_hides_behind_the_next_forward_but_its_first_buckets_lat
     # a forward shorter than the share hides its own length
     assert t.hidden_s(p, forward_s=share / 4, backward_s=1.0) == pytest.approx(share / 4 + (1 - f) * reduce,
                                                                                rel=1e-9)
-    # exposed whatever the passes: the first bucket's latencies (in γ0) and the packing passes (in γ)
+    # exposed whatever the passes: the first broadcast's latency (in γ0) and the packing passes (in γ)
     ar_lat = 2 * (dp - 1) * ALPHA
     buckets_ar = math.ceil(g / BUCKET_BYTES)
-    assert t.fixed_s == pytest.approx(buckets_ar * ar_lat + dp * lat + coll("all_reduce", 4, 8) + norm_s(8, g),
-                                      rel=1e-9)
+    assert t.fixed_s == pytest.approx(buckets_ar * ar_lat + lat + coll("all_reduce", 4, 8) + norm_s(8, g), rel=1e-9)
     assert t.layer_s(p) - t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx(
         f * (share + reduce) + 6 * p / MEM + 2 * ratio * p / MEM, rel=1e-9)
+    assert t.collectives_per_step(layers_with_params=5) == buckets_ar + broadcasts + 2
     # without the overlap (the experts' tail before param_prefetch, or a gloo cluster: CostModel passes no β)
     # the same bytes are all in γ and none hides
     off = DPTail(zero_stage=1, dp=dp, world=8, microbatches=m, rank_grad_bytes=g, collective_s=coll,

@@ -1,6 +1,7 @@
 """ZeRO-1's parameter broadcast overlapped with the next step's forward (autopar.codegen.param_prefetch), in gloo
 jobs: the same run with the broadcast after the step (the old path) gives the same losses, gradients, weights and
-mid-training checkpoint bit for bit; every bucket of a step's broadcast is waited for by a forward pre-hook of the
+mid-training checkpoint bit for bit; each step issues one broadcast per bucket, a bucket one owner's parameters
+(Σ_owner its buckets ≤ ⌈B / bucket⌉ + dp); every bucket of a step's broadcast is waited for by a forward pre-hook of the
 next step, except after a save, which waits for them all itself."""
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def _check(results: list[dict]) -> list[str]:
                             f"{r['checkpoint_differs'][:5]}")
         if r["buckets"] < 2 or r["in_flight"] != ([False] * len(r["waits"]), [True] * len(r["waits"])):
             failures.append(f"{name}: {r['buckets']} buckets; in flight after each step (old, new) {r['in_flight']}")
+        # one broadcast per bucket, a bucket one owner's: Σ_owner its buckets ≤ ⌈B / bucket⌉ + dp a step (buckets
+        # packed across owners cost up to dp broadcasts each)
+        want, bound = r["owner_buckets"]
+        if r["buckets"] != want or want > bound or set(r["broadcasts"]) != {want}:
+            failures.append(f"{name}: {r['buckets']} buckets, broadcasts issued per step {r['broadcasts']}; want "
+                            f"{want} (one per owner's bucket, ≤ {bound})")
         for step, waits in enumerate(r["waits"], start=1):
             # step 1 waits for nothing (no broadcast before it); the step after the save: the save waited
             want_forward = step > 1 and step != SAVE_AFTER + 1

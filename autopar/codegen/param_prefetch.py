@@ -1,12 +1,16 @@
 """ZeRO-1's parameter broadcast overlapped with the next step's forward, by bucket, as Megatron-Core's
 distributed optimizer runs its parameter all-gather (`--overlap-param-gather`).
 
-After the optimizer step every parameter is sent from its owner (autopar.codegen.data_parallel.Zero1Partition).
-Rather than waiting for all of it before the step returns, `launch` packs the parameters into ~BUCKET_BYTES
-buckets in forward (registration) order (grad_overlap.pack_buckets, the gradient buckets' packer), issues each
-bucket's broadcasts asynchronously (one per owner and dtype present in it, packed flat as `Zero1Partition.
-broadcast_` packs them), in the same order on every rank, and returns. A forward pre-hook on every module that
-holds a parameter of a bucket waits for that bucket and unpacks it into the parameters: the next forward (its
+After the optimizer step every parameter is sent from its owner (autopar.codegen.data_parallel.Zero1Partition,
+whose size-balanced owners each hold parameters spread over the whole model). Rather than waiting for all of it
+before the step returns, `launch` packs each owner's parameters, in forward (registration) order, into
+~BUCKET_BYTES buckets of one dtype (grad_overlap.pack_buckets, the gradient buckets' packer): a bucket is one
+broadcast from one owner, packed flat as `Zero1Partition.broadcast_` packs it, so a step issues
+Σ_owner ⌈B_owner / BUCKET_BYTES⌉ ≤ ⌈B / BUCKET_BYTES⌉ + dp broadcasts (packing forward-order buckets across
+owners would cost up to dp broadcasts per bucket). The buckets are issued asynchronously in the forward order of
+their first parameters (the owners interleaved), the same order on every rank, and `launch` returns. A forward
+pre-hook on every module that holds a parameter of a bucket waits for every such bucket (once: a bucket spanning
+modules is waited for and unpacked by the first) and unpacks it into the parameters: the next forward (its
 first micro-batch; each pipeline stage's first) waits only for what the module about to run needs, while the
 buckets behind it travel. A module inside a compiled region (autopar.codegen.compile) gets no hook (dynamo would
 trace its waits); the compiled module waits for its whole subtree's buckets before its compiled call.
@@ -29,7 +33,7 @@ from __future__ import annotations
 import atexit
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -59,10 +63,10 @@ class Wait:
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    owners: list[int]  # local rank in `mesh` of each parameter's owner
+    owner: int  # local rank in `mesh` of the parameters' owner, the broadcast's source
     mesh: DeviceMesh
     # in flight: (work, flat buffer, the tensors it unpacks into on a receiving rank, else None)
-    works: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor] | None]] = field(default_factory=list)
+    work: tuple[dist.Work, torch.Tensor, list[torch.Tensor] | None] | None = None
 
 
 _live: weakref.WeakSet[ParamPrefetch] = weakref.WeakSet()
@@ -82,10 +86,11 @@ class ParamPrefetch:
         for params, mesh, owners in zero1.partitions:
             if mesh.size() == 1:
                 continue
-            owner_of = {id(p): r for p, r in zip(params, owners, strict=True)}
-            for ps in pack_buckets(params, lambda p: p.dtype, size):
-                buckets.append(_Bucket(ps, [owner_of[id(p)] for p in ps], mesh))
-        # expert buckets (their own mesh) interleaved with the dense ones where forward reaches them
+            for r in range(mesh.size()):  # each owner's parameters, in forward order, one broadcast a bucket
+                mine = [p for p, owner in zip(params, owners, strict=True) if owner == r]
+                buckets += [_Bucket(ps, r, mesh) for ps in pack_buckets(mine, lambda p: p.dtype, size)]
+        # by the forward position of their first parameter: the owners interleaved, expert buckets (their own
+        # mesh) among the dense ones where forward reaches them
         self._buckets = sorted(buckets, key=lambda b: order[id(b.params[0])])
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._pending: set[int] = set()
@@ -135,7 +140,7 @@ class ParamPrefetch:
 
     @torch.no_grad()
     def launch(self) -> None:
-        """After the optimizer step: every bucket's broadcasts issued asynchronously (synchronously, all at
+        """After the optimizer step: every bucket's broadcast issued asynchronously (synchronously, all at
         once, with `overlap` False); the previous step's, if any are left, completed first."""
         self.wait_pending("launch")
         self.last_waits, self.waits = self.waits, []
@@ -144,20 +149,14 @@ class ParamPrefetch:
             return
         for i, b in enumerate(self._buckets):
             group = b.mesh.get_group()
-            ranks = dist.get_process_group_ranks(group)
-            me = b.mesh.get_local_rank()
-            for r in range(b.mesh.size()):
-                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-                for p, owner in zip(b.params, b.owners, strict=True):
-                    if owner == r:
-                        by_dtype.setdefault(p.dtype, []).append(local(p))
-                for same in by_dtype.values():
-                    if r == me:
-                        flat, into = torch.cat([t.reshape(-1) for t in same]), None
-                    else:
-                        flat = torch.empty(sum(t.numel() for t in same), dtype=same[0].dtype, device=same[0].device)
-                        into = same
-                    b.works.append((dist.broadcast(flat, src=ranks[r], group=group, async_op=True), flat, into))
+            tensors = [local(p) for p in b.params]
+            if b.owner == b.mesh.get_local_rank():
+                flat, into = torch.cat([t.reshape(-1) for t in tensors]), None
+            else:
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+                into = tensors
+            src = dist.get_process_group_ranks(group)[b.owner]
+            b.work = (dist.broadcast(flat, src=src, group=group, async_op=True), flat, into)
             self._pending.add(i)
 
     def wait_pending(self, where: str) -> None:
@@ -173,18 +172,17 @@ class ParamPrefetch:
             if i not in self._pending:
                 continue
             b = self._buckets[i]
-            works, b.works = b.works, []
+            (work, flat, into), b.work = b.work, None
             self._pending.discard(i)
-            for work, flat, into in works:
-                if timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timeout)
-                if into is not None:
-                    offset = 0
-                    for t in into:
-                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+            if into is not None:
+                offset = 0
+                for t in into:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
             self.waits.append(Wait(i, where, in_forward))
 
     def drain_at_exit(self) -> None:

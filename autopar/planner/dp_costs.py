@@ -9,12 +9,12 @@ rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_pa
           last micro-batch's backward once its parameters have their gradients (autopar.codegen.grad_overlap;
           the experts' after backward); the bucket is packed, divided and unpacked: 6·G bytes of memory
           traffic (read + write, 3 passes)
-  ZeRO-1  the same, then the updated parameters sent from their owners in ⌈B / 25 MiB⌉ buckets in forward
-          order, B = G · `broadcast_ratio` (their dtype's bytes ÷ reduce bytes: ½ under bf16, whose ZeRO-1
-          holds 16-bit parameters, autopar.codegen.dist_optimizer): per bucket one broadcast per owner of its
-          ≈ 1/dp share packed flat (2·G·ratio more bytes: the owner packs its share, the others unpack theirs),
-          issued asynchronously after the step and waited for in the next step's forward
-          (autopar.codegen.param_prefetch)
+  ZeRO-1  the same, then the updated parameters sent from their owners, B = G · `broadcast_ratio` (their
+          dtype's bytes ÷ reduce bytes: ½ under bf16, whose ZeRO-1 holds 16-bit parameters,
+          autopar.codegen.dist_optimizer): each owner's ≈ B/dp share in ⌈B / (dp · 25 MiB)⌉ buckets of its own,
+          one broadcast each packed flat (2·G·ratio more bytes: the owner packs its share, the others unpack
+          theirs): dp · ⌈B / (dp · 25 MiB)⌉ ≤ ⌈B / 25 MiB⌉ + dp broadcasts, issued asynchronously after the step
+          and waited for in the next step's forward (autopar.codegen.param_prefetch)
   ZeRO-2  FSDP2 per layer: an all-gather of P in every micro-batch's forward, a reduce-scatter of
           its gradient in every micro-batch's backward (the gradient shards summed over the step, as
           torchtitan, Composer and Megatron-FSDP run gradient accumulation), or under a pipeline
@@ -56,7 +56,7 @@ while they run (cost_models.fleet: the SMs an overlapped collective occupies), a
             of a layer: the runtime waits for a layer's bucket when that layer's forward starts in the next
             step's first micro-batch (each stage's first), while the buckets behind it travel, so what the
             layer before it computes covers it (layers of a stack alike: priced against its own forward).
-            The first bucket's latencies (nothing computes before it), the packing and unpacking stay
+            The first bucket's latency (nothing computes before it), the packing and unpacking stay
             exposed. Dense and expert parameters alike (the runtime prefetches both)
   ZeRO-2/3  each micro-batch's passes hide as much of that micro-batch's gathers and reduce-scatter as
             they last
@@ -129,18 +129,18 @@ class DPTail:
         self._reduce_per_byte_s = slope if reduce_in_backward else 0.0
         self.fixed_s += buckets * lat
         self.flat_collectives += buckets
-        if zero_stage == 1:  # per bucket of B, one broadcast per owner of its share
-            sent = g * broadcast_ratio
-            b_buckets = max(1, math.ceil(sent / BUCKET_BYTES))
-            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), min(sent, BUCKET_BYTES) / dp)
-            # the first bucket's latencies are the tail's; the others' spread over the bytes their buckets carry,
+        if zero_stage == 1:  # per owner, its share of B in buckets of its own, one broadcast each
+            share = g * broadcast_ratio / dp
+            b_buckets = dp * max(1, math.ceil(share / BUCKET_BYTES))
+            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), min(share, BUCKET_BYTES))
+            # the first bucket's latency is the tail's; the others' spread over the bytes their buckets carry,
             # as each layer's broadcast hides with its bucket (`hidden_s`)
-            later_lat_per_byte = (b_buckets - 1) * dp * b_lat / g
+            later_lat_per_byte = (b_buckets - 1) * b_lat / g
             self.per_byte_s += (b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte) * broadcast_ratio + later_lat_per_byte
             self._broadcast_per_byte_s = (b_slope * broadcast_ratio + later_lat_per_byte if broadcast_in_forward
                                           else 0.0)
-            self.fixed_s += dp * b_lat
-            self.flat_collectives += b_buckets * dp
+            self.fixed_s += b_lat
+            self.flat_collectives += b_buckets
 
     @property
     def gathers_per_step(self) -> int:
