@@ -41,18 +41,21 @@ def tail(zero: int, *, dp: int = 4, world: int = 8, m: int = 3, grad: float = 64
                   memory_s=lambda n: n / MEM, pipelined=pipelined)
 
 
+@pytest.mark.parametrize("g", [64e6, 256e6], ids=["one-bucket-per-owner", "three-buckets-per-owner"])
 @pytest.mark.parametrize("zero", [0, 1])
-def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero):
-    g, dp, world = 64e6, 4, 8
+def test_flat_reduction_is_buckets_of_all_reduces_plus_owner_broadcasts(zero, g):
+    dp, world = 4, 8
     t = tail(zero, dp=dp, world=world, grad=g)
-    buckets = math.ceil(g / BUCKET_BYTES)  # 3 buckets of ≤ 25 MiB
+    buckets = math.ceil(g / BUCKET_BYTES)  # 3 (10) buckets of ≤ 25 MiB
     # the buckets' all-reduces, the loss all-reduce over all ranks, and the memory passes, by hand
     expected = (buckets * coll("all_reduce", g / buckets, dp) + coll("all_reduce", 4, world) + 6 * g / MEM
                 + norm_s(world, g))
     count = buckets + 2
-    if zero == 1:
-        expected += dp * coll("broadcast", g / dp, dp) + 2 * g / MEM
-        count += dp
+    if zero == 1:  # each owner's g/dp share in buckets of its own, one broadcast each (autopar.codegen.param_prefetch)
+        broadcasts = dp * math.ceil(g / dp / BUCKET_BYTES)  # 4 (12), not 3·4 (10·4) of buckets across owners
+        assert broadcasts <= buckets + dp
+        expected += broadcasts * coll("broadcast", g / broadcasts, dp) + 2 * g / MEM
+        count += broadcasts
     # ZeRO-0/1 price the rank's gradient as γ per byte plus γ0: exact here, the collectives are affine in n
     assert t.layer_s(g) + t.fixed_s == pytest.approx(expected, rel=1e-9)
     assert t.layer_s(g / 2) + t.layer_s(g / 2) == pytest.approx(t.layer_s(g), rel=1e-12)
@@ -193,7 +196,8 @@ def test_zero01_all_reduce_hides_behind_the_last_micro_batchs_backward(zero):
 def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backward_hides():
     """A ZeRO-1 layout on an NCCL cluster against the same layout with nothing overlapped (the cluster on gloo:
     its collectives priced alike on GPUs): every run's exposed data-parallel time (grad_sync_s − backward_s) is
-    lower by hidden_beside_s(its dense all-reduce share, its backward of one micro-batch, the interference)."""
+    lower by hidden_beside_s(its dense all-reduce share, its backward of one micro-batch, the interference) plus
+    hidden_beside_s(its parameter broadcast share, its forward of one micro-batch, the interference)."""
     import dataclasses
 
     from cost_models.fleet import hidden_beside_s, overlap_interference
@@ -206,12 +210,64 @@ def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backwar
     on = CostModel.for_cluster(graph, nccl)
     off = CostModel.for_cluster(graph, dataclasses.replace(nccl, backend="gloo"))
     tail, f = on.comm.dp_tail(c), overlap_interference(nccl.device)
+    assert tail.overlapped_s(1e6)[0] > 0  # ZeRO-1's broadcast runs into the next forward (param_prefetch)
     checked = 0
     for ri, (a, b) in enumerate(zip(on.problem(c).runs, off.problem(c).runs, strict=True)):
         assert a.grad_sync_s == pytest.approx(b.grad_sync_s, rel=1e-12) and b.backward_s == 0.0
         grad_bytes = on.memory.grad_bytes(on.memory.run_local_params(ri, 1, 1, 1))
         passes = on._passes(ri, 1, False, 2, 1, False, 1, 1, "none", False, 1)[0]
-        want = hidden_beside_s(tail.overlapped_s(grad_bytes)[2], passes.backward_s, f)
+        bcast, _, reduce = tail.overlapped_s(grad_bytes)
+        want = hidden_beside_s(bcast, passes.forward_s, f) + hidden_beside_s(reduce, passes.backward_s, f)
         assert (b.grad_sync_s - b.backward_s) - (a.grad_sync_s - a.backward_s) == pytest.approx(want, rel=1e-9)
         checked += want > 0
     assert checked >= 2
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_zero1_broadcast_hides_behind_the_next_forward_but_its_first_buckets_latency(ratio):
+    """ZeRO-1's parameter broadcast, issued after the step and waited for bucket by bucket in the next forward
+    (autopar.codegen.param_prefetch), against a hand computation: B = ratio·G bytes, each owner's B/dp share in
+    ⌈B / (dp·25 MiB)⌉ buckets of its own, one broadcast each; a layer's share (its bytes at the broadcast's
+    per-byte time, plus its bytes' share of every broadcast's latency but the first's) hides behind one
+    micro-batch's forward, less NCCL's interference; the first broadcast's latency and the packing passes stay
+    exposed; gloo (no interference priced, nothing hidden by costs.CostModel) leaves it all exposed."""
+    g, dp, m, p, f = 256e6, 4, 3, 5e6, 0.2
+    t = DPTail(zero_stage=1, dp=dp, world=8, microbatches=m, rank_grad_bytes=g, collective_s=coll,
+               memory_s=lambda n: n / MEM, interference=f, reduce_in_backward=True, broadcast_in_forward=True,
+               broadcast_ratio=ratio)
+    broadcasts = dp * math.ceil(ratio * g / dp / BUCKET_BYTES)  # 4·3 of fp32 parameters, 4·2 of 16-bit ones
+    assert broadcasts == {1.0: 12, 0.5: 8}[ratio]
+    lat, per_byte = (dp - 1) * ALPHA, (dp - 1) / dp / BETA  # the synthetic ring broadcast: lat + n·per_byte
+    share = ratio * p * per_byte + p / g * (broadcasts - 1) * lat
+    reduce = 2 * (dp - 1) / dp * p / BETA
+    assert t.overlapped_s(p) == (pytest.approx(share, rel=1e-9), 0.0, pytest.approx(reduce, rel=1e-9))
+    # long passes: the broadcast share behind the forward, the all-reduce share behind the backward, once each
+    assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx((1 - f) * (share + reduce), rel=1e-9)
+    # a forward shorter than the share hides its own length
+    assert t.hidden_s(p, forward_s=share / 4, backward_s=1.0) == pytest.approx(share / 4 + (1 - f) * reduce,
+                                                                               rel=1e-9)
+    # exposed whatever the passes: the first broadcast's latency (in γ0) and the packing passes (in γ)
+    ar_lat = 2 * (dp - 1) * ALPHA
+    buckets_ar = math.ceil(g / BUCKET_BYTES)
+    assert t.fixed_s == pytest.approx(buckets_ar * ar_lat + lat + coll("all_reduce", 4, 8) + norm_s(8, g), rel=1e-9)
+    assert t.layer_s(p) - t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx(
+        f * (share + reduce) + 6 * p / MEM + 2 * ratio * p / MEM, rel=1e-9)
+    assert t.collectives_per_step(layers_with_params=5) == buckets_ar + broadcasts + 2
+    # without the overlap (the experts' tail before param_prefetch, or a gloo cluster: CostModel passes no β)
+    # the same bytes are all in γ and none hides
+    off = DPTail(zero_stage=1, dp=dp, world=8, microbatches=m, rank_grad_bytes=g, collective_s=coll,
+                 memory_s=lambda n: n / MEM, broadcast_ratio=ratio)
+    assert off.layer_s(p) == pytest.approx(t.layer_s(p), rel=1e-12) and off.fixed_s == pytest.approx(t.fixed_s)
+    assert off.hidden_s(p, forward_s=1.0, backward_s=1.0) == 0.0
+
+
+def test_gloo_prices_zero1_broadcast_fully_exposed():
+    """On gloo the collectives share the cores: no run of a ZeRO-1 layout hides anything (β = 0), its broadcast
+    included, though the tail prices the broadcast as running in the next forward."""
+    model, x = autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2, device="meta")
+    graph = autopar.capture(model, x)
+    costs = CostModel.for_cluster(graph, Cluster.local(nproc=2))
+    c = Candidate(tp=1, pp=1, dp=2, zero_stage=1, micro_batch_size=2, num_microbatches=2, schedule="1f1b",
+                  virtual_stages=1, sequence_parallel=False)
+    assert costs.comm.dp_tail(c).overlapped_s(1e6)[0] > 0
+    assert all(r.backward_s == 0.0 for r in costs.problem(c).runs)

@@ -149,6 +149,7 @@ class Checkpointer:
 
     def _save(self, step: int, extra: dict[str, Any] | None) -> None:
         self.wait()
+        self.pm.wait_pending("checkpoint save")  # ZeRO-1's parameter broadcasts still in flight
         partial = self.root / f"step_{step:08d}.partial"
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -217,6 +218,7 @@ class Checkpointer:
         A corrupted or unreadable one is reported and the previous one tried; none left → CheckpointError.
         """
         self.wait()
+        self.pm.wait_pending("checkpoint resume")  # nothing in flight may land on the loaded weights
         found = complete_checkpoints(self.root) if dist.get_rank() == 0 else None
         payload = [found]
         dist.broadcast_object_list(payload, src=0)

@@ -25,7 +25,7 @@ a local slice, no communication).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,27 @@ from autopar.codegen import data_parallel
 from autopar.codegen.data_parallel import grad_of, local, reduce_gradients
 from autopar.codegen.tensor_parallel import align_grad_placements
 
-__all__ = ["OverlappedGradReduce", "Launch"]
+__all__ = ["OverlappedGradReduce", "Launch", "pack_buckets"]
+
+
+def pack_buckets(params: Sequence[nn.Parameter], dtype_of: Callable[[nn.Parameter], torch.dtype],
+                 bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """`params` (in the order given) packed into buckets of one dtype each (`dtype_of`), a bucket closed once it
+    holds ≥ bucket_bytes of this rank's elements; each dtype's partial last bucket closes after every parameter
+    is placed. Shared by the gradient all-reduce (reverse registration order) and ZeRO-1's parameter broadcast
+    (autopar.codegen.param_prefetch, forward order)."""
+    open_: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
+    buckets: list[list[nn.Parameter]] = []
+    for p in params:
+        dtype = dtype_of(p)
+        ps, size = open_.get(dtype, ([], 0))
+        ps, size = [*ps, p], size + local(p).numel() * dtype.itemsize
+        if size >= bucket_bytes:
+            buckets.append(ps)
+            open_.pop(dtype, None)
+        else:
+            open_[dtype] = (ps, size)
+    return buckets + [ps for ps, _ in open_.values()]
 
 
 @dataclass(frozen=True)
@@ -82,20 +102,9 @@ class OverlappedGradReduce:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _build(self, bucket_bytes: int) -> list[_Bucket]:
-        """Buckets in launch order: reverse registration order, per dtype, closed at ~bucket_bytes; a dtype's
-        partial last bucket closes after every parameter is placed."""
-        open_: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
-        buckets: list[_Bucket] = []
-        for p in reversed(self.params):
-            dtype = self._grad_dtype(p)
-            ps, size = open_.get(dtype, ([], 0))
-            ps, size = [*ps, p], size + local(p).numel() * dtype.itemsize
-            if size >= bucket_bytes:
-                buckets.append(_Bucket(ps, len(ps)))
-                open_.pop(dtype, None)
-            else:
-                open_[dtype] = (ps, size)
-        return buckets + [_Bucket(ps, len(ps)) for ps, _ in open_.values()]
+        """Buckets in launch order: reverse registration order (`pack_buckets`)."""
+        return [_Bucket(ps, len(ps)) for ps in pack_buckets(list(reversed(self.params)), self._grad_dtype,
+                                                             bucket_bytes)]
 
     @staticmethod
     def _grad_dtype(p: nn.Parameter) -> torch.dtype:

@@ -5,7 +5,8 @@ micro-batches (through the pipeline schedule when pp > 1), averages gradients ov
 data-parallel group (ZeRO-0/1: by bucket during the last micro-batch's backward, autopar.codegen.grad_overlap;
 FSDP does it for ZeRO-2/3), unscales them (fp16), takes the global
 gradient norm and clips by it (`max_grad_norm`), steps the user's optimizer (ZeRO-1: on the
-parameters this rank owns, then broadcasts them) and returns the global mean loss — identical on
+parameters this rank owns, then broadcasts them, asynchronously into the next forward:
+autopar.codegen.param_prefetch) and returns the global mean loss — identical on
 every rank and equal to the single-device mean loss.
 """
 
@@ -37,6 +38,7 @@ from autopar.codegen.grad_overlap import OverlappedGradReduce
 from autopar.codegen.loss import gather_vocab
 from autopar.codegen.model_loss import LossWatch
 from autopar.codegen.offload import HostOptimizer
+from autopar.codegen.param_prefetch import ParamPrefetch
 from autopar.codegen.precision import LossScaler, policy, weight_cast_cache
 from autopar.codegen.shared import SharedGradients
 from autopar.codegen.tensor_parallel import align_grad_placements
@@ -113,6 +115,11 @@ class ParallelModel:
             self.grad_reduce = OverlappedGradReduce(
                 [p for p in self._parameters() if id(p) not in expert_ids], uses, self.grad_mesh,
                 micro_batches=config.num_microbatches)
+        # ZeRO-1: the owners' broadcasts after the step run asynchronously, by bucket, each waited for in the
+        # next forward by the first module that needs it (autopar.codegen.param_prefetch; `param_prefetch.overlap
+        # = False` broadcasts after the step instead). Whatever reads parameters outside a forward calls
+        # `wait_pending` first.
+        self.param_prefetch = ParamPrefetch(zero1, self.modules) if zero1 is not None else None
 
     # ---- where this rank sits ----
     @property
@@ -341,6 +348,7 @@ class ParallelModel:
     def _step(self) -> None:
         """Unscale (fp16), take the global norm and clip, step the optimizer (skipped on overflow), ZeRO-1's
         broadcast."""
+        self.wait_pending("optimizer step")  # the buckets no forward waited for (modules that did not run)
         params = self._parameters()
         scaler = self.loss_scaler
         if scaler is not None:
@@ -357,8 +365,15 @@ class ParallelModel:
         if self.max_grad_norm is not None:
             clip_grads_(params, self.max_grad_norm, self.grad_norm)
         self.stepper.step()
-        if self.zero1 is not None:
-            self.zero1.broadcast_()
+        if self.param_prefetch is not None:  # in flight into the next forward (autopar.codegen.param_prefetch)
+            self.param_prefetch.launch()
+
+    def wait_pending(self, where: str = "user") -> None:
+        """Complete ZeRO-1's parameter broadcasts still in flight from the last step (they finish in the next
+        forward otherwise): call it before reading the weights yourself; state dicts, saves, loads, eval and
+        forward call it. A no-op without ZeRO-1 or with nothing in flight."""
+        if self.param_prefetch is not None:
+            self.param_prefetch.wait_pending(where)
 
     def updates(self, p: torch.nn.Parameter) -> bool:
         """Whether this rank's optimizer steps `p` (ZeRO-1: the parameters it owns; otherwise all)."""
@@ -384,6 +399,7 @@ class ParallelModel:
         self.eval()
         inputs, targets = self._batch(inputs, targets, "eval_loss")  # before the watch, as in train_step
         with named_failures("eval_loss"):
+            self.wait_pending("eval_loss")
             local = self._run(inputs, targets, backward=False)
             return self._own_loss_totals(local)[0] if self.target_name is not None else self._global_mean(local)
 
@@ -396,6 +412,7 @@ class ParallelModel:
                                "eval_loss(inputs, targets)")
         args, kwargs = as_call(tree_map_only(torch.Tensor, lambda t: t.to(self.device), inputs))
         with named_failures("forward"):
+            self.wait_pending("forward")
             logits = self.modules[0](*args, **kwargs)
             return gather_vocab(logits, self.mesh["tp"]) if self.vocab_parallel else logits
 
@@ -406,16 +423,19 @@ class ParallelModel:
         """This rank's sharded model state (DTensors where sharded), under the original parameter names: the live
         parameters (16-bit under ZeRO-1 with a 16-bit policy; `full_state_dict` and checkpoints hold the fp32
         masters)."""
+        self.wait_pending("state_dict")
         return state_io.model_state(self.modules)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full single-device model state dict on every rank (collective: call it on all ranks)."""
         with named_failures("full_state_dict"):
+            self.wait_pending("full_state_dict")
             return state_io.full_model_state(self.modules, self.mesh["pp"], self.stepper)
 
     def save(self, path: str) -> None:
         """Sharded checkpoint of model and optimizer through torch.distributed.checkpoint (collective)."""
         with named_failures("save"):
+            self.wait_pending("save")
             state_io.save(path, self.modules, self.stepper)
 
     def load(self, path: str) -> None:
@@ -423,4 +443,5 @@ class ParallelModel:
         by parameter name (collective). For atomic, verified, resumable checkpoints use
         `autopar.codegen.checkpoint.Checkpointer`."""
         with named_failures("load"):
+            self.wait_pending("load")
             state_io.load(path, self.modules, self.stepper, self.updates)

@@ -283,7 +283,7 @@ class CommCosts:
                                         for g in mem.runs)) / pp
 
         return self._tail(zero_stage, dp, rpn, m, grad_bytes, pipelined=pp > 1, offload=offload,
-                          reduce_in_backward=True)
+                          reduce_in_backward=True, broadcast_in_forward=True)
 
     def _expert_tail_key(self, tp: int, pp: int, dp: int, cp: int, zero_stage: int, m: int, ep: int,
                          sp: bool, etp: int = 1, offload: str = "none") -> DPTail:
@@ -292,17 +292,19 @@ class CommCosts:
         size, per_node = self._expert_group(tp, dp, cp, ep, sp, etp) if grad_bytes > 0 else (1, 1)
 
         return self._tail(zero_stage, size, per_node, m, grad_bytes, loss_and_norm=False, pipelined=pp > 1,
-                          offload=offload)
+                          offload=offload, broadcast_in_forward=True)
 
     def _tail(self, zero_stage: int, size: int, per_node: int, m: int, grad_bytes: float,
               loss_and_norm: bool = True, pipelined: bool = False, offload: str = "none",
-              reduce_in_backward: bool = False) -> DPTail:
+              reduce_in_backward: bool = False, broadcast_in_forward: bool = False) -> DPTail:
         """The DPTail of `grad_bytes` of gradients per rank reduced over a group of `size` ranks, `per_node` of
         them on one node (`loss_and_norm`: the group also reduces the loss and the gradient norm; `pipelined`:
         in pipeline stages, DPTail's reduce-scatter once per step; `reduce_in_backward`: ZeRO-0/1's all-reduce
-        runs in backward, the dense gradients' as autopar.codegen.grad_overlap issues it). ZeRO-1's broadcast
-        moves the parameters in their dtype: 16-bit under a mixed policy (autopar.codegen.dist_optimizer), fp32 under
-        offload="optimizer", whose host steps fp32 parameters."""
+        runs in backward, the dense gradients' as autopar.codegen.grad_overlap issues it; `broadcast_in_forward`:
+        ZeRO-1's broadcast runs in the next step's forward, dense and expert parameters alike, as
+        autopar.codegen.param_prefetch issues it). ZeRO-1's broadcast moves the parameters in their dtype: 16-bit
+        under a mixed policy (autopar.codegen.dist_optimizer), fp32 under offload="optimizer", whose host steps
+        fp32 parameters."""
         mem = self.memory
         pol = mem.precision
         weights = pol.compute_bytes if pol.mixed and offload != "optimizer" else pol.weight_bytes
@@ -316,7 +318,7 @@ class CommCosts:
                       host_floor_s=self.host_floor_s, interference=fleet.overlap_interference(self.compute.device),
                       gather_ratio=mem.gather_bytes(1.0) / mem.grad_bytes(1.0), loss_and_norm=loss_and_norm,
                       pipelined=pipelined, broadcast_ratio=weights / mem.grad_bytes(1.0),
-                      reduce_in_backward=reduce_in_backward)
+                      reduce_in_backward=reduce_in_backward, broadcast_in_forward=broadcast_in_forward)
 
     def _expert_group_key(self, tp: int, dp: int, cp: int, ep: int, sp: bool, etp: int = 1) -> tuple[int, int]:
         """(size, most ranks on one node) of the group holding rank 0's experts."""

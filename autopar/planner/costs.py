@@ -21,7 +21,9 @@ communication runs beside it (NCCL on its own CUDA stream) and the runtime issue
 passes: FSDP2 (ZeRO-2/3) prefetches all-gathers during forward and reduce-scatters during backward, so
 one micro-batch's forward and backward (β) hide them; autopar's ZeRO-0/1 all-reduce the dense gradients
 by bucket during the last micro-batch's backward (autopar.codegen.grad_overlap), which hides each layer's
-share behind that layer's backward; gloo shares the CPU cores. Under sequence parallelism a layer that
+share behind that layer's backward, and ZeRO-1 broadcasts the updated parameters by bucket into the next
+step's first forward (autopar.codegen.param_prefetch), which hides each layer's share behind a layer's forward;
+gloo shares the CPU cores. Under sequence parallelism a layer that
 must see the whole sequence (capture.sequence.full_sequence_reason: attention TP keeps whole) has its
 kernels, activations and expert tokens priced at the full sequence; comm_costs prices the gather and split
 around it.
@@ -292,7 +294,7 @@ class CostModel:
             act_bytes=acts, state_bytes=mem.run_state_bytes(ri, c.tp, c.zero_stage, group_size, c.ep, c.offload,
                                                          mem.pipelined(c), c.etp),
             # FSDP2 issues each micro-batch's gathers in that micro-batch's passes, ZeRO-0/1 its all-reduce in the
-            # last micro-batch's backward (DPTail.hidden_s)
+            # last micro-batch's backward, ZeRO-1 its broadcast into the next step's first forward (DPTail.hidden_s)
             backward_s=_hidden_s(parts, t.forward_s + cp.attention_extra_forward_s,
                                  t.backward_s + cp.attention_extra_backward_s)
             if overlaps else 0.0,

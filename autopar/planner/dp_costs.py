@@ -9,10 +9,12 @@ rank's gradient bytes G and a layer's parameter bytes P (autopar/codegen/data_pa
           last micro-batch's backward once its parameters have their gradients (autopar.codegen.grad_overlap;
           the experts' after backward); the bucket is packed, divided and unpacked: 6·G bytes of memory
           traffic (read + write, 3 passes)
-  ZeRO-1  the same, then one broadcast per owner of its ≈ G/dp updated parameters packed flat
-          (2·G more bytes: the owner packs its share, the others unpack theirs), in the parameters' dtype
-          (`broadcast_ratio` = their bytes ÷ reduce bytes: ½ under bf16, whose ZeRO-1 holds 16-bit
-          parameters, autopar.codegen.dist_optimizer)
+  ZeRO-1  the same, then the updated parameters sent from their owners, B = G · `broadcast_ratio` (their
+          dtype's bytes ÷ reduce bytes: ½ under bf16, whose ZeRO-1 holds 16-bit parameters,
+          autopar.codegen.dist_optimizer): each owner's ≈ B/dp share in ⌈B / (dp · 25 MiB)⌉ buckets of its own,
+          one broadcast each packed flat (2·G·ratio more bytes: the owner packs its share, the others unpack
+          theirs): dp · ⌈B / (dp · 25 MiB)⌉ ≤ ⌈B / 25 MiB⌉ + dp broadcasts, issued asynchronously after the step
+          and waited for in the next step's forward (autopar.codegen.param_prefetch)
   ZeRO-2  FSDP2 per layer: an all-gather of P in every micro-batch's forward, a reduce-scatter of
           its gradient in every micro-batch's backward (the gradient shards summed over the step, as
           torchtitan, Composer and Megatron-FSDP run gradient accumulation), or under a pipeline
@@ -48,7 +50,14 @@ while they run (cost_models.fleet: the SMs an overlapped collective occupies), a
   ZeRO-0/1  each layer's share of the dense all-reduce (its bytes at the all-reduce's per-byte time) behind
             that layer's backward of the last micro-batch (each stage's last, under a pipeline), as the
             runtime launches the buckets while backward runs; the per-bucket latency (γ0), the packing and
-            unpacking, the experts' all-reduce and ZeRO-1's broadcast after the step stay exposed
+            unpacking and the experts' all-reduce stay exposed
+  ZeRO-1    and each layer's share of the parameter broadcast (its bytes at the broadcast's per-byte time,
+            plus its share of the latencies of every bucket but the first) behind one micro-batch's forward
+            of a layer: the runtime waits for a layer's bucket when that layer's forward starts in the next
+            step's first micro-batch (each stage's first), while the buckets behind it travel, so what the
+            layer before it computes covers it (layers of a stack alike: priced against its own forward).
+            The first bucket's latency (nothing computes before it), the packing and unpacking stay
+            exposed. Dense and expert parameters alike (the runtime prefetches both)
   ZeRO-2/3  each micro-batch's passes hide as much of that micro-batch's gathers and reduce-scatter as
             they last
 """
@@ -84,7 +93,7 @@ class DPTail:
                  collective_s: Callable[[str, float, int], float], memory_s: Callable[[float], float],
                  host_floor_s: float = 0.0, interference: float = 0.0, gather_ratio: float = 1.0,
                  loss_and_norm: bool = True, pipelined: bool = False, broadcast_ratio: float = 1.0,
-                 reduce_in_backward: bool = False) -> None:
+                 reduce_in_backward: bool = False, broadcast_in_forward: bool = False) -> None:
         """host_floor_s: the floor FSDP2's host overheads are counted in (module docstring); 0 on GPUs,
         where they are not charged. interference: the share of compute an overlapped collective takes
         (cost_models.fleet.overlap_interference). gather_ratio: bytes an all-gather moves per gradient byte.
@@ -93,7 +102,9 @@ class DPTail:
         pipeline stages (pp > 1), whose FSDP reduce-scatters once per step rather than every micro-batch.
         broadcast_ratio: bytes ZeRO-1's broadcast moves per gradient byte. reduce_in_backward: ZeRO-0/1's
         all-reduce runs in the last micro-batch's backward (the dense gradients, autopar.codegen.grad_overlap;
-        the experts' reduce after backward), so NCCL can hide it (`hidden_s`)."""
+        the experts' reduce after backward), so NCCL can hide it (`hidden_s`). broadcast_in_forward: ZeRO-1's
+        parameter broadcast runs in flight into the next step's forward (autopar.codegen.param_prefetch), so NCCL
+        can hide it (`hidden_s`)."""
         self.interference = interference
         self.pipelined = pipelined
         self.gather_ratio = gather_ratio
@@ -108,6 +119,7 @@ class DPTail:
         self.fixed_s += memory_s(g / dp if zero_stage >= 2 else g) if g > 0 else 0.0  # the norm reads them once
         self.per_byte_s = 0.0
         self._reduce_per_byte_s = 0.0  # ZeRO-0/1's all-reduce per byte, where it runs inside backward
+        self._broadcast_per_byte_s = 0.0  # ZeRO-1's broadcast per gradient byte, where it runs inside forward
         self.flat_collectives = 2 if world > 1 else 0  # the loss and the gradient-norm all-reduces
         if dp == 1 or zero_stage >= 2 or g <= 0:
             return
@@ -117,11 +129,18 @@ class DPTail:
         self._reduce_per_byte_s = slope if reduce_in_backward else 0.0
         self.fixed_s += buckets * lat
         self.flat_collectives += buckets
-        if zero_stage == 1:
-            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), g * broadcast_ratio / dp)
-            self.per_byte_s += (b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte) * broadcast_ratio
-            self.fixed_s += dp * b_lat
-            self.flat_collectives += dp
+        if zero_stage == 1:  # per owner, its share of B in buckets of its own, one broadcast each
+            share = g * broadcast_ratio / dp
+            b_buckets = dp * max(1, math.ceil(share / BUCKET_BYTES))
+            b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), min(share, BUCKET_BYTES))
+            # the first bucket's latency is the tail's; the others' spread over the bytes their buckets carry,
+            # as each layer's broadcast hides with its bucket (`hidden_s`)
+            later_lat_per_byte = (b_buckets - 1) * b_lat / g
+            self.per_byte_s += (b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte) * broadcast_ratio + later_lat_per_byte
+            self._broadcast_per_byte_s = (b_slope * broadcast_ratio + later_lat_per_byte if broadcast_in_forward
+                                          else 0.0)
+            self.fixed_s += b_lat
+            self.flat_collectives += b_buckets
 
     @property
     def gathers_per_step(self) -> int:
@@ -174,8 +193,11 @@ class DPTail:
         time (cost_models.fleet.hidden_beside_s), so even a fully hidden collective costs that much."""
         if grad_bytes <= 0:
             return 0.0
-        if self.gathers_per_step == 0:  # ZeRO-0/1: the all-reduce beside the last micro-batch's backward
-            return hidden_beside_s(self.overlapped_s(grad_bytes)[2], backward_s, self.interference)
+        if self.gathers_per_step == 0:  # ZeRO-0/1: the all-reduce beside the last micro-batch's backward, and
+            # ZeRO-1's broadcast beside the next step's first micro-batch's forward
+            bcast, _, reduce = self.overlapped_s(grad_bytes)
+            return (hidden_beside_s(bcast, forward_s, self.interference)
+                    + hidden_beside_s(reduce, backward_s, self.interference))
         m, f = self.microbatches, self.interference
         ag, ag_b, rs = self.overlapped_s(grad_bytes, gather_bytes, host_copy_s)
         r = self.reduce_scatters_per_step  # the last r micro-batches' backwards each run a reduce-scatter
@@ -186,12 +208,13 @@ class DPTail:
                      host_copy_s: float = 0.0) -> tuple[float, float, float]:
         """The collectives of one layer that run beside its passes: (the forward all-gather, the backward
         all-gather (ZeRO-3, else 0), the reduce-scatter), each with its host copy, under FSDP2; under ZeRO-0/1
-        (0, 0, the layer's share of the bucketed all-reduce: its bytes at the all-reduce's per-byte time) where
-        it runs in backward (`reduce_in_backward`), else zeros."""
+        (the layer's share of ZeRO-1's parameter broadcast where it runs in forward (`broadcast_in_forward`), 0,
+        the layer's share of the bucketed all-reduce: its bytes at the all-reduce's per-byte time, where it runs
+        in backward (`reduce_in_backward`)), zeros for what runs in neither."""
         if grad_bytes <= 0:
             return 0.0, 0.0, 0.0
         if self.gathers_per_step == 0:
-            return 0.0, 0.0, self._reduce_per_byte_s * grad_bytes
+            return self._broadcast_per_byte_s * grad_bytes, 0.0, self._reduce_per_byte_s * grad_bytes
         ag = self._coll("all_gather", grad_bytes * self.gather_ratio if gather_bytes is None else gather_bytes,
                         self.dp)
         rs = self._coll("reduce_scatter", grad_bytes, self.dp)
