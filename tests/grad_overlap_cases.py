@@ -37,6 +37,16 @@ def _train(model, graph, config: dict[str, Any], *, overlap: bool, steps: int, m
             "expected": [pm.grad_reduce._expected[id(p)] for p in pm.grad_reduce.params]}
 
 
+def bitwise_differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Two runs' gradients and weights compared bit for bit (the names that differ), and their losses."""
+    grads_differ = sorted({n for a, b in zip(old["grads"], new["grads"], strict=True)
+                           for n in a.keys() | b.keys() if n not in a or n not in b or not torch.equal(a[n], b[n])})
+    weights_differ = sorted(n for n in old["weights"]
+                            if not torch.equal(local(old["weights"][n]), local(new["weights"][n])))
+    return {"grads_differ": grads_differ, "weights_differ": weights_differ,
+            "grads_compared": sum(len(g) for g in new["grads"]), "losses": (old["losses"], new["losses"])}
+
+
 def exact_case(kind: str, config: dict[str, Any], *, steps: int = 2, max_grad_norm: float | None = None,
                bucket_bytes: int = 4096) -> dict[str, Any]:
     """Overlapped vs after-backward: the names of the gradients, weights and losses that differ (any bit), the
@@ -52,12 +62,7 @@ def exact_case(kind: str, config: dict[str, Any], *, steps: int = 2, max_grad_no
         new = _train(model, graph, dict(config), overlap=True, steps=steps, max_grad_norm=max_grad_norm)
     finally:
         data_parallel.BUCKET_BYTES = before
-    grads_differ = sorted({n for a, b in zip(old["grads"], new["grads"], strict=True)
-                           for n in a.keys() | b.keys() if n not in a or n not in b or not torch.equal(a[n], b[n])})
-    weights_differ = sorted(n for n in old["weights"]
-                            if not torch.equal(local(old["weights"][n]), local(new["weights"][n])))
-    return {"case": f"{kind} {config}", "grads_differ": grads_differ, "weights_differ": weights_differ,
-            "grads_compared": sum(len(g) for g in new["grads"]), "losses": (old["losses"], new["losses"]),
+    return {"case": f"{kind} {config}", **bitwise_differences(old, new),
             "launches": new["launches"], "old_launches": old["launches"], "buckets": new["buckets"],
             "params": new["params"], "expected": new["expected"]}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from grad_overlap_cases import bitwise_differences
 from parity_models import batches, build_model, graph_of, make_plan
 from precision_cases import adamw
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -125,12 +126,7 @@ def case(kind: str, config: dict[str, Any], root: str, *, steps: int = 4, max_gr
                      root=os.path.join(root, "new"))
     finally:
         data_parallel.BUCKET_BYTES = before
-    grads_differ = sorted({n for a, b in zip(old["grads"], new["grads"], strict=True)
-                           for n in a.keys() | b.keys() if n not in a or n not in b or not torch.equal(a[n], b[n])})
-    weights_differ = sorted(n for n in old["weights"]
-                            if not torch.equal(local(old["weights"][n]), local(new["weights"][n])))
-    return {"case": f"{kind} {config}", "grads_differ": grads_differ, "weights_differ": weights_differ,
-            "grads_compared": sum(len(g) for g in new["grads"]), "losses": (old["losses"], new["losses"]),
+    return {"case": f"{kind} {config}", **bitwise_differences(old, new),
             "checkpoint_differs": _checkpoints_differ(os.path.join(root, "old"), os.path.join(root, "new")),
             "waits": new["waits"], "old_waits": old["waits"], "in_flight": (old["in_flight"], new["in_flight"]),
             "buckets": new["buckets"], "broadcasts": new["broadcasts"], "owner_buckets": new["owner_buckets"]}
