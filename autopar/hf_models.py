@@ -5,8 +5,9 @@ so a user plans DeepSeek-V3 or Qwen3-235B from the file they already have instea
 
 The cache is where huggingface_hub keeps it: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 `$XDG_CACHE_HOME/huggingface/hub` (`~/.cache/huggingface/hub`), laid out as
-`models--org--name/snapshots/<commit>/config.json` with `refs/<revision>` naming the commit. Nothing is
-downloaded: a name not in the cache is refused with the path looked at and the command that fetches it.
+`models--org--name/snapshots/<commit>/config.json` with `refs/<revision>` naming the commit. A name not in
+the cache is fetched from the Hub into it (config.json alone, by huggingface_hub) unless `HF_HUB_OFFLINE` is
+set; where neither works it is refused with the cache path looked at and the command that fetches it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,27 +48,54 @@ def looks_like_hub_name(spec: str) -> bool:
     return bool(_HUB_NAME.match(spec)) and not spec.endswith(".json")
 
 
+def _offline() -> bool:
+    """Whether the user asked for no network (`HF_HUB_OFFLINE`, read as huggingface_hub reads it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def _fetch_config(repo: str, revision: str, cache: Path, fetch: str) -> Path:
+    """config.json of `repo` at `revision`, downloaded from the Hub into `cache` (that file only)."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as e:
+        raise AutoparError(f"Hub model {repo!r} is not in the local Hugging Face cache {cache}, and huggingface_hub "
+                           f"is not installed to fetch it ({e}): {fetch}") from None
+    # the Hub client retries for about half a minute when there is no network: say what the wait is
+    print(f"autopar: fetching {repo}@{revision} config.json from the Hugging Face Hub into {cache} "
+          "(set HF_HUB_OFFLINE=1 to use the cache alone)", file=sys.stderr, flush=True)
+    try:
+        return Path(hf_hub_download(repo_id=repo, filename="config.json", revision=revision, cache_dir=cache))
+    except Exception as e:  # no network, an unknown or gated repository, a missing revision: all the user's to fix
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise AutoparError(f"Hub model {repo!r} (revision {revision!r}) is not in the local Hugging Face cache {cache} "
+                           f"and fetching its config.json from the Hub failed ({type(e).__name__}: {reason}): "
+                           f"{fetch}") from None
+
+
 def _cached_config(spec: str) -> Path:
-    """config.json of Hub name `spec` (`org/name[@revision]`) in the local cache; AutoparError naming the
-    cache path and how to fill it when it is not there."""
+    """config.json of Hub name `spec` (`org/name[@revision]`): from the local cache, else fetched from the Hub
+    into it; AutoparError naming the cache path and how to fill it when neither works."""
     repo, _, revision = spec.partition("@")
     revision = revision or "main"
     cache = hf_cache_dir()
     folder = cache / f"models--{repo.replace('/', '--')}"
     fetch = (f"fetch it on a machine with network access (`huggingface-cli download {repo} config.json`, with "
              f"HF_HUB_CACHE pointing at that cache) or pass the path of a folder holding its config.json")
-    if not folder.is_dir():
-        raise AutoparError(f"unknown model {spec!r}: not a zoo name, a path or a .py factory, and Hub model "
-                           f"{repo!r} is not in the local Hugging Face cache {cache} (looked for {folder.name}; "
-                           f"autopar does not download): {fetch}")
     ref = folder / "refs" / revision
     commit = ref.read_text().strip() if ref.is_file() else revision
     config = folder / "snapshots" / commit / "config.json"
-    if not config.is_file():
-        have = sorted(p.name for p in (folder / "refs").glob("*")) if (folder / "refs").is_dir() else []
-        raise AutoparError(f"Hub model {repo!r} is in the cache {cache} but has no config.json for revision "
-                           f"{revision!r} (looked for {config}; cached refs: {have or 'none'}): {fetch}")
-    return config
+    if config.is_file():
+        return config
+    if not _offline():
+        return _fetch_config(repo, revision, cache, fetch)
+    if not folder.is_dir():
+        raise AutoparError(f"unknown model {spec!r}: not a zoo name, a path or a .py factory, and Hub model "
+                           f"{repo!r} is not in the local Hugging Face cache {cache} (looked for {folder.name}; "
+                           f"HF_HUB_OFFLINE is set, so autopar does not download): {fetch}")
+    have = sorted(p.name for p in (folder / "refs").glob("*")) if (folder / "refs").is_dir() else []
+    raise AutoparError(f"Hub model {repo!r} is in the cache {cache} but has no config.json for revision "
+                       f"{revision!r} (looked for {config}; cached refs: {have or 'none'}; HF_HUB_OFFLINE is set, so "
+                       f"autopar does not download): {fetch}")
 
 
 def find_config(spec: str) -> Path | None:

@@ -15,6 +15,9 @@ _OWN_FOLDER: list[str] = []
 def pytest_configure(config: pytest.Config) -> None:
     """xdist's chunk size; the controller names one capture-cache folder for the session, which xdist workers
     and the ranks they start inherit through the environment (tests/capture_cache.py)."""
+    # no test reaches the network: a Hub name not in a test's cache is refused at once, not fetched
+    # (tests/test_hf_config_model.py replaces the fetch where it tests it)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if getattr(config.option, "maxschedchunk", 0) is None:
         # one test at a time from the xdist queue (unless the command line says otherwise): with xdist's
         # default chunks an eighth of the suite goes to each worker at the start, so one would hold every long test

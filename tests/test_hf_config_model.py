@@ -80,9 +80,11 @@ def test_qwen3_moe_plans_from_a_hub_name_in_a_local_cache(tmp_path: Path, monkey
 def test_a_hub_name_not_in_the_cache_names_the_cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture) -> None:
     cache = _cache(tmp_path, monkeypatch, "Qwen/Qwen3-235B-A22B", _config("qwen3-235b-a22b"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rc = main(["capture", "deepseek-ai/DeepSeek-V3"])
     err = capsys.readouterr().err
-    assert rc == 1 and str(cache) in err and "models--deepseek-ai--DeepSeek-V3" in err and "download" in err
+    assert rc == 1 and str(cache) in err and "models--deepseek-ai--DeepSeek-V3" in err and "HF_HUB_OFFLINE" in err
+    assert "huggingface-cli download deepseek-ai/DeepSeek-V3 config.json" in err
     with pytest.raises(AutoparError, match="zoo names: .*llama3-8b"):  # a one-word name: perhaps a misspelled zoo name
         resolve_model("llama3-8x")
 
@@ -135,3 +137,46 @@ def test_a_folder_without_config_json_is_refused(tmp_path: Path, capsys: pytest.
     (tmp_path / "m" / "config.json").unlink()
     assert main(["capture", str(tmp_path / "m")]) == 1
     assert "holds no config.json" in capsys.readouterr().err
+
+
+def _fake_hub(monkeypatch: pytest.MonkeyPatch, config: dict | None, error: Exception | None = None) -> list:
+    """huggingface_hub.hf_hub_download replaced by one that files `config` in the cache as the Hub client does
+    (or raises `error`); returns the calls it got."""
+    import huggingface_hub
+
+    calls = []
+
+    def download(*, repo_id: str, filename: str, revision: str, cache_dir: Path) -> str:
+        calls.append((repo_id, filename, revision, Path(cache_dir)))
+        if error is not None:
+            raise error
+        folder = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+        (folder / "snapshots" / "feedbeef").mkdir(parents=True)
+        (folder / "snapshots" / "feedbeef" / filename).write_text(json.dumps(config))
+        (folder / "refs").mkdir()
+        (folder / "refs" / revision).write_text("feedbeef")
+        return str(folder / "snapshots" / "feedbeef" / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return calls
+
+
+def test_a_hub_name_not_in_the_cache_is_fetched_into_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    calls = _fake_hub(monkeypatch, _config("qwen3-235b-a22b"))
+    for _ in range(2):  # the second time from the cache the first filled
+        model, _, _ = resolve_model("Qwen/Qwen3-235B-A22B", 4096, overrides={"num_hidden_layers": 2})
+        assert sum(p.numel() for p in model.parameters()) == _qwen3_moe_params(2)
+    assert calls == [("Qwen/Qwen3-235B-A22B", "config.json", "main", tmp_path / "hub")]
+
+
+def test_a_failed_fetch_names_the_cache_the_reason_and_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _fake_hub(monkeypatch, None, ConnectionError("Max retries exceeded with url: /api/models (no route to host)"))
+    rc = main(["capture", "deepseek-ai/DeepSeek-V3@v1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and str(tmp_path / "hub") in err and "revision 'v1'" in err
+    assert "ConnectionError: Max retries exceeded" in err and "huggingface-cli download deepseek-ai/DeepSeek-V3" in err
+    assert "Traceback" not in err
