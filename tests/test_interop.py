@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import autopar
 from autopar.cli.main import main
@@ -77,6 +78,13 @@ def test_what_a_target_cannot_express_is_noted_with_the_closest_setting(plans) -
     ds = json.loads(export_plan(odd, "deepspeed").text)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert any("fp8=rowwise" in n for n in ds["autopar"]["notes"])
+    # tensorwise float8 under FSDP all-gathers the weights in float8, as autopar runs and prices it (torchao)
+    fsdp8 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, zero_stage=3, fp8="tensorwise"))
+    doc = tomllib.loads(export_plan(fsdp8, "torchtitan").text)
+    assert doc["model"]["converters"] == ["quantize.linear.float8"]
+    assert doc["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": True,
+                                                   "precompute_float8_dynamic_scale_for_fsdp": True}
+    assert "enable_fsdp_float8_all_gather" not in export_plan(odd, "torchtitan").text  # rowwise: none
 
 
 def test_estimate_from_megatron_arguments_on_the_cli(capsys: pytest.CaptureFixture) -> None:

@@ -7,7 +7,8 @@ pipeline_parallel_microbatch_size / pipeline_parallel_layers_per_stage / context
 expert_parallel_degree / expert_tensor_parallel_degree / expert_parallel_comm_backend; [training]
 local_batch_size / global_batch_size / seq_len / mixed_precision_param / mixed_precision_reduce /
 enable_cpu_offload; [activation_checkpoint] mode / selective_ac_option; [compile] enable / components;
-[quantize.linear.float8] recipe_name).
+[quantize.linear.float8] recipe_name, enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp;
+confirmed against torchtitan's docs/float8.md TOML example).
 
 Batch: torchtitan's local_batch_size is what one data-parallel rank runs per step with pp > 1 (split into
 pipeline_parallel_microbatch_size micro-batches) and per forward with pp = 1 (gradient accumulation makes up
@@ -105,7 +106,10 @@ def export_plan(plan) -> Exported:
     }
     if c.fp8 != "none":
         sections["model"] = {"converters": ["quantize.linear.float8"]}
-        sections["quantize.linear.float8"] = {"recipe_name": c.fp8}
+        fp8: dict[str, Any] = {"recipe_name": c.fp8}
+        if c.fp8 == "tensorwise" and c.zero_stage >= 2:  # FSDP: the weights all-gathered in float8, as priced
+            fp8 |= {"enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True}
+        sections["quantize.linear.float8"] = fp8
     head = [f"# autopar plan for {plan.model_name} on {plan.cluster_name}: {c}",
             f"# written for {VERSION}",
             f"# predicted step {plan.estimate.step_time_s:.3f} s, "
