@@ -43,7 +43,12 @@ def _train(model, graph, config: dict[str, Any], *, overlap: bool, steps: int, m
         waits.append(list(pm.param_prefetch.last_waits))
         if step == SAVE_AFTER:
             pm.save(root)
+    # a user's own `module.state_dict()` after the last step waits for the broadcasts still in flight
+    before = pm.param_prefetch.pending
+    pm.modules[0].state_dict()
+    user = (before, pm.param_prefetch.pending, sorted({w.where for w in pm.param_prefetch.waits}))
     return {"losses": losses, "grads": grads, "weights": pm.state_dict(), "waits": waits, "in_flight": in_flight,
+            "user_state_dict": user,
             "buckets": pm.param_prefetch.buckets, "broadcasts": broadcasts[1:] if overlap else [],
             "owner_buckets": _owner_buckets(pm.zero1, data_parallel.BUCKET_BYTES) if overlap else (0, 0)}
 
@@ -129,7 +134,8 @@ def case(kind: str, config: dict[str, Any], root: str, *, steps: int = 4, max_gr
     return {"case": f"{kind} {config}", **bitwise_differences(old, new),
             "checkpoint_differs": _checkpoints_differ(os.path.join(root, "old"), os.path.join(root, "new")),
             "waits": new["waits"], "old_waits": old["waits"], "in_flight": (old["in_flight"], new["in_flight"]),
-            "buckets": new["buckets"], "broadcasts": new["broadcasts"], "owner_buckets": new["owner_buckets"]}
+            "buckets": new["buckets"], "broadcasts": new["broadcasts"], "owner_buckets": new["owner_buckets"],
+            "user_state_dict": new["user_state_dict"]}
 
 
 def job(root: str, cases: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:

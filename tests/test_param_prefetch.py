@@ -42,6 +42,9 @@ def _check(results: list[dict]) -> list[str]:
             if wrong:
                 failures.append(f"{name}: step {step}: waits {wrong[:3]} not where expected "
                                 f"({'forward pre-hooks' if want_forward else 'the save'})")
+        if r["user_state_dict"] != (True, False, ["state_dict"]):
+            failures.append(f"{name}: a module's own state_dict() after the last step (in flight before, after, "
+                            f"waited by): {r['user_state_dict']}")
         if any(r["old_waits"]):
             failures.append(f"{name}: the after-step path left broadcasts to wait for: {r['old_waits']}")
     return failures

@@ -17,7 +17,8 @@ trace its waits); the compiled module waits for its whole subtree's buckets befo
 
 Until its bucket is waited for, a non-owner's parameter holds the previous step's value. So everything that
 reads parameters outside the forward first calls `wait_pending` (ParallelModel: the optimizer step, eval,
-forward, state dicts, saves, loads; checkpoint.Checkpointer), which also completes the buckets no forward used
+forward, state dicts, saves, loads; checkpoint.Checkpointer; any module's own `state_dict()`, by a state-dict
+pre-hook; a user reading `p.data` directly calls `pm.wait_pending()`), which also completes the buckets no forward used
 (parameters of modules that did not run). The values are the owners', copied bit for bit whichever way; a
 process that exits with broadcasts in flight waits for them first (at exit, up to EXIT_WAIT_S), so no gloo
 worker releases a collective's tensors while the interpreter finalizes (autopar.codegen.failures).
@@ -106,10 +107,12 @@ class ParamPrefetch:
         return bool(self._pending)
 
     def _hook(self, parts: Sequence[nn.Module]) -> None:
-        """A pre-hook on each module holding parameters of some bucket (its own, or its subtree's when compiled)."""
+        """A pre-hook on each module holding parameters of some bucket (its own, or its subtree's when compiled);
+        and on every module a state-dict pre-hook, so a user's `module.state_dict()` reads the step's weights."""
         for i, part in enumerate(parts):
             compiled: list[str] = []
             for path, m in part.named_modules():
+                m.register_state_dict_pre_hook(self._state_dict_hook)
                 if any(path.startswith(c + ".") for c in compiled):
                     continue
                 is_compiled = getattr(m, "_compiled_call_impl", None) is not None
@@ -124,6 +127,9 @@ class ParamPrefetch:
                     m._compiled_call_impl = self._waiting(m._compiled_call_impl, held, where)
                 else:
                     m.register_forward_pre_hook(self._pre_hook(held, where))
+
+    def _state_dict_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.wait_pending("state_dict")
 
     def _pre_hook(self, held: list[int], where: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
