@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["gpu_kernels", "SDPA_OPS", "OP_SAC_MATMUL_OPS", "SELECTIVE_RECOMPUTED_OPS", "op_sac_saves",
-           "AttentionCore", "inside_fused_kernel", "fused_dropout"]
+           "AttentionCore", "inside_fused_kernel", "fused_dropout",
+           "written_tensors"]
 
 aten = torch.ops.aten
 
@@ -64,6 +65,28 @@ SELECTIVE_RECOMPUTED_OPS = SDPA_OPS | frozenset({aten.bmm, aten.baddbmm, aten._s
 # projections dispatch mm/addmm on 2-D views, so a batched matmul inside a block is attention's (or an
 # expert's, which recomputing keeps correct)
 _CORE_MATMULS = frozenset({aten.bmm, aten.baddbmm})
+# fresh buffers (free to make again): an MoE block's output accumulated in place, CPU dropout's mask
+_FRESH = frozenset(getattr(aten, name) for name in (
+    "zeros", "zeros_like", "empty", "empty_like", "empty_strided", "full", "full_like", "ones", "ones_like",
+    "new_zeros", "new_empty", "new_full", "new_ones") if hasattr(aten, name))
+
+
+def _mutates(func: Any) -> bool:
+    """Whether op overload `func` writes into an argument (index_add_, copy_, an out= variant)."""
+    schema = getattr(func, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors op overload `func` writes into (its schema's write-annotated arguments)."""
+    if not _mutates(func):
+        return []
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
 
 
 class AttentionCore:
@@ -76,31 +99,34 @@ class AttentionCore:
     alone cached the scaled, masked and viewed s²-sized scores (an eager GPT block kept more than without
     recompute); following the data keeps exactly what Megatron-LM's selective recompute keeps.
 
-    One instance follows one forward (the runtime's policy and its recompute each have their own, so both
-    see the same decisions): `recomputes` decides from the inputs, `observe` marks the outputs."""
+    Fresh buffers and ops that write into an argument run again too: torch's selective-checkpoint cache
+    refuses an entry mutated after it was cached, and a buffer accumulated in place (an MoE block's output,
+    index_add_ per expert) would be. An op writing into the output of an op kept earlier (a router's top-k
+    weights divided in place) un-keeps it: that op runs again in backward, giving the value before the write
+    (`written_tensors`; the runtime's policy and capture's probe both drop what they kept of its storage).
+
+    One instance follows one forward: `observe` decides from the inputs (whether the op runs again in
+    backward) and marks the outputs."""
 
     def __init__(self, fused: frozenset = SDPA_OPS) -> None:
         self._fused = fused
         self._core = WeakTensorKeyDictionary()
 
-    def _classify(self, packet: Any, args: Any) -> tuple[bool, bool]:
+    def _classify(self, func: Any, args: tuple, kwargs: dict) -> tuple[bool, bool]:
         """(recomputed, outputs in the core)."""
-        core_args = sum(1 for a in tree_leaves(args)
-                        if isinstance(a, torch.Tensor) and a in self._core)
+        packet = getattr(func, "overloadpacket", func)
+        core_args = sum(1 for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a in self._core)
         if packet in self._fused:
             return True, False
         if packet in _CORE_MATMULS:
             return True, core_args != 1
         if core_args:
             return True, True
-        return packet in SELECTIVE_RECOMPUTED_OPS, False
+        return packet in SELECTIVE_RECOMPUTED_OPS or packet in _FRESH or _mutates(func), False
 
-    def recomputes(self, packet: Any, args: Any) -> bool:
-        return self._classify(packet, args)[0]
-
-    def observe(self, packet: Any, args: Any, outs: Any) -> bool:
-        """Mark `outs` (the op's outputs) core or not; returns whether the op is recomputed."""
-        recomputed, core = self._classify(packet, args)
+    def observe(self, func: Any, args: tuple, kwargs: dict, outs: Any) -> bool:
+        """Mark `outs` (op overload `func`'s outputs) core or cached; returns whether the op runs again."""
+        recomputed, core = self._classify(func, args, kwargs)
         if core:
             for t in tree_leaves(outs):
                 if isinstance(t, torch.Tensor):

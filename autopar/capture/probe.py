@@ -40,6 +40,7 @@ from autopar.capture.kernels import (
     gpu_kernels,
     inside_fused_kernel,
     op_sac_saves,
+    written_tensors,
 )
 from autopar.capture.moe import GROUPED_MM_OPS, grouped_mm_groups, record_bank_calls, record_bank_saves
 from autopar.capture.probe_kernels import (
@@ -193,6 +194,7 @@ class _Tracker(TorchDispatchMode):
         self.heads = HeadTables()
         self.selective: dict[int, int] = {}  # storage key → bytes selective's policy keeps alive
         self.core = AttentionCore()  # what selective recompute runs again
+        self.released: set[int] = set()  # storages selective kept until an op wrote into them
 
     def mark_from_call(self, t: torch.Tensor) -> None:
         self.from_call.add(storage_key(t))
@@ -269,22 +271,34 @@ class _Tracker(TorchDispatchMode):
                             bytes_moved=0 if kind == "view" else rec.bytes_moved, record=rec, core=in_core,
                             sac_saved_bytes=sac, groups=groups,
                             selective_saved=self._selective_cache(func, outs, func in SAC_IGNORED_OPS
-                                                                  or self.core.observe(packet, (args, kwargs), out))))
+                                                                  or self.core.observe(func, args, kwargs, out),
+                                                                  written_tensors(func, args, kwargs))))
         self.steps.record(kind, storages(ins), storages(outs))
         return out
 
 
-    def _selective_cache(self, func: Any, outs: list[torch.Tensor], recomputed: bool) -> tuple[int, ...]:
+    def _selective_cache(self, func: Any, outs: list[torch.Tensor], recomputed: bool,
+                         written: list[torch.Tensor]) -> tuple[int, ...]:
         """Storages selective recompute's policy first keeps alive with this op's outputs: torch's
         selective-checkpoint cache holds a detached alias of each output (its whole storage) of the ops the
         policy saves (`recomputed` False: AttentionCore); ops the cache ignores (detach) and parameters'
-        views keep nothing new."""
+        views keep nothing new. A storage this op writes into is kept no longer (the runtime's policy turns
+        its entries back to "run again": codegen.recompute), until an op keeps it again."""
+        for t in written:
+            key = storage_key(t)
+            if self.selective.get(key):
+                self.selective[key] = 0
+                self.released.add(key)
         if func in SAC_IGNORED_OPS or recomputed or inside_fused_kernel():
             return ()
         new = []
         for t in outs:
             key = storage_key(t)
-            if t not in self.state and key not in self.selective:
+            if key in self.released:  # kept again after a write released it
+                self.released.discard(key)
+                self.selective[key] = t.untyped_storage().nbytes()
+                new.append(key)
+            elif t not in self.state and key not in self.selective:
                 self.selective[key] = t.untyped_storage().nbytes()
                 self.keep.append(t)
                 new.append(key)
@@ -402,7 +416,12 @@ def measure_call(module: nn.Module, args: tuple, kwargs: dict[str, Any], state: 
     saved_core = sum(n for key, n in tracker.saved.items() if tracker.tags.get(key, _CONSTANT)[1])
     inputs = tensor_bytes([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t not in state])
     out_keys = {storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-    selective = [sum(tracker.selective[k] for k in op.selective_saved if k not in out_keys) for op in tracker.ops]
+    charged: set[int] = set()  # each storage once: one kept again after a write is listed by two ops
+    selective = []
+    for op in tracker.ops:
+        keys = [k for k in op.selective_saved if k not in out_keys and k not in charged]
+        charged.update(keys)
+        selective.append(sum(tracker.selective[k] for k in keys))
     selective_sharded = sum(n for k, n in tracker.selective.items()
                             if k not in out_keys and sharded(tracker.tags.get(k, _CONSTANT)[0]))
     sac_sharded = sum(op.sac_saved_bytes for op in tracker.ops if op.linear not in tp_linears and sharded(op.src)

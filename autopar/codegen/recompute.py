@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import checkpoint as _ckpt
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_gather_kv, cp_chunk_attention)
@@ -35,7 +37,9 @@ from autopar.capture.kernels import (
     AttentionCore,
     fused_dropout,
     op_sac_saves,
+    written_tensors,
 )
+from autopar.capture.tensors import storage_key
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
 
@@ -56,14 +60,29 @@ _CP_ATTENTION = torch.ops.autopar.cp_chunk_attention
 def _selective_context():
     """Torch's selective-checkpoint modes under a policy that follows one forward's attention core: torch
     asks the policy after each op runs (`ctx.op_output`), so AttentionCore marks the outputs as it decides;
-    the recompute replays the forward's decisions from its cache."""
+    the recompute replays the forward's decisions from its cache. An op writing into a tensor the cache kept
+    (a router's weights divided in place) turns the entries holding that storage back to "run again", so the
+    recompute produces the value before the write (torch refuses a kept entry changed afterwards). That edits
+    torch's selective-checkpoint storage (`_sac_storage_key`, `func_counter`, `_RECOMPUTE`: torch 2.13's)."""
     core = AttentionCore(_FUSED_ATTENTION)
+    kept: dict[int, list[tuple[Any, int]]] = {}  # storage → the cache entries (key, index) holding it
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        recomputed = core.observe(getattr(op, "overloadpacket", op), (args, kwargs), ctx.op_output)
-        return CheckpointPolicy.PREFER_RECOMPUTE if recomputed else CheckpointPolicy.MUST_SAVE
+        recomputed = core.observe(op, args, kwargs, ctx.op_output)
+        for t in written_tensors(op, args, kwargs):
+            for key, idx in kept.pop(storage_key(t), ()):
+                forward.storage[key][idx] = _ckpt._RECOMPUTE
+        if recomputed:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        key = _ckpt._sac_storage_key(op, args)
+        entry = (key, forward.func_counter[key] - 1)  # the caching mode counted this call before asking
+        for t in tree_leaves(ctx.op_output):
+            if isinstance(t, torch.Tensor):
+                kept.setdefault(storage_key(t), []).append(entry)
+        return CheckpointPolicy.MUST_SAVE
 
-    return create_selective_checkpoint_contexts(policy)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, recompute
 
 
 def _op_sac_context():
