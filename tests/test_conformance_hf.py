@@ -103,10 +103,13 @@ def test_moe_families_dp_tp_pp():
     both hold). Expert parallelism runs on four ranks too (test_tp2_dp2_on_four_ranks: ep2 alone inside each
     stage of pp2 × ep2,
     ep2 × edp2, ep2 and ep4 folded over tp2) and eight (tests/test_eight_ranks.py). GPT-OSS also with its
-    experts tensor-parallel without EP (etp2: biased, interleaved gate|up split over the tp pair)."""
+    experts tensor-parallel without EP (etp2: biased, interleaved gate|up split over the tp pair). Mixtral (tp2 × ep2)
+    and GPT-OSS (dp2) also with selective recompute, whose blocks write into tensors in place."""
     from hf_families import MOE_FAMILIES
 
     families = MOE_FAMILIES[:4]
     _run([(f, dict(dp=2)) for f in families] + [(f, TP) for f in families]
          + [(f, PP) for f in families]
-         + [(f, dict(tp=2, ep=2)) for f in families[:2]] + [("gpt_oss", dict(tp=2, etp=2))], 2)
+         + [(f, dict(tp=2, ep=2)) for f in families[:2]] + [("gpt_oss", dict(tp=2, etp=2))]
+         # selective recompute over blocks that write in place (router weights divided, outputs accumulated)
+         + [("mixtral", dict(tp=2, ep=2, recompute="selective")), ("gpt_oss", dict(dp=2, recompute="selective"))], 2)

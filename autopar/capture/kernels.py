@@ -72,15 +72,19 @@ _FRESH = frozenset(getattr(aten, name) for name in (
 
 
 def _mutates(func: Any) -> bool:
-    """Whether op overload `func` writes into an argument (index_add_, copy_, an out= variant)."""
+    """Whether op overload `func` writes into an argument (index_add_, copy_, an out= variant, a c10d
+    collective: torch.distributed's ops fill their tensors in place without saying so in their schemas)."""
     schema = getattr(func, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+    return bool(schema is not None and (schema.is_mutable or getattr(func, "namespace", None) == "c10d"))
 
 
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors op overload `func` writes into (its schema's write-annotated arguments)."""
+    """The tensors op overload `func` writes into (its schema's write-annotated arguments; every tensor a
+    c10d collective is handed, whose schema annotates none)."""
     if not _mutates(func):
         return []
+    if func.namespace == "c10d":
+        return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     out = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
