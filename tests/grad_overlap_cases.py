@@ -6,6 +6,7 @@ for bit, and the overlapped run's bucket launches recorded."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +38,20 @@ def _train(model, graph, config: dict[str, Any], *, overlap: bool, steps: int, m
             "expected": [pm.grad_reduce._expected[id(p)] for p in pm.grad_reduce.params]}
 
 
+def train_both_ways(kind: str, bucket_bytes: int, train: Callable[[Any, Any, bool], dict[str, Any]]
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`train(model, graph, overlap)` on one model of `kind`, with the overlap off (on a copy) and on, both under
+    `bucket_bytes` buckets (small, so a tiny model has several)."""
+    before = data_parallel.BUCKET_BYTES
+    data_parallel.BUCKET_BYTES = bucket_bytes
+    try:
+        model = build_model(kind)
+        graph = graph_of(kind, model)
+        return train(copy.deepcopy(model), graph, False), train(model, graph, True)
+    finally:
+        data_parallel.BUCKET_BYTES = before
+
+
 def bitwise_differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Two runs' gradients and weights compared bit for bit (the names that differ), and their losses."""
     grads_differ = sorted({n for a, b in zip(old["grads"], new["grads"], strict=True)
@@ -52,16 +67,8 @@ def exact_case(kind: str, config: dict[str, Any], *, steps: int = 2, max_grad_no
     """Overlapped vs after-backward: the names of the gradients, weights and losses that differ (any bit), the
     overlapped run's launches (bucket, in backward, gradients counted by then) and its bucket count.
     bucket_bytes: small, so a tiny model has several buckets (both runs use it)."""
-    before = data_parallel.BUCKET_BYTES
-    data_parallel.BUCKET_BYTES = bucket_bytes
-    try:
-        model = build_model(kind)
-        graph = graph_of(kind, model)
-        old = _train(copy.deepcopy(model), graph, dict(config), overlap=False, steps=steps,
-                     max_grad_norm=max_grad_norm)
-        new = _train(model, graph, dict(config), overlap=True, steps=steps, max_grad_norm=max_grad_norm)
-    finally:
-        data_parallel.BUCKET_BYTES = before
+    old, new = train_both_ways(kind, bucket_bytes, lambda model, graph, overlap: _train(
+        model, graph, dict(config), overlap=overlap, steps=steps, max_grad_norm=max_grad_norm))
     return {"case": f"{kind} {config}", **bitwise_differences(old, new),
             "launches": new["launches"], "old_launches": old["launches"], "buckets": new["buckets"],
             "params": new["params"], "expected": new["expected"]}

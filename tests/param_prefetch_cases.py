@@ -6,14 +6,13 @@ content, and the overlapped run's bucket waits recorded."""
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from grad_overlap_cases import bitwise_differences
-from parity_models import batches, build_model, graph_of, make_plan
+from grad_overlap_cases import bitwise_differences, train_both_ways
+from parity_models import batches, make_plan
 from precision_cases import adamw
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -120,17 +119,9 @@ def case(kind: str, config: dict[str, Any], root: str, *, steps: int = 4, max_gr
     """Overlapped vs after-step broadcast: the names of gradients and weights that differ (any bit), the losses,
     the checkpoint entries that differ, and the overlapped run's waits per step and bucket count. bucket_bytes:
     small, so a tiny model has several buckets (both runs use it)."""
-    before = data_parallel.BUCKET_BYTES
-    data_parallel.BUCKET_BYTES = bucket_bytes
-    try:
-        model = build_model(kind)
-        graph = graph_of(kind, model)
-        old = _train(copy.deepcopy(model), graph, dict(config), overlap=False, steps=steps,
-                     max_grad_norm=max_grad_norm, root=os.path.join(root, "old"))
-        new = _train(model, graph, dict(config), overlap=True, steps=steps, max_grad_norm=max_grad_norm,
-                     root=os.path.join(root, "new"))
-    finally:
-        data_parallel.BUCKET_BYTES = before
+    old, new = train_both_ways(kind, bucket_bytes, lambda model, graph, overlap: _train(
+        model, graph, dict(config), overlap=overlap, steps=steps, max_grad_norm=max_grad_norm,
+        root=os.path.join(root, "new" if overlap else "old")))
     return {"case": f"{kind} {config}", **bitwise_differences(old, new),
             "checkpoint_differs": _checkpoints_differ(os.path.join(root, "old"), os.path.join(root, "new")),
             "waits": new["waits"], "old_waits": old["waits"], "in_flight": (old["in_flight"], new["in_flight"]),

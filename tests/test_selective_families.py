@@ -1,7 +1,8 @@
 """Selective recompute on transformers families with eager attention: the attention core followed through each
-family's own code (autopar.capture.kernels.AttentionCore: GQA repeats, rotary, masks added or filled, softcapping,
-in-place residuals, fused q|k|v projections, MoE blocks writing in place) is recomputed exactly — the gradients of every parameter equal those
-of the same model without recompute. Blocks are the ones capture finds (as codegen wraps them)."""
+family's own code (autopar.capture.kernels.AttentionCore: GQA repeats, rotary, masks added or filled,
+softcapping, in-place residuals, fused q|k|v projections, MoE blocks writing in place) is recomputed exactly —
+the gradients of every parameter equal those of the same model without recompute. Blocks are the ones capture
+finds (as codegen wraps them)."""
 
 from __future__ import annotations
 
