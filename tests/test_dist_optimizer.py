@@ -19,7 +19,8 @@ in gloo jobs against one process running the same algorithm (tests/dist_optimize
   masters) resumed as pp2·dp2, both under the distributed optimizer.
 - memory (2 ranks, dp2): the bytes of the 16-bit parameters, fp32 main gradients, fp32 masters and moments each
   rank holds equal the planner's compute copies, grads, weights and optimizer bytes within 1%, for bf16
-  and fp16; fp32 (no distributed optimizer) as before.
+  and fp16; fp32 (no distributed optimizer) as before; ZeRO-2 likewise under bf16, fp16 and fp32 (its
+  sharded weights, gradients and moments, and the gathered weights FSDP2 holds from forward to backward).
 - checkpoints: ZeRO-1 bf16 (16-bit parameters) → ZeRO-0 bf16 (fp32 parameters) through the Checkpointer, and
   ZeRO-0 → ZeRO-1 through pm.save / pm.load: full state dicts (fp32) and every moment equal bit for bit, and
   the loaded 16-bit parameters are the masters rounded.
@@ -73,7 +74,9 @@ def test_parity_memory_and_checkpoints_on_two_ranks(tmp_path):
               ("mixtral", dict(ZERO1, ep=2), dict(precision="bf16")),
               # owners over the flattened dp·cp axis; attention split over the sequence rounds apart
               ("llama_tied", dict(cp=2, zero_stage=1), CLIP)]
-    memory = [(prec, 1, 1) for prec in ("bf16", "fp16", "fp32")]
+    # ZeRO-1 (the distributed optimizer under 16 bits) and ZeRO-2 (FSDP2 holding the gathered weights from
+    # forward to backward), each under bf16, fp16 and fp32
+    memory = [(prec, zero, 1) for zero in (1, 2) for prec in ("bf16", "fp16", "fp32")]
     checkpoints = [(ZERO1, dict(dp=2)), (dict(dp=2), ZERO1)]
     results = run_distributed(job, 2, parity, memory, checkpoints, str(tmp_path), timeout_s=900)
     failures = _check_parity(results[0]["parity"], loose=frozenset({4, 5}))
