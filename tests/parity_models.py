@@ -56,6 +56,11 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         return build_family(kind, seed)
     if kind in ("skip_tied", "mixed_attention"):
         return build_custom(kind, seed)
+    if kind == "param_list":  # MultiheadAttention, ParameterList: parameters no forward of their holder reads
+        from own_models_reuse import ParamListLM
+
+        torch.manual_seed(seed)
+        return ParamListLM().float()
     torch.manual_seed(seed)
     if kind == "gpt":
         model, _ = autopar.zoo.build("gpt-tiny", seq_len=SEQ, device="cpu", dropout=0.0, n_layers=LAYERS,

@@ -180,17 +180,23 @@ def test_fsdp_host_overheads_are_charged_on_cpu_per_unit_outside_the_tail():
 @pytest.mark.parametrize("zero", [0, 1])
 def test_zero01_all_reduce_hides_behind_the_last_micro_batchs_backward(zero):
     """The dense tail's all-reduce runs in the last micro-batch's backward (autopar.codegen.grad_overlap): a layer
-    hides its bytes' share of it behind its backward, less NCCL's interference; the per-bucket latency, the
-    packing passes and ZeRO-1's broadcast stay exposed, and a tail reduced after backward hides nothing."""
-    m, dp, p, f = 3, 4, 5e6, 0.2
-    t = DPTail(zero_stage=zero, dp=dp, world=8, microbatches=m, rank_grad_bytes=64e6, collective_s=coll,
+    hides its bytes' share of it behind its backward, less NCCL's interference — all but the last bucket's
+    (the first layers' gradients, complete only as backward ends); the per-bucket latency, the packing passes
+    and ZeRO-1's broadcast stay exposed, and a tail reduced after backward hides nothing."""
+    m, dp, p, f, g = 3, 4, 5e6, 0.2, 64e6
+    t = DPTail(zero_stage=zero, dp=dp, world=8, microbatches=m, rank_grad_bytes=g, collective_s=coll,
                memory_s=lambda n: n / MEM, interference=f, reduce_in_backward=True)
-    share = 2 * (dp - 1) / dp * p / BETA  # the ring all-reduce's time per byte, times the layer's bytes
+    # the ring all-reduce's time per byte, times the layer's bytes, less the last bucket's share of them
+    share = 2 * (dp - 1) / dp * p / BETA * (1 - BUCKET_BYTES / g)
     assert t.overlapped_s(p) == (0.0, 0.0, pytest.approx(share, rel=1e-9))
     assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx((1 - f) * share, rel=1e-9)  # once, not m
     assert t.hidden_s(p, forward_s=1.0, backward_s=share / 3) == pytest.approx(share / 3, rel=1e-12)
     assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) < t.layer_s(p) - 6 * p / MEM
     assert tail(zero).hidden_s(p, forward_s=1.0, backward_s=1.0) == 0.0  # the experts': after backward
+    # a gradient within one bucket completes as backward ends: nothing hides
+    one = DPTail(zero_stage=zero, dp=dp, world=8, microbatches=m, rank_grad_bytes=BUCKET_BYTES / 2,
+                 collective_s=coll, memory_s=lambda n: n / MEM, interference=f, reduce_in_backward=True)
+    assert one.overlapped_s(p) == (0.0, 0.0, 0.0)
 
 
 def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backward_hides():
@@ -202,11 +208,15 @@ def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backwar
 
     from cost_models.fleet import hidden_beside_s, overlap_interference
 
-    model, x = autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2, device="meta")
-    graph = autopar.capture(model, x)
     nccl = Cluster.preset("dgx-h100", nodes=1)
     c = Candidate(tp=1, pp=1, dp=8, zero_stage=1, micro_batch_size=2, num_microbatches=2, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False)
+    # a tiny model's broadcast is all first wave (each owner's share within one bucket) and its gradient one
+    # bucket: nothing hides
+    tiny = autopar.capture(*autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2, device="meta"))
+    assert CostModel.for_cluster(tiny, nccl).comm.dp_tail(c).overlapped_s(1e6) == (0.0, 0.0, 0.0)
+    # 2 blocks of gpt3-1.3b: 0.6 GB of fp32 gradients a rank, 77 MB an owner, three buckets each
+    graph = autopar.capture(*autopar.zoo.build("gpt3-1.3b", seq_len=32, n_layers=2, device="meta"))
     on = CostModel.for_cluster(graph, nccl)
     off = CostModel.for_cluster(graph, dataclasses.replace(nccl, backend="gloo"))
     tail, f = on.comm.dp_tail(c), overlap_interference(nccl.device)
@@ -227,10 +237,12 @@ def test_nccl_zero1_exposed_data_parallel_time_drops_by_what_each_layers_backwar
 def test_zero1_broadcast_hides_behind_the_next_forward_but_its_first_buckets_latency(ratio):
     """ZeRO-1's parameter broadcast, issued after the step and waited for bucket by bucket in the next forward
     (autopar.codegen.param_prefetch), against a hand computation: B = ratio·G bytes, each owner's B/dp share in
-    ⌈B / (dp·25 MiB)⌉ buckets of its own, one broadcast each; a layer's share (its bytes at the broadcast's
-    per-byte time, plus its bytes' share of every broadcast's latency but the first's) hides behind one
-    micro-batch's forward, less NCCL's interference; the first broadcast's latency and the packing passes stay
-    exposed; gloo (no interference priced, nothing hidden by costs.CostModel) leaves it all exposed."""
+    ⌈B / (dp·25 MiB)⌉ buckets of its own, one broadcast each. The owners' parameters are spread over the model,
+    so the first layer waits for every owner's first bucket: that wave (dp buckets, dp latencies) stays exposed;
+    a layer's share of the rest (its bytes at the broadcast's per-byte time, less the wave's share, plus its
+    bytes' share of the later buckets' latencies) hides behind one micro-batch's forward, less NCCL's
+    interference; the packing passes stay exposed; gloo (no interference priced, nothing hidden by
+    costs.CostModel) leaves it all exposed. The all-reduce hides all but its last bucket's share."""
     g, dp, m, p, f = 256e6, 4, 3, 5e6, 0.2
     t = DPTail(zero_stage=1, dp=dp, world=8, microbatches=m, rank_grad_bytes=g, collective_s=coll,
                memory_s=lambda n: n / MEM, interference=f, reduce_in_backward=True, broadcast_in_forward=True,
@@ -238,20 +250,26 @@ def test_zero1_broadcast_hides_behind_the_next_forward_but_its_first_buckets_lat
     broadcasts = dp * math.ceil(ratio * g / dp / BUCKET_BYTES)  # 4·3 of fp32 parameters, 4·2 of 16-bit ones
     assert broadcasts == {1.0: 12, 0.5: 8}[ratio]
     lat, per_byte = (dp - 1) * ALPHA, (dp - 1) / dp / BETA  # the synthetic ring broadcast: lat + n·per_byte
-    share = ratio * p * per_byte + p / g * (broadcasts - 1) * lat
-    reduce = 2 * (dp - 1) / dp * p / BETA
+    wave = dp * BUCKET_BYTES  # every owner's first bucket, in broadcast bytes (each share exceeds a bucket)
+    share = ratio * p * per_byte * (1 - wave / (ratio * g)) + p / g * (broadcasts - dp) * lat
+    full_share = ratio * p * per_byte + p / g * (broadcasts - dp) * lat  # in γ, hidden or not
+    reduce_all = 2 * (dp - 1) / dp * p / BETA
+    reduce = reduce_all * (1 - BUCKET_BYTES / g)
     assert t.overlapped_s(p) == (pytest.approx(share, rel=1e-9), 0.0, pytest.approx(reduce, rel=1e-9))
     # long passes: the broadcast share behind the forward, the all-reduce share behind the backward, once each
     assert t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx((1 - f) * (share + reduce), rel=1e-9)
     # a forward shorter than the share hides its own length
     assert t.hidden_s(p, forward_s=share / 4, backward_s=1.0) == pytest.approx(share / 4 + (1 - f) * reduce,
                                                                                rel=1e-9)
-    # exposed whatever the passes: the first broadcast's latency (in γ0) and the packing passes (in γ)
+    # exposed whatever the passes: the first wave's latencies (in γ0), its bytes, the all-reduce's last bucket
+    # and the packing passes (in γ)
     ar_lat = 2 * (dp - 1) * ALPHA
     buckets_ar = math.ceil(g / BUCKET_BYTES)
-    assert t.fixed_s == pytest.approx(buckets_ar * ar_lat + lat + coll("all_reduce", 4, 8) + norm_s(8, g), rel=1e-9)
+    assert t.fixed_s == pytest.approx(buckets_ar * ar_lat + dp * lat + coll("all_reduce", 4, 8) + norm_s(8, g),
+                                      rel=1e-9)
     assert t.layer_s(p) - t.hidden_s(p, forward_s=1.0, backward_s=1.0) == pytest.approx(
-        f * (share + reduce) + 6 * p / MEM + 2 * ratio * p / MEM, rel=1e-9)
+        f * (share + reduce) + (full_share - share) + (reduce_all - reduce) + 6 * p / MEM + 2 * ratio * p / MEM,
+        rel=1e-9)
     assert t.collectives_per_step(layers_with_params=5) == buckets_ar + broadcasts + 2
     # without the overlap (the experts' tail before param_prefetch, or a gloo cluster: CostModel passes no β)
     # the same bytes are all in γ and none hides
@@ -264,8 +282,8 @@ def test_zero1_broadcast_hides_behind_the_next_forward_but_its_first_buckets_lat
 def test_gloo_prices_zero1_broadcast_fully_exposed():
     """On gloo the collectives share the cores: no run of a ZeRO-1 layout hides anything (β = 0), its broadcast
     included, though the tail prices the broadcast as running in the next forward."""
-    model, x = autopar.zoo.build("gpt-tiny", seq_len=32, n_layers=2, device="meta")
-    graph = autopar.capture(model, x)
+    # 2 blocks of gpt3-1.3b: each owner's share spans several buckets, so the tail has a broadcast to hide
+    graph = autopar.capture(*autopar.zoo.build("gpt3-1.3b", seq_len=32, n_layers=2, device="meta"))
     costs = CostModel.for_cluster(graph, Cluster.local(nproc=2))
     c = Candidate(tp=1, pp=1, dp=2, zero_stage=1, micro_batch_size=2, num_microbatches=2, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False)

@@ -12,8 +12,11 @@ their first parameters (the owners interleaved), the same order on every rank, a
 pre-hook on every module that holds a parameter of a bucket waits for every such bucket (once: a bucket spanning
 modules is waited for and unpacked by the first) and unpacks it into the parameters: the next forward (its
 first micro-batch; each pipeline stage's first) waits only for what the module about to run needs, while the
-buckets behind it travel. A module inside a compiled region (autopar.codegen.compile) gets no hook (dynamo would
-trace its waits); the compiled module waits for its whole subtree's buckets before its compiled call.
+buckets behind it travel. A module holding parameters whose own forward never runs (nn.MultiheadAttention's
+out_proj, an nn.ParameterList: a parent's code reads them) is found in the first step, and its buckets are
+waited for as its part's forward starts. A module inside a compiled region (autopar.codegen.compile) gets no
+hook (dynamo would trace its waits); the compiled module waits for its whole subtree's buckets before its
+compiled call.
 
 Until its bucket is waited for, a non-owner's parameter holds the previous step's value. So everything that
 reads parameters outside the forward first calls `wait_pending` (ParallelModel: the optimizer step, eval,
@@ -95,6 +98,12 @@ class ParamPrefetch:
         self._buckets = sorted(buckets, key=lambda b: order[id(b.params[0])])
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
         self._pending: set[int] = set()
+        # holders whose forward never runs (nn.MultiheadAttention's out_proj, an nn.ParameterList: their
+        # parameters read by a parent's code) would leave their buckets unwaited: the first step records which
+        # pre-hooks fired, and the buckets of the others are waited for when a part's forward starts
+        self._holders: dict[str, list[int]] = {}
+        self._fired: set[str] | None = set()  # None once settled (at the first launch)
+        self._early: list[int] = []
         self._hook(parts)
         _live.add(self)
 
@@ -110,6 +119,7 @@ class ParamPrefetch:
         """A pre-hook on each module holding parameters of some bucket (its own, or its subtree's when compiled);
         and on every module a state-dict pre-hook, so a user's `module.state_dict()` reads the step's weights."""
         for i, part in enumerate(parts):
+            part.register_forward_pre_hook(self._early_hook(f"{i}:<start>" if len(parts) > 1 else "<start>"))
             compiled: list[str] = []
             for path, m in part.named_modules():
                 m.register_state_dict_pre_hook(self._state_dict_hook)
@@ -123,6 +133,7 @@ class ParamPrefetch:
                 if not held:
                     continue
                 where = f"{i}:{path}" if len(parts) > 1 else path
+                self._holders[where] = held
                 if is_compiled:
                     m._compiled_call_impl = self._waiting(m._compiled_call_impl, held, where)
                 else:
@@ -131,24 +142,42 @@ class ParamPrefetch:
     def _state_dict_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self.wait_pending("state_dict")
 
+    def _early_hook(self, where: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._pending and self._early:
+                self._wait_for(self._early, where, in_forward=True)
+        return hook
+
     def _pre_hook(self, held: list[int], where: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
+            if self._fired is not None:
+                self._fired.add(where)
             if self._pending:
                 self._wait_for(held, where, in_forward=True)
         return hook
 
     def _waiting(self, call: Callable, held: list[int], where: str) -> Callable:
         def waiting(*args, **kwargs):
+            if self._fired is not None:
+                self._fired.add(where)
             if self._pending:
                 self._wait_for(held, where, in_forward=True)
             return call(*args, **kwargs)
         return waiting
+
+    def _settle(self) -> None:
+        """After the first step: the buckets held by modules whose forward did not run, waited for up front."""
+        if self._fired is not None:
+            self._early = sorted({b for where, held in self._holders.items() if where not in self._fired
+                                  for b in held})
+            self._fired = None
 
     @torch.no_grad()
     def launch(self) -> None:
         """After the optimizer step: every bucket's broadcast issued asynchronously (synchronously, all at
         once, with `overlap` False); the previous step's, if any are left, completed first."""
         self.wait_pending("launch")
+        self._settle()
         self.last_waits, self.waits = self.waits, []
         if not self.overlap:
             self.zero1.broadcast_()

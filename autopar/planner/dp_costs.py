@@ -49,15 +49,16 @@ while they run (cost_models.fleet: the SMs an overlapped collective occupies), a
 
   ZeRO-0/1  each layer's share of the dense all-reduce (its bytes at the all-reduce's per-byte time) behind
             that layer's backward of the last micro-batch (each stage's last, under a pipeline), as the
-            runtime launches the buckets while backward runs; the per-bucket latency (γ0), the packing and
-            unpacking and the experts' all-reduce stay exposed
+            runtime launches the buckets while backward runs — less the last bucket (up to BUCKET_BYTES: the
+            first layers' gradients, complete only as backward ends), whose all-reduce follows backward; the
+            per-bucket latency (γ0), the packing and unpacking and the experts' all-reduce stay exposed
   ZeRO-1    and each layer's share of the parameter broadcast (its bytes at the broadcast's per-byte time,
-            plus its share of the latencies of every bucket but the first) behind one micro-batch's forward
-            of a layer: the runtime waits for a layer's bucket when that layer's forward starts in the next
-            step's first micro-batch (each stage's first), while the buckets behind it travel, so what the
-            layer before it computes covers it (layers of a stack alike: priced against its own forward).
-            The first bucket's latency (nothing computes before it), the packing and unpacking stay
-            exposed. Dense and expert parameters alike (the runtime prefetches both)
+            plus its share of the latencies of the buckets after the first wave) behind one micro-batch's
+            forward of a layer: the runtime waits for a layer's buckets when that layer's forward starts in
+            the next step's first micro-batch (each stage's first), while the buckets behind them travel. The
+            owners' parameters are spread over the model (size-balanced: Zero1Partition), so the first layer
+            waits for every owner's first bucket: that wave (min(B, dp·BUCKET_BYTES) bytes, dp latencies), the
+            packing and unpacking stay exposed. Dense and expert parameters alike (the runtime prefetches both)
   ZeRO-2/3  each micro-batch's passes hide as much of that micro-batch's gathers and reduce-scatter as
             they last
 """
@@ -126,20 +127,25 @@ class DPTail:
         buckets = max(1, math.ceil(g / BUCKET_BYTES))
         slope, lat = affine(lambda n: collective_s("all_reduce", n, dp), min(g, BUCKET_BYTES))
         self.per_byte_s = slope + FLAT_PASSES_ZERO0 * self._mem_per_byte
-        self._reduce_per_byte_s = slope if reduce_in_backward else 0.0
+        # the last bucket (the first layers' gradients, up to BUCKET_BYTES) completes as backward ends: its
+        # all-reduce runs after it, exposed; the layers' shares of the rest hide (`hidden_s`)
+        self._reduce_per_byte_s = slope * (1.0 - min(g, BUCKET_BYTES) / g) if reduce_in_backward else 0.0
         self.fixed_s += buckets * lat
         self.flat_collectives += buckets
         if zero_stage == 1:  # per owner, its share of B in buckets of its own, one broadcast each
             share = g * broadcast_ratio / dp
             b_buckets = dp * max(1, math.ceil(share / BUCKET_BYTES))
             b_slope, b_lat = affine(lambda n: collective_s("broadcast", n, dp), min(share, BUCKET_BYTES))
-            # the first bucket's latency is the tail's; the others' spread over the bytes their buckets carry,
-            # as each layer's broadcast hides with its bucket (`hidden_s`)
-            later_lat_per_byte = (b_buckets - 1) * b_lat / g
+            # the first wave — every owner's first bucket, dp of them, the whole broadcast where a share fits one
+            # bucket — is what the first layer's forward waits for (owners hold parameters spread over the model:
+            # Zero1Partition), so its bytes and latencies stay exposed; the later buckets' latencies spread over
+            # the bytes, and the layers' shares of what follows the wave hide (`hidden_s`)
+            wave = min(share, BUCKET_BYTES) * dp / broadcast_ratio  # in gradient bytes
+            later_lat_per_byte = (b_buckets - dp) * b_lat / g
             self.per_byte_s += (b_slope + FLAT_PASSES_ZERO1 * self._mem_per_byte) * broadcast_ratio + later_lat_per_byte
-            self._broadcast_per_byte_s = (b_slope * broadcast_ratio + later_lat_per_byte if broadcast_in_forward
-                                          else 0.0)
-            self.fixed_s += b_lat
+            self._broadcast_per_byte_s = (b_slope * broadcast_ratio * (1.0 - wave / g) + later_lat_per_byte
+                                          if broadcast_in_forward else 0.0)
+            self.fixed_s += dp * b_lat
             self.flat_collectives += b_buckets
 
     @property
