@@ -140,3 +140,25 @@ def test_eager_selective_recompute_gives_the_same_gradients() -> None:
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
     for name, g in grads["none"].items():
         torch.testing.assert_close(grads["selective"][name], g, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_selective_replays_every_random_draw_in_order() -> None:
+    # a random op kept while dropout runs again would shift the RNG: backward's mask would not be the forward's.
+    # Ops that draw (rand_like here) run again too, so the gradients equal those without recompute
+    class Noisy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x) * torch.rand_like(x)
+            return torch.nn.functional.dropout(h, 0.3, training=True).sum(-1)
+
+    grads = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        block = Noisy()
+        apply_recompute(block, mode)
+        block(torch.randn(4, 16)).square().sum().backward()
+        grads[mode] = block.proj.weight.grad
+    torch.testing.assert_close(grads["selective"], grads["none"], rtol=1e-6, atol=1e-7)

@@ -78,6 +78,12 @@ def _mutates(func: Any) -> bool:
     return bool(schema is not None and (schema.is_mutable or getattr(func, "namespace", None) == "c10d"))
 
 
+def _draws(func: Any) -> bool:
+    """Whether op overload `func` draws from the RNG (rand_like, bernoulli, randn): run again in backward, as
+    the recomputed dropout is, so both replay the forward's draws in order (checkpoint restores the RNG)."""
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors op overload `func` writes into (its schema's write-annotated arguments; every tensor a
     c10d collective is handed, whose schema annotates none)."""
@@ -126,7 +132,7 @@ class AttentionCore:
             return True, core_args != 1
         if core_args:
             return True, True
-        return packet in SELECTIVE_RECOMPUTED_OPS or packet in _FRESH or _mutates(func), False
+        return (packet in SELECTIVE_RECOMPUTED_OPS or packet in _FRESH or _mutates(func) or _draws(func)), False
 
     def observe(self, func: Any, args: tuple, kwargs: dict, outs: Any) -> bool:
         """Mark `outs` (op overload `func`'s outputs) core or cached; returns whether the op runs again."""

@@ -195,6 +195,7 @@ class _Tracker(TorchDispatchMode):
         self.selective: dict[int, int] = {}  # storage key → bytes selective's policy keeps alive
         self.core = AttentionCore()  # what selective recompute runs again
         self.released: set[int] = set()  # storages selective kept until an op wrote into them
+        self._entry_of: dict[int, tuple[int, ...]] = {}  # storage → the storages its cache entry holds
 
     def mark_from_call(self, t: torch.Tensor) -> None:
         self.from_call.add(storage_key(t))
@@ -284,11 +285,11 @@ class _Tracker(TorchDispatchMode):
         policy saves (`recomputed` False: AttentionCore); ops the cache ignores (detach) and parameters'
         views keep nothing new. A storage this op writes into is kept no longer (the runtime's policy turns
         its entries back to "run again": codegen.recompute), until an op keeps it again."""
-        for t in written:
-            key = storage_key(t)
-            if self.selective.get(key):
-                self.selective[key] = 0
-                self.released.add(key)
+        for t in written:  # the whole cache entry holding it (a top-k's indices beside its weights)
+            for key in self._entry_of.get(storage_key(t), (storage_key(t),)):
+                if self.selective.get(key):
+                    self.selective[key] = 0
+                    self.released.add(key)
         if func in SAC_IGNORED_OPS or recomputed or inside_fused_kernel():
             return ()
         new = []
@@ -302,6 +303,8 @@ class _Tracker(TorchDispatchMode):
                 self.selective[key] = t.untyped_storage().nbytes()
                 self.keep.append(t)
                 new.append(key)
+        for key in new:
+            self._entry_of[key] = tuple(new)
         return tuple(new)
 
 

@@ -33,7 +33,6 @@ import autopar.codegen.context_parallel  # noqa: F401  (registers autopar::cp_ga
 from autopar.capture.kernels import (
     OP_SAC_MATMUL_OPS,
     SDPA_OPS,
-    SELECTIVE_RECOMPUTED_OPS,
     AttentionCore,
     fused_dropout,
     op_sac_saves,
@@ -43,11 +42,8 @@ from autopar.capture.tensors import storage_key
 from autopar.errors import PlanMismatchError
 from cost_models.memory import RECOMPUTE_MODES
 
-__all__ = ["ATTENTION_CORE_OPS", "apply_recompute"]
+__all__ = ["apply_recompute"]
 
-# The attention core selective recompute runs again (capture.kernels.SELECTIVE_RECOMPUTED_OPS, which capture
-# prices with the same rule), and context parallelism's flash attention (cp_attention.py)
-ATTENTION_CORE_OPS = SELECTIVE_RECOMPUTED_OPS | {torch.ops.autopar.cp_chunk_attention}
 # the fused attention kernels the core holds whole (their outputs outside it)
 _FUSED_ATTENTION = SDPA_OPS | {torch.ops.autopar.cp_chunk_attention}
 # context parallelism's K/V all-gather: kept by both selective policies (a collective is not rerun to save
@@ -131,6 +127,9 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
 
         @functools.wraps(body)
         def inner(*args, **kw):
+            first = next((t for t in tree_leaves((args, kw)) if isinstance(t, torch.Tensor)), None)
+            if first is None or first.device.type != "cpu":  # CUDA's F.dropout is native_dropout already
+                return body(*args, **kw)
             with _OneOpDropout():
                 return body(*args, **kw)
 
