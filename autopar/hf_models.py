@@ -80,7 +80,8 @@ def _cached_config(spec: str) -> Path:
     cache = hf_cache_dir()
     folder = cache / f"models--{repo.replace('/', '--')}"
     fetch = (f"fetch it on a machine with network access (`huggingface-cli download {repo} config.json`, with "
-             f"HF_HUB_CACHE pointing at that cache) or pass the path of a folder holding its config.json")
+             f"HF_HUB_CACHE pointing at that cache) or pass the path of a folder holding its config.json (if "
+             f"{spec!r} was meant as one: {Path(spec).expanduser().resolve()} does not exist)")
     ref = folder / "refs" / revision
     commit = ref.read_text().strip() if ref.is_file() else revision
     config = folder / "snapshots" / commit / "config.json"

@@ -222,6 +222,8 @@ def price(run: dict, graph, cluster: Cluster, runtime: str = "published"
         return plan.estimate, plan.config, False
     # a published micro-batch fixes the count too (global batch ÷ dp ÷ micro-batch), which lets the planner
     # choose an unpublished interleaving group (PlannerOptions.microbatch_group)
+    if "mbs" in run and gb % (dp * run["mbs"]):
+        raise ValueError(f"{run['name']}: global batch {gb} is not a multiple of dp {dp} x micro-batch {run['mbs']}")
     pins = {"micro_batch_size": run["mbs"], "num_microbatches": gb // (dp * run["mbs"])} if "mbs" in run else {}
     if "schedule" in run:
         pins["schedule"] = run["schedule"]
